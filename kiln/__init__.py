@@ -1,0 +1,3 @@
+"""Kiln: serve and learn in one JAX process."""
+
+__version__ = "0.1.0"

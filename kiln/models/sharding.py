@@ -1,0 +1,64 @@
+"""Tensor-parallel layouts: params and KV cache over a 1-D device mesh axis "tp".
+
+Attention is split over heads (Q/K/V columns, O rows) and the MLP over its intermediate
+dimension (gate/up columns, down rows); the KV pool over KV heads. A dimension that the
+mesh does not divide (e.g. 3 KV heads on 4 devices) stays replicated, so every model
+runs on every mesh; XLA inserts the collectives.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from kiln.models.config import ModelConfig
+from kiln.models.decoder import KVCache
+
+AXIS = "tp"
+
+
+def make_mesh(devices=None) -> Mesh:
+    devices = np.asarray(devices if devices is not None else jax.devices())
+    return Mesh(devices, (AXIS,))
+
+
+def _layer_spec(name: str, cfg: ModelConfig, tp: int) -> P:
+    heads_ok = cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0
+    mlp_ok = cfg.intermediate_size % tp == 0
+    if name in ("q_proj", "k_proj", "v_proj") and heads_ok:
+        return P(None, None, AXIS)
+    if name in ("q_bias", "k_bias", "v_bias") and heads_ok:
+        return P(None, AXIS)
+    if name == "o_proj" and heads_ok:
+        return P(None, AXIS, None)
+    if name in ("gate_proj", "up_proj") and mlp_ok:
+        return P(None, None, AXIS)
+    if name == "down_proj" and mlp_ok:
+        return P(None, AXIS, None)
+    return P()
+
+
+def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    tp = mesh.shape[AXIS]
+    out = {k: NamedSharding(mesh, P()) for k in params if k != "layers"}
+    if params.get("lm_head") is not None and cfg.vocab_size % tp == 0:
+        out["lm_head"] = NamedSharding(mesh, P(None, AXIS))
+    out["layers"] = {k: NamedSharding(mesh, _layer_spec(k, cfg, tp)) for k in params["layers"]}
+    return out
+
+
+def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    tp = mesh.shape[AXIS]
+    spec = P(None, None, None, AXIS, None) if cfg.num_kv_heads % tp == 0 else P()
+    return NamedSharding(mesh, spec)
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    return jax.device_put(params, param_shardings(params, cfg, mesh))
+
+
+def shard_kv(kv: KVCache, cfg: ModelConfig, mesh: Mesh) -> KVCache:
+    s = kv_sharding(cfg, mesh)
+    return KVCache(jax.device_put(kv.k, s), jax.device_put(kv.v, s))

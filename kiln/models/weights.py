@@ -1,0 +1,144 @@
+"""Mapping between HF checkpoint tensor names and Kiln's stacked param pytree, with shape checks."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from kiln.models.config import ModelConfig
+from kiln.models.errors import ModelLoadError
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# HF per-layer suffix -> (kiln name, transposed). Linear weights are stored [out, in] by HF
+# and [in, out] by Kiln so that activations multiply from the left.
+LAYER_TENSORS = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "self_attn.q_proj.weight": ("q_proj", True),
+    "self_attn.k_proj.weight": ("k_proj", True),
+    "self_attn.v_proj.weight": ("v_proj", True),
+    "self_attn.o_proj.weight": ("o_proj", True),
+    "self_attn.q_proj.bias": ("q_bias", False),
+    "self_attn.k_proj.bias": ("k_bias", False),
+    "self_attn.v_proj.bias": ("v_bias", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "mlp.gate_proj.weight": ("gate_proj", True),
+    "mlp.up_proj.weight": ("up_proj", True),
+    "mlp.down_proj.weight": ("down_proj", True),
+}
+_KILN_TO_HF_LAYER = {v[0]: (k, v[1]) for k, v in LAYER_TENSORS.items()}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Kiln param name -> shape (per layer for layer params, in Kiln's [in, out] orientation)."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = {
+        "embed": (cfg.vocab_size, h),
+        "final_norm": (h,),
+        "attn_norm": (h,),
+        "mlp_norm": (h,),
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (h, cfg.vocab_size)
+    if cfg.attention_bias:
+        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(d,), k_norm=(d,))
+    return shapes
+
+
+GLOBAL_NAMES = ("embed", "final_norm", "lm_head")
+
+
+def build_params(
+    cfg: ModelConfig,
+    names: Iterable[str],
+    read: Callable[[str], np.ndarray],
+    source: Callable[[str], str],
+    dtype,
+    progress: Callable[[int], None] | None = None,
+) -> dict:
+    """Builds the stacked param pytree (numpy) from HF-named tensors.
+
+    read(name) returns the HF tensor; source(name) names its file for errors. Every expected
+    tensor must be present with the expected shape; extra tensors (e.g. rotary caches) are ignored.
+    """
+    shapes = expected_shapes(cfg)
+    layer_names = [n for n in shapes if n not in GLOBAL_NAMES]
+    layers = {n: np.empty((cfg.num_layers, *shapes[n]), dtype) for n in layer_names}
+    seen: set[tuple[str, int]] = set()
+    out: dict = {}
+    names = list(names)
+    for name in names:
+        m = _LAYER.match(name)
+        if m:
+            idx, suffix = int(m.group(1)), m.group(2)
+            if suffix not in LAYER_TENSORS or LAYER_TENSORS[suffix][0] not in layers:
+                continue
+            key, transpose = LAYER_TENSORS[suffix]
+            if idx >= cfg.num_layers:
+                raise ModelLoadError(f"layer index {idx} >= num_hidden_layers {cfg.num_layers}", file=source(name), tensor=name)
+            layers[key][idx] = _checked(read(name), shapes[key], transpose, name, source(name))
+            seen.add((key, idx))
+        elif name == "model.embed_tokens.weight":
+            out["embed"] = _checked(read(name), shapes["embed"], False, name, source(name)).astype(dtype)
+        elif name == "model.norm.weight":
+            out["final_norm"] = _checked(read(name), shapes["final_norm"], False, name, source(name)).astype(dtype)
+        elif name == "lm_head.weight" and "lm_head" in shapes:
+            out["lm_head"] = _checked(read(name), shapes["lm_head"], True, name, source(name)).astype(dtype)
+        if progress:
+            progress(1)
+    for key in ("embed", "final_norm") + (("lm_head",) if "lm_head" in shapes else ()):
+        if key not in out:
+            raise ModelLoadError("missing tensor", file=source(""), tensor=_hf_name(key))
+    for key in layer_names:
+        for idx in range(cfg.num_layers):
+            if (key, idx) not in seen:
+                raise ModelLoadError("missing tensor", file=source(""), tensor=_hf_name(key, idx))
+    out["layers"] = layers
+    return out
+
+
+def _checked(array: np.ndarray, shape: tuple[int, ...], transpose: bool, name: str, file: str) -> np.ndarray:
+    hf_shape = tuple(reversed(shape)) if transpose else shape
+    if tuple(array.shape) != hf_shape:
+        raise ModelLoadError(f"wrong shape {tuple(array.shape)}, expected {hf_shape}", file=file, tensor=name)
+    if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+        raise ModelLoadError(f"unsupported dtype {array.dtype}", file=file, tensor=name)
+    return array.T if transpose else array
+
+
+def _hf_name(key: str, idx: int | None = None) -> str:
+    if key == "embed":
+        return "model.embed_tokens.weight"
+    if key == "final_norm":
+        return "model.norm.weight"
+    if key == "lm_head":
+        return "lm_head.weight"
+    return f"model.layers.{idx}.{_KILN_TO_HF_LAYER[key][0]}"
+
+
+def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """The inverse mapping: Kiln params -> HF-named tensors (for caching converted weights)."""
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]), "model.norm.weight": np.asarray(params["final_norm"])}
+    if params.get("lm_head") is not None:
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
+    for key, stacked in params["layers"].items():
+        suffix, transpose = _KILN_TO_HF_LAYER[key]
+        stacked = np.asarray(stacked)
+        for idx in range(cfg.num_layers):
+            w = stacked[idx]
+            out[f"model.layers.{idx}.{suffix}"] = np.ascontiguousarray(w.T if transpose else w)
+    return out
