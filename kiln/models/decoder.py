@@ -97,6 +97,13 @@ def _attention_plan(inputs: StepInputs, block_size: int, cfg: ModelConfig) -> _A
     return _AttentionPlan(gather, scatter, valid, visible)
 
 
+def _gather_blocks(pool: jax.Array, layer_idx, block_tables: jax.Array) -> jax.Array:
+    """pool[layer_idx][block_tables] as a row gather of flattened blocks (measured ~2x faster on XLA:CPU)."""
+    L, N = pool.shape[:2]
+    layer = jax.lax.dynamic_index_in_dim(pool.reshape(L, N, -1), layer_idx, keepdims=False)
+    return jnp.take(layer, block_tables, axis=0, mode="clip")
+
+
 def _attention(q, k_all, v_all, layer_idx, inputs: StepInputs, plan: _AttentionPlan, cfg: ModelConfig):
     """Portable XLA paged attention. q: [T, H, D]; caches: [L, N, B, KH, D]. Returns [T, H, D].
 
@@ -106,14 +113,20 @@ def _attention(q, k_all, v_all, layer_idx, inputs: StepInputs, plan: _AttentionP
     S, Q = inputs.query_index.shape
     KH, D = cfg.num_kv_heads, cfg.head_dim
     G = cfg.num_heads // KH
-    q_rows = q[plan.query_gather].reshape(S, Q, KH, G, D)
-    k = k_all[layer_idx, inputs.block_tables].reshape(S, -1, KH, D)  # [S, C, KH, D]
-    v = v_all[layer_idx, inputs.block_tables].reshape(S, -1, KH, D)
-    scores = jnp.einsum("sqkgd,sckd->skgqc", q_rows, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(plan.visible[:, None, None], scores * (D**-0.5), -jnp.inf)
+    C = inputs.block_tables.shape[1] * k_all.shape[2]
+    # batched matmuls over (row, kv head); the G query heads of a group share K/V (GQA)
+    q_rows = q[plan.query_gather].reshape(S, Q, KH, G, D).transpose(0, 2, 3, 1, 4).reshape(S * KH, G * Q, D)
+    k = _gather_blocks(k_all, layer_idx, inputs.block_tables).reshape(S, C, KH, D)
+    v = _gather_blocks(v_all, layer_idx, inputs.block_tables).reshape(S, C, KH, D)
+    k = k.transpose(0, 2, 3, 1).reshape(S * KH, D, C)
+    v = v.transpose(0, 2, 1, 3).reshape(S * KH, C, D)
+    scores = jax.lax.batch_matmul(q_rows, k.astype(q_rows.dtype), precision=None).astype(jnp.float32)
+    scores = scores.reshape(S, KH, G, Q, C) * (D**-0.5)
+    scores = jnp.where(plan.visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(plan.valid_query[:, None, None, :, None], probs, 0.0).astype(v.dtype)
-    out = jnp.einsum("skgqc,sckd->sqkgd", probs, v).reshape(S * Q, KH * G, D)
+    out = jax.lax.batch_matmul(probs.reshape(S * KH, G * Q, C), v)  # [S*KH, G*Q, D]
+    out = out.reshape(S, KH, G, Q, D).transpose(0, 3, 1, 2, 4).reshape(S * Q, KH * G, D)
     return jnp.zeros((T, KH * G, D), q.dtype).at[plan.query_scatter].set(out, mode="drop")
 
 
