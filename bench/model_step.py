@@ -65,7 +65,7 @@ def llama_cpp_generate(llm, prompt_ids, new_tokens):
     t0 = time.perf_counter()
     llm.reset()
     n = 0
-    for tok in llm.generate(prompt_ids, top_k=1, temp=0.0):
+    for _ in llm.generate(prompt_ids, top_k=1, temp=0.0):
         n += 1
         if n >= new_tokens:
             break

@@ -41,9 +41,9 @@ VARIANTS = {
 }
 
 
-def make_hf_model(variant: str, seed: int = 0):
+def make_hf_model(variant: str, seed: int = 0, **overrides):
     config_cls, model_cls, extra = VARIANTS[variant]
-    kwargs = {**BASE, **extra}
+    kwargs = {**BASE, **extra, **overrides}
     if "rope_scaling" in kwargs:  # transformers 5 spells it rope_parameters
         kwargs["rope_parameters"] = {"rope_theta": kwargs.pop("rope_theta"), **kwargs.pop("rope_scaling")}
     config = getattr(transformers, config_cls)(**kwargs)
@@ -61,4 +61,98 @@ def make_hf_model(variant: str, seed: int = 0):
 def save_hf_model(model, path: Path, max_shard_size: str | None = None) -> Path:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def byte_vocab() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes (the byte-level BPE alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return [chars[b] for b in range(256)]
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def llama_permute(w, n_heads):
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows (for writing test GGUFs)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model, path: Path, quant=None) -> Path:
+    """Writes an HF llama model as a llama.cpp-style GGUF (optionally Q8_0 matrices)."""
+    import gguf
+    import numpy as np
+
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    tokens = byte_vocab() + SPECIALS
+    assert len(tokens) == cfg.vocab_size
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 256 + [3] * len(SPECIALS))
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(258)
+    w.add_pad_token_id(259)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    names = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    for name, tensor in model.state_dict().items():
+        arr = tensor.detach().numpy().astype(np.float32)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            layer, rest = name[len("model.layers."):].split(".", 1)
+            gname = f"blk.{layer}.{names[rest]}"
+            if rest == "self_attn.q_proj.weight":
+                arr = llama_permute(arr, cfg.num_attention_heads)
+            elif rest == "self_attn.k_proj.weight":
+                arr = llama_permute(arr, cfg.num_key_value_heads)
+        if quant is not None and arr.ndim == 2:
+            block, type_size = gguf.GGML_QUANT_SIZES[quant]
+            try:
+                raw = gguf.quants.quantize(arr, quant)
+            except NotImplementedError:  # a type gguf-py cannot encode: write zeroed blocks
+                raw = np.zeros((arr.shape[0], arr.shape[1] // block * type_size), np.uint8)
+            w.add_tensor(gname, raw, raw_dtype=quant)
+        else:
+            w.add_tensor(gname, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path

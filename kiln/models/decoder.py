@@ -127,7 +127,7 @@ def _attention(q, k_all, v_all, layer_idx, inputs: StepInputs, plan: _AttentionP
     probs = jnp.where(plan.valid_query[:, None, None, :, None], probs, 0.0).astype(v.dtype)
     out = jax.lax.batch_matmul(probs.reshape(S * KH, G * Q, C), v)  # [S*KH, G*Q, D]
     out = out.reshape(S, KH, G, Q, D).transpose(0, 3, 1, 2, 4).reshape(S * Q, KH * G, D)
-    return jnp.zeros((T, KH * G, D), q.dtype).at[plan.query_scatter].set(out, mode="drop")
+    return jnp.zeros((T, KH * G, D), q.dtype).at[plan.query_scatter].set(out.astype(q.dtype), mode="drop")
 
 
 def forward_hidden(

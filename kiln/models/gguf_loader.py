@@ -172,7 +172,7 @@ class GGUFModel:
         if pre is None:
             raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre_name!r}", file=str(self.path))
         tokens = list(self.meta("tokenizer.ggml.tokens"))
-        merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges")]
+        merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []]
         tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
         tok.pre_tokenizer = pre
         tok.decoder = decoders.ByteLevel()

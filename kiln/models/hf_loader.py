@@ -50,8 +50,9 @@ def _open(path: Path):
         raise ModelLoadError(f"corrupt safetensors file: {exc}", file=str(path)) from exc
 
 
-def load_hf_dir(model_dir: Path, dtype, show_progress: bool = True, label: str | None = None) -> tuple[ModelConfig, dict, dict]:
+def load_hf_dir(model_dir: str | Path, dtype, show_progress: bool = True, label: str | None = None) -> tuple[ModelConfig, dict, dict]:
     """Returns (config, numpy params, generation_config)."""
+    model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     cfg = ModelConfig.from_hf(read_json(config_path), source=str(config_path))
     files = weight_files(model_dir)

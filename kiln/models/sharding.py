@@ -25,18 +25,18 @@ def make_mesh(devices=None) -> Mesh:
 
 
 def _layer_spec(name: str, cfg: ModelConfig, tp: int) -> P:
-    heads_ok = cfg.num_heads % tp == 0 and cfg.num_kv_heads % tp == 0
+    q_ok = cfg.num_heads % tp == 0
+    kv_ok = cfg.num_kv_heads % tp == 0
     mlp_ok = cfg.intermediate_size % tp == 0
-    if name in ("q_proj", "k_proj", "v_proj") and heads_ok:
+    column = {"q_proj": q_ok, "k_proj": kv_ok, "v_proj": kv_ok, "gate_proj": mlp_ok, "up_proj": mlp_ok}
+    row = {"o_proj": q_ok, "down_proj": mlp_ok}
+    bias = {"q_bias": q_ok, "k_bias": kv_ok, "v_bias": kv_ok}
+    if column.get(name):
         return P(None, None, AXIS)
-    if name in ("q_bias", "k_bias", "v_bias") and heads_ok:
+    if row.get(name):
+        return P(None, AXIS, None)
+    if bias.get(name):
         return P(None, AXIS)
-    if name == "o_proj" and heads_ok:
-        return P(None, AXIS, None)
-    if name in ("gate_proj", "up_proj") and mlp_ok:
-        return P(None, None, AXIS)
-    if name == "down_proj" and mlp_ok:
-        return P(None, AXIS, None)
     return P()
 
 

@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from kiln.models.decoder import forward  # noqa: E402
+
+# one compiled forward per (shapes, config) for the whole session
+jit_forward = jax.jit(forward, static_argnames=("cfg", "unroll"))
+
+
+@pytest.fixture(scope="session")
+def kiln_cache(tmp_path_factory):
+    """A Kiln cache dir private to this test session (converted GGUFs land here)."""
+    path = tmp_path_factory.mktemp("kiln-cache")
+    old = os.environ.get("KILN_CACHE_DIR")
+    os.environ["KILN_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("KILN_CACHE_DIR", None)
+    else:
+        os.environ["KILN_CACHE_DIR"] = old

@@ -1,0 +1,173 @@
+"""HF-directory and GGUF loading: equal logits, sharded checkpoints, dtypes, and clear errors."""
+
+import json
+import shutil
+
+import gguf
+import jax
+import numpy as np
+import pytest
+import torch
+from conftest import jit_forward
+from safetensors.numpy import save_file
+from tiny_models import SPECIALS, make_hf_model, save_hf_model, write_gguf
+
+from kiln.models.batch import RowWork, build_step_inputs
+from kiln.models.decoder import init_kv_cache
+from kiln.models.errors import ModelLoadError
+from kiln.models.hf_loader import load_hf_dir
+from kiln.models.loader import cache_dir, load_model
+
+IDS = [5, 77, 200, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]
+
+
+def logits_of(cfg, params, ids=IDS):
+    kv = init_kv_cache(cfg, num_blocks=4, block_size=16)
+    out, _ = jit_forward(params, kv, build_step_inputs([RowWork(list(ids), 0, [2, 0])], 16, 4), cfg)
+    return np.asarray(out, np.float32)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return make_hf_model("llama", vocab_size=260, seed=7)
+
+
+@pytest.fixture
+def hf_dir(hf_model, tmp_path):
+    return save_hf_model(hf_model, tmp_path / "hf")
+
+
+def test_sharded_checkpoint_equals_single_file(hf_model, tmp_path):
+    single = save_hf_model(hf_model, tmp_path / "single")
+    sharded = save_hf_model(hf_model, tmp_path / "sharded", max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    cfg, p1, _ = load_hf_dir(single, np.float32, show_progress=False)
+    _, p2, _ = load_hf_dir(sharded, np.float32, show_progress=False)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_gguf_and_hf_dir_give_identical_logits(hf_model, hf_dir, tmp_path, kiln_cache):
+    gguf_path = write_gguf(hf_model, tmp_path / "tiny.gguf")
+    from_gguf = load_model(gguf_path, show_progress=False)
+    # the converted cache dir is an HF dir; give the HF copy the same tokenizer
+    converted = next(p for p in (kiln_cache / "converted").iterdir() if (p / "kiln_source.json").exists())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(converted / name, hf_dir / name)
+    from_hf = load_model(hf_dir, show_progress=False)
+    np.testing.assert_array_equal(logits_of(from_gguf.config, from_gguf.params), logits_of(from_hf.config, from_hf.params))
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([IDS])).logits[0].numpy()
+    np.testing.assert_allclose(logits_of(from_gguf.config, from_gguf.params), ref, atol=1e-4, rtol=0)
+    # tokenizer and template come from GGUF metadata
+    tok = from_gguf.tokenizer
+    assert tok.encode("hi <|im_start|>x") == [ord("h"), ord("i"), tok.tokenizer.token_to_id("Ġ"), 257, ord("x")]
+    assert tok.eos_token == SPECIALS[2] and tok.bos_token == SPECIALS[0]
+    assert tok.apply_chat_template([{"role": "user", "content": "yo"}]) == "<|im_start|>user\nyo<|im_end|>\n<|im_start|>assistant\n"
+    assert from_gguf.weights_digest != from_hf.weights_digest
+
+
+def test_quantized_gguf_dequantizes_and_unpermutes(hf_model, tmp_path, kiln_cache):
+    path = write_gguf(hf_model, tmp_path / "q8.gguf", quant=gguf.GGMLQuantizationType.Q8_0)
+    model = load_model(path, show_progress=False)
+    w = hf_model.model.layers[1].self_attn.q_proj.weight.detach().numpy()
+    expected = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+    np.testing.assert_array_equal(np.asarray(model.params["layers"]["q_proj"][1]), expected.T)
+    assert np.abs(expected - w).max() > 0  # really quantized
+
+
+def test_second_gguf_load_reuses_the_converted_cache(hf_model, tmp_path, kiln_cache):
+    path = write_gguf(hf_model, tmp_path / "again.gguf")
+    first = load_model(path, show_progress=False)
+    marker = cache_dir() / "converted" / first.weights_digest[:32]  # content-keyed
+    stamp = (marker / "model.safetensors").stat().st_mtime_ns
+    second = load_model(path, show_progress=False)
+    assert (marker / "model.safetensors").stat().st_mtime_ns == stamp
+    assert first.weights_digest == second.weights_digest
+
+
+def test_bfloat16_params(hf_model, hf_dir):
+    cfg, p32, _ = load_hf_dir(hf_dir, np.float32, show_progress=False)
+    _, p16, _ = load_hf_dir(hf_dir, jax.numpy.bfloat16, show_progress=False)
+    assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(p16))
+    np.testing.assert_allclose(logits_of(cfg, p16), logits_of(cfg, p32), atol=0.1, rtol=0)
+
+
+# ---- bad input -----------------------------------------------------------------------------
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither a .gguf file nor a model directory") as e:
+        load_model(tmp_path / "nope", show_progress=False)
+    assert str(tmp_path / "nope") in str(e.value)
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_model(tmp_path / "nope.gguf", show_progress=False)
+
+
+def test_missing_weights_file_and_tensor(hf_dir):
+    (hf_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors"):
+        load_hf_dir(hf_dir, np.float32, show_progress=False)
+
+
+def test_corrupt_safetensors(hf_dir):
+    path = hf_dir / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="corrupt safetensors") as e:
+        load_hf_dir(hf_dir, np.float32, show_progress=False)
+    assert str(path) in str(e.value)
+
+
+def _rewrite(hf_dir, change):
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+
+
+def test_wrong_shape_names_file_and_tensor(hf_dir):
+    name = "model.layers.1.mlp.up_proj.weight"
+    _rewrite(hf_dir, lambda t: t.__setitem__(name, np.zeros((3, 3), np.float32)))
+    with pytest.raises(ModelLoadError, match="wrong shape \\(3, 3\\), expected \\(128, 64\\)") as e:
+        load_hf_dir(hf_dir, np.float32, show_progress=False)
+    assert e.value.tensor == name and e.value.file.endswith("model.safetensors")
+
+
+def test_missing_tensor_is_named(hf_dir):
+    name = "model.layers.0.self_attn.k_proj.weight"
+    _rewrite(hf_dir, lambda t: t.pop(name))
+    with pytest.raises(ModelLoadError, match="missing tensor") as e:
+        load_hf_dir(hf_dir, np.float32, show_progress=False)
+    assert e.value.tensor == name
+
+
+def test_unknown_architecture(hf_dir):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported architecture \\['GPT2LMHeadModel'\\]") as e:
+        load_hf_dir(hf_dir, np.float32, show_progress=False)
+    assert e.value.file.endswith("config.json")
+
+
+def test_unsupported_gguf_quantization_leaves_nothing_cached(hf_model, tmp_path, kiln_cache):
+    path = write_gguf(hf_model, tmp_path / "q81.gguf", quant=gguf.GGMLQuantizationType.Q8_1)
+    before = set((kiln_cache / "converted").iterdir()) if (kiln_cache / "converted").exists() else set()
+    with pytest.raises(ModelLoadError, match="unsupported GGUF quantization Q8_1") as e:
+        load_model(path, show_progress=False)
+    assert e.value.file == str(path) and e.value.tensor in ("output.weight", "token_embd.weight") or e.value.tensor.startswith("blk.")
+    assert set((kiln_cache / "converted").iterdir()) == before  # no half-written cache entry
+
+
+def test_corrupt_gguf(tmp_path):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(b"GGUF" + bytes(range(200)))
+    with pytest.raises(ModelLoadError, match="corrupt or unreadable GGUF") as e:
+        load_model(path, show_progress=False)
+    assert e.value.file == str(path)
+
+
+def test_unsupported_dtype(hf_dir):
+    with pytest.raises(ModelLoadError, match="unsupported dtype 'int3'"):
+        load_model(hf_dir, dtype="int3", show_progress=False)

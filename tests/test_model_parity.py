@@ -1,0 +1,86 @@
+"""Logits parity with transformers (torch CPU) on random tiny models of every architecture."""
+
+import numpy as np
+import pytest
+import torch
+from conftest import jit_forward
+from tiny_models import VARIANTS, make_hf_model, save_hf_model
+
+from kiln.models.batch import RowWork, build_step_inputs
+from kiln.models.decoder import init_kv_cache
+from kiln.models.hf_loader import load_hf_dir
+
+TOL = 1e-4
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny(request, tmp_path_factory):
+    model = make_hf_model(request.param)
+    path = save_hf_model(model, tmp_path_factory.mktemp(request.param))
+    cfg, params, _ = load_hf_dir(path, np.float32, show_progress=False)
+    return request.param, model, cfg, params
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(ids)[None])).logits[0].numpy()
+
+
+def test_config_reads_architecture_features(tiny):
+    variant, _, cfg, _ = tiny
+    assert (cfg.rope_scaling is not None) == (variant in ("llama-linear", "llama3-rope", "llama-yarn"))
+    assert cfg.attention_bias == (variant == "qwen2")
+    assert cfg.qk_norm == (variant == "qwen3")
+    assert cfg.tie_word_embeddings == (variant == "llama-tied")
+    if variant == "qwen3":
+        assert cfg.head_dim * cfg.num_heads != cfg.hidden_size
+
+
+def test_full_prefill_with_scattered_blocks(tiny):
+    _, model, cfg, params = tiny
+    ids = np.random.RandomState(1).randint(3, cfg.vocab_size, size=45)  # past llama3's original 32
+    kv = init_kv_cache(cfg, num_blocks=9, block_size=BLOCK)
+    inputs = build_step_inputs([RowWork(list(ids), 0, [6, 1, 4])], BLOCK, 9)
+    logits, _ = jit_forward(params, kv, inputs, cfg)
+    np.testing.assert_allclose(np.asarray(logits), hf_logits(model, ids), atol=TOL, rtol=0)
+
+
+def test_token_by_token_decode_through_paged_cache(tiny):
+    _, model, cfg, params = tiny
+    ids = np.random.RandomState(2).randint(3, cfg.vocab_size, size=38)
+    ref = hf_logits(model, ids)
+    table = [7, 2, 5]  # non-contiguous, out of order
+    kv = init_kv_cache(cfg, num_blocks=8, block_size=BLOCK)
+    # a 5-token prefill chunk, then one token per step; every step pads to one shape bucket
+    logits, kv = jit_forward(params, kv, build_step_inputs([RowWork(list(ids[:5]), 0, table)], BLOCK, 8), cfg)
+    np.testing.assert_allclose(np.asarray(logits), ref[:5], atol=TOL, rtol=0)
+    for pos in range(5, len(ids)):
+        step = build_step_inputs([RowWork([int(ids[pos])], pos, table)], BLOCK, 8, num_tokens=4, num_rows=2, max_blocks=3)
+        logits, kv = jit_forward(params, kv, step, cfg)
+        np.testing.assert_allclose(np.asarray(logits)[0], ref[pos], atol=TOL, rtol=0, err_msg=f"position {pos}")
+
+
+def test_mixed_batch_of_decode_rows_and_prefill_chunks(tiny):
+    """Decode rows and chunked-prefill rows of different lengths share one padded step."""
+    _, model, cfg, params = tiny
+    rng = np.random.RandomState(3)
+    seqs = [rng.randint(3, cfg.vocab_size, size=n) for n in (30, 21, 12)]
+    refs = [hf_logits(model, s) for s in seqs]
+    tables = [[3, 9], [0, 6], [11]]
+    kv = init_kv_cache(cfg, num_blocks=12, block_size=BLOCK)
+    # step 1: row 0 prefills 20 tokens, row 1 prefills its first chunk of 16
+    step1 = [RowWork(list(seqs[0][:20]), 0, tables[0]), RowWork(list(seqs[1][:16]), 0, tables[1])]
+    logits, kv = jit_forward(params, kv, build_step_inputs(step1, BLOCK, 12), cfg)
+    # step 2: row 0 decodes one token, row 1 prefills its second chunk, row 2 prefills whole
+    step2 = [
+        RowWork([int(seqs[0][20])], 20, tables[0]),
+        RowWork(list(seqs[1][16:]), 16, tables[1]),
+        RowWork(list(seqs[2]), 0, tables[2]),
+    ]
+    inputs = build_step_inputs(step2, BLOCK, 12, num_tokens=32, num_rows=4, max_query=16, max_blocks=4)
+    logits, kv = jit_forward(params, kv, inputs, cfg)
+    logits = np.asarray(logits)
+    np.testing.assert_allclose(logits[0], refs[0][20], atol=TOL, rtol=0)
+    np.testing.assert_allclose(logits[1:6], refs[1][16:21], atol=TOL, rtol=0)
+    np.testing.assert_allclose(logits[6:18], refs[2], atol=TOL, rtol=0)

@@ -1,0 +1,79 @@
+"""Chat templates (sandboxed jinja2 with transformers' globals) and incremental detokenization."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kiln.models.loader import convert_gguf, default_model_path
+from kiln.models.tokenizer import IncrementalDetokenizer, KilnTokenizer, TemplateError
+
+TOOLS_TEMPLATE = """{%- if tools %}{{ bos_token }}Tools: {{ tools | tojson }}
+{% endif %}{% for m in messages %}{% if m.role == 'system' and not loop.first %}{{ raise_exception('system must come first') }}{% endif %}[{{ m.role }}] {{ m.content }}{{ eos_token }}
+{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}{{ strftime_now('%Y') | length }}"""
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter für Orte", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.fixture(scope="module")
+def tok(kiln_cache):
+    model_dir, _ = convert_gguf(default_model_path(), show_progress=False)
+    return KilnTokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def test_custom_template_with_tools_equals_transformers(tok, hf_tok):
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Wie ist das Wetter?"}]
+    ours = KilnTokenizer(tok.tokenizer, {**tok.config, "chat_template": TOOLS_TEMPLATE})
+    expected = hf_tok.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages, tools=TOOLS) == expected
+    assert "Wetter für Orte" in expected  # tojson keeps unicode, as transformers does
+
+
+def test_template_raise_exception_is_a_template_error(tok):
+    ours = KilnTokenizer(tok.tokenizer, {**tok.config, "chat_template": TOOLS_TEMPLATE})
+    with pytest.raises(TemplateError, match="system must come first"):
+        ours.apply_chat_template([{"role": "user", "content": "a"}, {"role": "system", "content": "b"}])
+
+
+def test_template_sandbox_blocks_python_internals(tok):
+    evil = KilnTokenizer(tok.tokenizer, {**tok.config, "chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
+    with pytest.raises(TemplateError):
+        evil.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def _stream(tok, ids):
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=False)
+    deltas = [detok.add(i) for i in ids]
+    deltas.append(detok.flush())
+    return deltas
+
+
+@pytest.mark.parametrize("text", ["Hello, world!", "emoji 🎉🧪 split across byte tokens", "中文 日本語 한국어", "naïve café — 1.5°C", "a\n\n  b\tc"])
+def test_incremental_detokenizer_equals_full_decode(tok, text):
+    ids = tok.encode(text)
+    deltas = _stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_multibyte_character_is_held_back_until_complete(tok):
+    ids = tok.encode("🎉")
+    assert len(ids) > 1  # byte-level BPE spells it with several tokens
+    deltas = _stream(tok, ids)
+    assert deltas[:-2] == [""] * (len(ids) - 1) and "".join(deltas) == "🎉"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
+def test_incremental_detokenizer_property(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    deltas = _stream(tok, ids)
+    assert "".join(deltas) == tok.decode(ids)
+    assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in tok.decode(ids)
