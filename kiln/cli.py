@@ -1,0 +1,143 @@
+"""`kiln` command line: config, serve, warmup.
+
+Every subcommand resolves settings through add_settings_arguments + settings_from_args, so
+`kiln config` shows exactly what `kiln serve` and `kiln warmup` would use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from kiln.config import COMMAND_LINE_OPTIONS, KEYS, SCHEMA, Settings, resolve_settings
+from kiln.errors import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every settings-consuming command accepts."""
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    for dotted, flag in COMMAND_LINE_OPTIONS.items():
+        key = KEYS[dotted]
+        parser.add_argument(
+            flag,
+            dest=_dest(flag),
+            metavar=key.name.upper(),
+            help=f"{key.help} (overrides [{key.section}] {key.name} and {key.env})",
+        )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Resolve settings from parsed flags (see add_settings_arguments); raises ConfigError."""
+    overrides = {
+        dotted: value
+        for dotted, flag in COMMAND_LINE_OPTIONS.items()
+        if (value := getattr(args, _dest(flag), None)) is not None
+    }
+    return resolve_settings(args.config, command_line=overrides)
+
+
+def settings_from_argv(argv: Sequence[str] | None = None) -> Settings:
+    """Resolve settings from argv holding only the shared flags (e.g. for `python -m kiln.server`)."""
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser)
+    return settings_from_args(parser.parse_args(argv))
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def format_settings(settings: Settings) -> str:
+    """Human-readable `kiln config`: TOML-like values with their sources."""
+    lines = [f"config file: {settings.config_file or '(none)'}"]
+    doc = settings.to_json()
+    rows: list[tuple[str, str]] = []
+    section = None
+    for key in SCHEMA:
+        if key.section != section:
+            if section is not None:
+                rows.append(("", ""))
+            section = key.section
+            rows.append((f"[{section}]", ""))
+        entry = doc["settings"][key.section][key.name]
+        source = entry["source"]
+        if source == "environment":
+            source += f" {key.env}"
+        elif source == "command_line":
+            source += f" {COMMAND_LINE_OPTIONS[key.dotted]}"
+        rows.append((f"{key.name} = {json.dumps(entry['value'])}", source))
+    width = max(len(left) for left, _ in rows)
+    for left, source in rows:
+        lines.append(f"{left.ljust(width)}  # {source}" if source else left)
+    lines.append("")
+    lines.extend(settings.serving_profile.log_lines())
+    return "\n".join(lines)
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    if args.json:
+        print(json.dumps(settings.to_json(), indent=2))
+    else:
+        print(format_settings(settings))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    _apply_log_level(settings)
+    from kiln.server.app import serve  # lazy: pulls in JAX and the HTTP stack
+
+    return serve(settings) or 0
+
+
+def _cmd_warmup(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    _apply_log_level(settings)
+    from kiln.engine.warmup import warmup  # lazy: pulls in JAX
+
+    return warmup(settings) or 0
+
+
+def _apply_log_level(settings: Settings) -> None:
+    logging.getLogger().setLevel(settings.server.log_level.upper())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description="Serve and train an LLM in one JAX process.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("config", help="print the resolved configuration and each value's source")
+    add_settings_arguments(p)
+    p.add_argument("--json", action="store_true", help="print JSON (as /v1/config) instead of text")
+    p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_settings_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("warmup", help="compile the configured shape buckets into the persistent cache")
+    add_settings_arguments(p)
+    p.set_defaults(func=_cmd_warmup)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Logs (including config warnings) go to stderr; stdout stays clean for `config --json`.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        message = " ".join(str(e).split("\n"))
+        print(f"kiln: error: {message}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

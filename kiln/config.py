@@ -1,0 +1,292 @@
+"""Settings: defaults <- TOML file (--config) <- KILN_<SECTION>_<KEY> <- command line.
+
+Every resolved value keeps its source ("default", "config_file", "environment",
+"command_line"). Any invalid value is fatal: ConfigError names the source and the value.
+Adding a key is one line in SCHEMA.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Literal
+
+from kiln.errors import ConfigError  # callers may import it from here too
+from kiln.profiles import ResolvedProfile, ServingProfile
+
+log = logging.getLogger("kiln.config")
+
+Kind = Literal["str", "int", "float", "bool", "list[str]", "list[int]"]
+# A check takes the typed value and returns it (possibly normalized) or raises ValueError(reason).
+Check = Callable[[Any], Any]
+
+
+def _rule(ok: Callable[[Any], bool], reason: str) -> Check:
+    def check(value: Any) -> Any:
+        if not ok(value):
+            raise ValueError(reason)
+        return value
+
+    return check
+
+
+def one_of(*choices: str) -> Check:
+    def check(value: str) -> str:
+        if (norm := value.strip().lower()) not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}")
+        return norm
+
+    return check
+
+
+def at_least(lo: int) -> Check:
+    return _rule(lambda v: v >= lo, f"expected an integer >= {lo}")
+
+
+def between(lo: int, hi: int) -> Check:
+    return _rule(lambda v: lo <= v <= hi, f"expected an integer from {lo} to {hi}")
+
+
+def power_of_two(lo: int, hi: int) -> Check:
+    return _rule(lambda v: lo <= v <= hi and v & (v - 1) == 0, f"expected a power of two from {lo} to {hi}")
+
+
+non_empty = _rule(lambda v: bool(v.strip()), "expected a non-empty string")
+ascending_buckets = _rule(
+    lambda v: bool(v) and v[0] > 0 and all(a < b for a, b in zip(v, v[1:], strict=False)),
+    "expected a non-empty, strictly ascending list of positive integers",
+)
+
+
+def serving_profile(value: str) -> str:
+    return ServingProfile.normalize(value).value
+
+
+@dataclass(frozen=True)
+class Key:
+    section: str
+    name: str
+    kind: Kind
+    default: Any
+    check: Check | None
+    help: str
+    secret: bool = False  # redacted in to_json() and `kiln config`
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.section}.{self.name}"
+
+    @property
+    def env(self) -> str:
+        return f"KILN_{self.section}_{self.name}".upper()
+
+
+# fmt: off
+SCHEMA: tuple[Key, ...] = (
+    Key("server", "host", "str", "127.0.0.1", non_empty, "address the HTTP server binds"),
+    Key("server", "port", "int", 8000, between(1, 65535), "HTTP port"),
+    Key("server", "serving_profile", "str", "stable", serving_profile, "stable | experimental | maintenance; immutable after startup"),
+    Key("server", "api_keys", "list[str]", [], None, "accepted bearer keys; empty = no authentication", secret=True),
+    Key("server", "max_request_body_bytes", "int", 8388608, at_least(1), "larger request bodies get 413"),
+    Key("server", "max_waiting_requests", "int", 256, at_least(1), "queued requests beyond this get 429 queue_full"),
+    Key("server", "log_level", "str", "info", one_of("debug", "info", "warning", "error"), "log level"),
+    Key("model", "path", "str", "", None, "HF directory or GGUF file; empty = the embedded default model"),
+    Key("model", "dtype", "str", "float32", one_of("float32", "bfloat16", "float16"), "parameter dtype"),
+    Key("model", "served_model_name", "str", "", None, "model id in the API; empty = the model's id"),
+    Key("engine", "block_size", "int", 16, power_of_two(8, 256), "tokens per KV block"),
+    Key("engine", "num_kv_blocks", "int", 1024, at_least(1), "KV blocks in the pool"),
+    Key("engine", "max_num_seqs", "int", 32, at_least(1), "most running sequences per step"),
+    Key("engine", "max_num_batched_tokens", "int", 512, at_least(1), "token budget per step"),
+    Key("engine", "max_model_len", "int", 0, at_least(0), "context limit; 0 = derive from the model"),
+    Key("engine", "enable_prefix_caching", "bool", True, None, "reuse KV blocks of shared prefixes"),
+    Key("engine", "decode_row_buckets", "list[int]", [1, 2, 4, 8, 16, 32], ascending_buckets, "compiled decode batch sizes"),
+    Key("engine", "prefill_token_buckets", "list[int]", [16, 32, 64, 128, 256, 512], ascending_buckets, "compiled prefill token counts"),
+    Key("engine", "kv_events_endpoint", "str", "", None, "ZMQ PUB endpoint for KV events, e.g. tcp://*:5557; empty = off"),
+    Key("engine", "kv_events_replay_endpoint", "str", "", None, "ZMQ ROUTER endpoint for KV event replay; empty = off"),
+    Key("engine", "seed", "int", 0, None, "base seed for sampling"),
+    Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
+    Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
+    Key("adapters", "store", "str", "", None, "adapter directory; empty = <cache dir>/adapters"),
+    Key("cache", "dir", "str", "", None, "cache directory; empty = $XDG_CACHE_HOME/kiln or ~/.cache/kiln"),
+    Key("cache", "compilation_dir", "str", "", None, "JAX persistent compilation cache; empty = <cache dir>/jax"),
+)
+# fmt: on
+
+KEYS: dict[str, Key] = {k.dotted: k for k in SCHEMA}
+SECTIONS: dict[str, dict[str, Key]] = {}
+for _k in SCHEMA:
+    SECTIONS.setdefault(_k.section, {})[_k.name] = _k
+
+# The only keys the command line may set, with their flags.
+COMMAND_LINE_OPTIONS: dict[str, str] = {"server.host": "--host", "server.port": "--port", "model.path": "--model"}
+RETIRED_ENV: dict[str, str] = {"KILN_SERVING_PROFILE": "KILN_SERVER_SERVING_PROFILE"}
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+_KIND_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean"}
+
+
+def _from_toml(kind: str, raw: Any) -> Any:
+    if kind.startswith("list["):
+        item = kind[5:-1]
+        if not isinstance(raw, list):
+            raise ValueError(f"expected an array of {_KIND_NAMES[item]}s")
+        return [_from_toml(item, v) for v in raw]
+    ok = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}[kind]
+    if not isinstance(raw, ok) or (kind in ("int", "float") and isinstance(raw, bool)):
+        raise ValueError(f"expected {_KIND_NAMES[kind]}")
+    return float(raw) if kind == "float" else raw
+
+
+def _from_text(kind: str, raw: str) -> Any:
+    """Environment and command-line values: typed from text; lists are comma-separated."""
+    if kind.startswith("list["):
+        item = kind[5:-1]
+        try:
+            return [_from_text(item, part.strip()) for part in raw.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"expected a comma-separated list of {_KIND_NAMES[item]}s") from None
+    if kind == "str":
+        return raw
+    if kind == "bool":
+        if (text := raw.strip().lower()) in _BOOLS:
+            return _BOOLS[text]
+        raise ValueError("expected a boolean (true/false, 1/0, yes/no)")
+    try:
+        return int(raw.strip(), 10) if kind == "int" else float(raw)
+    except ValueError:
+        raise ValueError(f"expected {_KIND_NAMES[kind]}") from None
+
+
+def _accept(key: Key, raw: Any, where: str, convert: Callable[[str, Any], Any]) -> Any:
+    try:
+        value = convert(key.kind, raw)
+        return key.check(value) if key.check else value
+    except ValueError as e:
+        raise ConfigError(f"{where}: invalid value {raw!r} for {key.dotted}: {e}") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+
+
+def _toml_values(path: Path, doc: dict[str, Any]) -> list[tuple[Key, Any]]:
+    """(key, raw value) pairs of the file; unknown sections or keys are errors listing what is accepted."""
+    sections = ", ".join(SECTIONS)
+    out = []
+    for section, table in doc.items():
+        if section not in SECTIONS or not isinstance(table, dict):
+            what = f"unknown section [{section}]" if isinstance(table, dict) else f"{section!r} is not a [section]"
+            raise ConfigError(f"config file {path}: {what}; accepted sections: {sections}")
+        for name, raw in table.items():
+            if name not in SECTIONS[section]:
+                accepted = ", ".join(SECTIONS[section])
+                raise ConfigError(f"config file {path}: unknown key {name!r} in [{section}]; accepted keys: {accepted}")
+            out.append((SECTIONS[section][name], raw))
+    return out
+
+
+@dataclass(frozen=True)
+class Value:
+    value: Any
+    source: str  # "default" | "config_file" | "environment" | "command_line"
+
+
+class Settings:
+    """Resolved settings, read-only by convention; shared by server, engine and CLI."""
+
+    def __init__(self, values: dict[str, Value], config_file: Path | None, xdg_cache_home: str | None = None):
+        self._values = values
+        self.config_file = config_file
+        self._xdg_cache_home = xdg_cache_home
+        self._sections = {
+            s: SimpleNamespace(**{n: values[k.dotted].value for n, k in keys.items()})
+            for s, keys in SECTIONS.items()
+        }
+        profile = values["server.serving_profile"]
+        self.serving_profile = ResolvedProfile(ServingProfile(profile.value), profile.source)
+
+    def __getattr__(self, name: str) -> Any:
+        """settings.server.port: one namespace per section."""
+        try:
+            return self.__dict__["_sections"][name]
+        except KeyError:
+            raise AttributeError(f"no settings section {name!r}") from None
+
+    def get(self, dotted: str) -> Any:
+        return self._values[dotted].value
+
+    def source(self, dotted: str) -> str:
+        return self._values[dotted].source
+
+    def cache_dir(self) -> Path:
+        if self.cache.dir:
+            return Path(self.cache.dir).expanduser()
+        return Path(self._xdg_cache_home or "~/.cache").expanduser() / "kiln"
+
+    def compilation_dir(self) -> Path:
+        return Path(self.cache.compilation_dir).expanduser() if self.cache.compilation_dir else self.cache_dir() / "jax"
+
+    def adapter_store(self) -> Path:
+        return Path(self.adapters.store).expanduser() if self.adapters.store else self.cache_dir() / "adapters"
+
+    def to_json(self) -> dict[str, Any]:
+        """The `kiln config --json` / `/v1/config` object; secrets are redacted."""
+        settings: dict[str, dict[str, Any]] = {}
+        for key in SCHEMA:
+            v = self._values[key.dotted]
+            shown = ["<redacted>"] * len(v.value) if key.secret else v.value
+            settings.setdefault(key.section, {})[key.name] = {"value": shown, "source": v.source}
+        return {
+            "config_file": str(self.config_file) if self.config_file else None,
+            "settings": settings,
+            "serving_profile": self.serving_profile.to_json(),
+        }
+
+
+def resolve_settings(
+    config_file: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    command_line: Mapping[str, str] | None = None,
+) -> Settings:
+    """Resolve every key. `command_line` maps dotted keys of COMMAND_LINE_OPTIONS to raw text."""
+    env = os.environ if env is None else env
+    values = {k.dotted: Value(_accept(k, k.default, "default", _from_toml), "default") for k in SCHEMA}
+
+    path = None
+    if config_file is not None:
+        path = Path(os.path.abspath(config_file))
+        for key, raw in _toml_values(path, _read_toml(path)):
+            where = f"config file {path} ([{key.section}] {key.name})"
+            values[key.dotted] = Value(_accept(key, raw, where, _from_toml), "config_file")
+
+    for retired, current in RETIRED_ENV.items():
+        if retired in env:
+            log.warning("%s is retired and ignored; use %s (or the config file) instead", retired, current)
+
+    for key in SCHEMA:  # other KILN_* variables are not settings (e.g. read by tests or tools)
+        if key.env in env:
+            where = f"environment variable {key.env}"
+            values[key.dotted] = Value(_accept(key, env[key.env], where, _from_text), "environment")
+
+    for dotted, raw in (command_line or {}).items():
+        if dotted not in COMMAND_LINE_OPTIONS:
+            raise ValueError(f"{dotted} cannot be set on the command line")
+        key = KEYS[dotted]
+        where = f"command line {COMMAND_LINE_OPTIONS[dotted]}"
+        values[dotted] = Value(_accept(key, raw, where, _from_text), "command_line")
+
+    return Settings(values, path, env.get("XDG_CACHE_HOME"))

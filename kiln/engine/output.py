@@ -1,0 +1,88 @@
+"""Host-side output processing: incremental text, stop conditions, and deltas for streaming."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kiln.engine.request import Request
+from kiln.models.tokenizer import IncrementalDetokenizer, KilnTokenizer
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class Delta:
+    """What one request produced in one step (streamed to its caller)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_logprobs: list | None = None
+    usage: dict | None = None
+    metrics: dict | None = None
+    error: Exception | None = None  # set when the request failed inside the engine
+
+
+class OutputState:
+    """Per-request detokenizer and stop-string holdback."""
+
+    def __init__(self, req: Request, tokenizer: KilnTokenizer, eos_ids: tuple[int, ...], max_model_len: int):
+        self.req = req
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, skip_special_tokens=req.params.skip_special_tokens)
+        self.eos_ids = set(eos_ids)
+        self.max_model_len = max_model_len
+        self.text = ""  # all text decoded so far
+        self.sent = 0  # characters of text already streamed
+        self.holdback = max((len(s) for s in req.params.stop), default=1) - 1
+
+    def add_token(self, token: int) -> tuple[str, str | None, str | int | None]:
+        """Processes a sampled token already appended to the request's output ids.
+
+        Returns (new text to stream, finish reason, stop reason)."""
+        p = self.req.params
+        n_out = len(self.req.output_ids)  # including this token
+        finish, stop_reason = None, None
+        if token in p.stop_token_ids and n_out > p.min_tokens:
+            finish, stop_reason = "stop", token
+        elif token in self.eos_ids and not p.ignore_eos and n_out > p.min_tokens:
+            finish = "stop"
+        if finish is None:
+            self.text += self.detok.add(token)
+            if p.stop and n_out >= p.min_tokens:
+                hit = self._find_stop()
+                if hit is not None:
+                    idx, stop = hit
+                    self.text = self.text[: idx + (len(stop) if p.include_stop_str_in_output else 0)]
+                    finish, stop_reason = "stop", stop
+        if finish is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or self.req.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            if finish == "length":
+                self.text += self.detok.flush()
+            out = self.text[self.sent :]
+            self.sent = len(self.text)
+            return out, finish, stop_reason
+        end = len(self.text) - (self.holdback if p.stop else 0)
+        if end <= self.sent:
+            return "", None, None
+        out = self.text[self.sent : end]
+        self.sent = end
+        return out, None, None
+
+    def _find_stop(self) -> tuple[int, str] | None:
+        start = max(0, self.sent - self.holdback)
+        best = None
+        for s in self.req.params.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        return best

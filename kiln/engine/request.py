@@ -1,0 +1,78 @@
+"""A request's state inside the engine: tokens, KV blocks, progress, timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from kiln.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class Timing:
+    arrival: float = dataclasses.field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    prefill_done: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+    def phases(self) -> dict[str, float | None]:
+        """Latency phases in seconds: queued, prefill, time to first token, decode, end to end."""
+
+        def span(a, b):
+            return None if a is None or b is None else round(b - a, 6)
+
+        return {
+            "queued_s": span(self.arrival, self.first_scheduled),
+            "prefill_s": span(self.first_scheduled, self.prefill_done),
+            "ttft_s": span(self.arrival, self.first_token),
+            "decode_s": span(self.first_token, self.finished),
+            "e2e_s": span(self.arrival, self.finished),
+        }
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int  # always set: the user's seed or a random one drawn at submit time
+    adapter_slot: int = 0
+    adapter_name: str | None = None
+    cache_salt: str | None = None
+    group_id: str | None = None  # siblings of an n > 1 request share their prompt's blocks
+    index: int = 0  # choice index among siblings
+    status: Status = Status.WAITING
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full, cached blocks
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    timing: Timing = dataclasses.field(default_factory=Timing)
+    # prompt logprobs gathered chunk by chunk: position -> (logprob, top ids, top logprobs)
+    prompt_logprobs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def hash_extra(self) -> tuple:
+        return (self.adapter_name, self.cache_salt) if (self.adapter_name or self.cache_salt) else ()
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < len(self.prompt_ids)

@@ -1,0 +1,287 @@
+"""Configuration resolution, serving profiles and error bodies, through `python -m kiln config`."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.errors import (
+    AdmissionRejected,
+    DeviceLost,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    QueueFull,
+    RequestFailed,
+    Unauthorized,
+    UnprocessableRequest,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The spec's serving_profile objects, written out in full.
+SPEC_STABLE = {
+    "profile": "stable",
+    "source": "default",
+    "immutable_after_startup": True,
+    "request_overrides_allowed": False,
+    "effective_policy_source": "serving_profile",
+    "effective_policy": {
+        "inference_admission": True,
+        "training_gpu_ownership": True,
+        "adapter_weight_transitions": True,
+        "dynamic_kv_resize": True,
+        "allocator_reclaim": True,
+        "live_graph_capture": True,
+        "vulkan_resident_prefill": False,
+        "exclusive_gpu_behavior": "writer_priority",
+    },
+}
+SPEC_EXPERIMENTAL = {
+    "profile": "experimental",
+    "source": "config_file",
+    "immutable_after_startup": True,
+    "request_overrides_allowed": False,
+    "effective_policy_source": "serving_profile",
+    "effective_policy": {
+        "inference_admission": True, "training_gpu_ownership": True, "adapter_weight_transitions": True,
+        "dynamic_kv_resize": True, "allocator_reclaim": True, "live_graph_capture": True,
+        "vulkan_resident_prefill": True, "exclusive_gpu_behavior": "writer_priority",
+    },
+}
+SPEC_MAINTENANCE = {
+    "profile": "maintenance",
+    "source": "environment",
+    "immutable_after_startup": True,
+    "request_overrides_allowed": False,
+    "effective_policy_source": "serving_profile",
+    "effective_policy": {
+        "inference_admission": False, "training_gpu_ownership": True, "adapter_weight_transitions": True,
+        "dynamic_kv_resize": True, "allocator_reclaim": True, "live_graph_capture": False,
+        "vulkan_resident_prefill": False, "exclusive_gpu_behavior": "inference_disabled",
+    },
+}
+
+
+@pytest.fixture
+def kiln(tmp_path):
+    """Run `python -m kiln config ...` with no KILN_* variables and a private HOME."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    base.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+
+    def run(*args: str, env: dict[str, str] | None = None, check: bool = True):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kiln", "config", *args],
+            cwd=ROOT,
+            env={**base, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if check:
+            assert proc.returncode == 0, proc.stderr
+        return proc
+
+    return run
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kiln.toml"
+    path.write_text(text)
+    return path
+
+
+def resolved(kiln, *args: str, env: dict[str, str] | None = None) -> dict:
+    return json.loads(kiln("--json", *args, env=env).stdout)
+
+
+def fails(kiln, *args: str, env: dict[str, str] | None = None) -> str:
+    proc = kiln("--json", *args, env=env, check=False)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
+def test_defaults_have_source_default(kiln):
+    doc = resolved(kiln)
+    assert doc["config_file"] is None
+    assert list(doc["settings"]) == ["server", "model", "engine", "adapters", "cache"]
+    assert doc["settings"]["server"]["port"] == {"value": 8000, "source": "default"}
+    assert doc["settings"]["server"]["host"] == {"value": "127.0.0.1", "source": "default"}
+    assert doc["settings"]["engine"]["decode_row_buckets"]["value"] == [1, 2, 4, 8, 16, 32]
+    assert doc["settings"]["engine"]["enable_prefix_caching"]["value"] is True
+    assert all(v["source"] == "default" for sec in doc["settings"].values() for v in sec.values())
+    assert doc["serving_profile"] == SPEC_STABLE
+
+
+def test_config_file_values(kiln, tmp_path):
+    path = write(
+        tmp_path,
+        '[server]\nport = 9001\napi_keys = ["a", "b"]\n'
+        '[engine]\nenable_prefix_caching = false\ndecode_row_buckets = [1, 4]\n'
+        '[model]\ndtype = "bfloat16"\n',
+    )
+    doc = resolved(kiln, "--config", str(path))
+    s = doc["settings"]
+    assert doc["config_file"] == str(path)
+    assert s["server"]["port"] == {"value": 9001, "source": "config_file"}
+    assert s["server"]["api_keys"] == {"value": ["<redacted>", "<redacted>"], "source": "config_file"}
+    assert s["engine"]["enable_prefix_caching"] == {"value": False, "source": "config_file"}
+    assert s["engine"]["decode_row_buckets"] == {"value": [1, 4], "source": "config_file"}
+    assert s["model"]["dtype"] == {"value": "bfloat16", "source": "config_file"}
+    assert s["server"]["host"]["source"] == "default"
+
+
+def test_environment_beats_file_and_command_line_beats_environment(kiln, tmp_path):
+    path = write(tmp_path, '[server]\nport = 9001\nhost = "0.0.0.0"\n[cache]\ndir = "/from/file"\n')
+    env = {
+        "KILN_SERVER_PORT": "9002",
+        "KILN_CACHE_DIR": "/from/env",
+        "KILN_ENGINE_ENABLE_PREFIX_CACHING": "No",
+        "KILN_ENGINE_PREFILL_TOKEN_BUCKETS": "8, 64",
+        "KILN_SERVER_API_KEYS": "k1,k2",
+        "KILN_SOMETHING_UNKNOWN": "ignored",
+    }
+    s = resolved(kiln, "--config", str(path), env=env)["settings"]
+    assert s["server"]["port"] == {"value": 9002, "source": "environment"}
+    assert s["server"]["host"] == {"value": "0.0.0.0", "source": "config_file"}
+    assert s["cache"]["dir"] == {"value": "/from/env", "source": "environment"}
+    assert s["engine"]["enable_prefix_caching"] == {"value": False, "source": "environment"}
+    assert s["engine"]["prefill_token_buckets"] == {"value": [8, 64], "source": "environment"}
+    assert s["server"]["api_keys"]["value"] == ["<redacted>"] * 2
+
+    s = resolved(kiln, "--config", str(path), "--port", "9003", "--model", "/m", env=env)["settings"]
+    assert s["server"]["port"] == {"value": 9003, "source": "command_line"}
+    assert s["model"]["path"] == {"value": "/m", "source": "command_line"}
+
+
+def test_profile_from_environment_is_normalized(kiln):
+    doc = resolved(kiln, env={"KILN_SERVER_SERVING_PROFILE": " MAINTENANCE "})
+    assert doc["settings"]["server"]["serving_profile"] == {"value": "maintenance", "source": "environment"}
+    assert doc["serving_profile"] == SPEC_MAINTENANCE
+
+
+def test_profile_from_config_file(kiln, tmp_path):
+    path = write(tmp_path, '[server]\nserving_profile = "Experimental"\n')
+    assert resolved(kiln, "--config", str(path))["serving_profile"] == SPEC_EXPERIMENTAL
+
+
+@pytest.mark.parametrize("raw", ["", "  ", "turbo"])
+def test_bad_profile_in_environment_is_fatal(kiln, raw):
+    err = fails(kiln, env={"KILN_SERVER_SERVING_PROFILE": raw})
+    assert "KILN_SERVER_SERVING_PROFILE" in err and repr(raw) in err
+
+
+@pytest.mark.parametrize("raw", ["", "turbo"])
+def test_bad_profile_in_config_file_is_fatal(kiln, tmp_path, raw):
+    path = write(tmp_path, f'[server]\nserving_profile = "{raw}"\n')
+    err = fails(kiln, "--config", str(path))
+    assert str(path) in err and "serving_profile" in err and repr(raw) in err
+
+
+def test_retired_profile_variable_is_ignored_with_warning(kiln):
+    proc = kiln("--json", env={"KILN_SERVING_PROFILE": "maintenance"})
+    doc = json.loads(proc.stdout)
+    assert doc["serving_profile"] == SPEC_STABLE
+    assert "KILN_SERVING_PROFILE" in proc.stderr and "KILN_SERVER_SERVING_PROFILE" in proc.stderr
+    assert "WARNING kiln.config" in proc.stderr
+
+
+def test_unknown_key_lists_accepted_keys(kiln, tmp_path):
+    path = write(tmp_path, "[server]\nprot = 1\n")
+    err = fails(kiln, "--config", str(path))
+    assert str(path) in err and "'prot'" in err
+    assert "accepted keys: host, port, serving_profile, api_keys" in err
+
+
+def test_unknown_section_lists_accepted_sections(kiln, tmp_path):
+    path = write(tmp_path, "[sever]\nport = 1\n")
+    err = fails(kiln, "--config", str(path))
+    assert "[sever]" in err and "accepted sections: server, model, engine, adapters, cache" in err
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"KILN_SERVER_PORT": "eighty"}, "KILN_SERVER_PORT: invalid value 'eighty'"),
+        ({"KILN_SERVER_PORT": "0"}, "KILN_SERVER_PORT: invalid value '0'"),
+        ({"KILN_SERVER_PORT": "65536"}, "KILN_SERVER_PORT: invalid value '65536'"),
+        ({"KILN_ENGINE_ENABLE_PREFIX_CACHING": "maybe"}, "KILN_ENGINE_ENABLE_PREFIX_CACHING: invalid value 'maybe'"),
+        ({"KILN_ENGINE_BLOCK_SIZE": "24"}, "KILN_ENGINE_BLOCK_SIZE: invalid value '24'"),
+        ({"KILN_ENGINE_DECODE_ROW_BUCKETS": "1,x"}, "KILN_ENGINE_DECODE_ROW_BUCKETS: invalid value '1,x'"),
+        ({"KILN_SERVER_LOG_LEVEL": "loud"}, "KILN_SERVER_LOG_LEVEL: invalid value 'loud'"),
+    ],
+)
+def test_invalid_environment_values_are_fatal(kiln, env, needle):
+    assert needle in fails(kiln, env=env)
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ('[server]\nport = "8000"\n', "invalid value '8000' for server.port"),
+        ("[server]\nport = 70000\n", "invalid value 70000 for server.port"),
+        ('[engine]\nenable_prefix_caching = "yes"\n', "invalid value 'yes' for engine.enable_prefix_caching"),
+        ("[engine]\nmax_num_seqs = true\n", "invalid value True for engine.max_num_seqs"),
+    ],
+)
+def test_invalid_file_values_are_fatal(kiln, tmp_path, text, needle):
+    path = write(tmp_path, text)
+    err = fails(kiln, "--config", str(path))
+    assert str(path) in err and needle in err
+
+
+def test_port_out_of_range_on_command_line(kiln):
+    assert "--port: invalid value '0'" in fails(kiln, "--port", "0")
+
+
+def test_missing_and_invalid_config_file(kiln, tmp_path):
+    missing = tmp_path / "nope.toml"
+    err = fails(kiln, "--config", str(missing))
+    assert str(missing) in err and "does not exist" in err
+    bad = write(tmp_path, "[server\nport = 1\n")
+    assert "not valid TOML" in fails(kiln, "--config", str(bad))
+
+
+def test_human_readable_output(kiln):
+    out = kiln(env={"KILN_SERVER_PORT": "9100"}).stdout
+    assert "port = 9100" in out and "environment KILN_SERVER_PORT" in out
+    assert "serving profile: stable (source: default)" in out
+    assert "exclusive_gpu_behavior=writer_priority" in out
+
+
+@pytest.mark.parametrize(
+    "err, status, type_, code",
+    [
+        (InvalidRequest("m", param="temperature"), 400, "invalid_request_error", None),
+        (UnprocessableRequest("m"), 422, "invalid_request_error", None),
+        (Unauthorized("m"), 401, "authentication_error", "invalid_api_key"),
+        (NotFound("m", code="model_not_found"), 404, "not_found_error", "model_not_found"),
+        (PayloadTooLarge("m"), 413, "invalid_request_error", "payload_too_large"),
+        (QueueFull("m"), 429, "rate_limit_error", "queue_full"),
+        (AdmissionRejected("m", "inference_disabled_by_profile"), 503, "service_unavailable", "inference_disabled_by_profile"),
+        (RequestFailed("m"), 500, "internal_error", None),
+        (DeviceLost("m"), 503, "service_unavailable", "device_lost"),
+    ],
+)
+def test_error_bodies(err, status, type_, code):
+    assert err.status == status
+    assert err.body() == {"error": {"message": "m", "type": type_, "code": code, "param": err.param}}
+
+
+def test_settings_api_in_process(tmp_path):
+    from kiln.config import resolve_settings
+    from kiln.errors import ConfigError
+    from kiln.profiles import ServingProfile, parse_profile
+
+    s = resolve_settings(env={"KILN_SERVER_SERVING_PROFILE": "maintenance", "XDG_CACHE_HOME": str(tmp_path)})
+    assert (s.server.port, s.source("server.port"), s.get("engine.block_size")) == (8000, "default", 16)
+    assert s.serving_profile.profile is ServingProfile.MAINTENANCE
+    assert not s.serving_profile.policy.inference_admission
+    assert s.cache_dir() == tmp_path / "kiln" and s.compilation_dir() == tmp_path / "kiln" / "jax"
+    with pytest.raises(ConfigError, match="somewhere: invalid value 'x'"):
+        parse_profile("x", "somewhere")

@@ -1,0 +1,87 @@
+"""The on-device sampler: filters, penalties, bias, banned ids, seeds, logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kiln.engine.sampling import RowSampling, SamplingError, SamplingFlags, SamplingParams, sample
+
+V = 12
+ALL = SamplingFlags(penalties=True, filtering=True, top_logprobs=True)
+
+
+def rows(S, **over):
+    base = dict(
+        temperature=np.ones(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
+        min_p=np.zeros(S, np.float32), presence=np.zeros(S, np.float32), frequency=np.zeros(S, np.float32),
+        repetition=np.ones(S, np.float32), seed=np.zeros((S, 2), np.uint32), step=np.zeros(S, np.int32),
+        bias_ids=np.full((S, 1), V, np.int32), bias_values=np.zeros((S, 1), np.float32),
+        banned_ids=np.full((S, 1), V, np.int32), output_ids=np.full((S, 4), V, np.int32), prompt_ids=np.full((S, 4), V, np.int32),
+    )
+    base.update({k: np.asarray(v) for k, v in over.items()})
+    return RowSampling(**base)
+
+
+LOGITS = jnp.asarray(np.log(np.array([[0.4, 0.25, 0.15, 0.1, 0.05, 0.05] + [1e-9] * 6], np.float32)))
+
+
+def draw(rs, n=400, flags=ALL, logits=LOGITS):
+    fn = jax.jit(lambda rs: sample(jnp.repeat(logits, n, 0), rs, flags).tokens)
+    return np.asarray(fn(rs))
+
+
+def test_greedy_and_logprobs():
+    out = sample(LOGITS, rows(1, temperature=[0.0]), ALL)
+    assert int(out.tokens[0]) == 0
+    np.testing.assert_allclose(float(out.logprobs[0]), np.log(0.4), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs[0, :3]), np.log([0.4, 0.25, 0.15]), rtol=1e-5)
+    assert out.top_ids[0, :3].tolist() == [0, 1, 2]
+
+
+def test_filters_restrict_support():
+    n = 400
+    seeds = np.stack([np.arange(n), np.zeros(n)], 1).astype(np.uint32)
+    base = dict(seed=seeds, step=np.zeros(n, np.int32))
+    full = draw(rows(n, **base))
+    assert set(full.tolist()) >= {0, 1, 2, 3}
+    assert set(draw(rows(n, top_k=np.full(n, 2), **base)).tolist()) == {0, 1}
+    assert set(draw(rows(n, top_p=np.full(n, 0.6), **base)).tolist()) == {0, 1}  # 0.4 + 0.25 reaches 0.6
+    assert set(draw(rows(n, min_p=np.full(n, 0.5), **base)).tolist()) == {0, 1}  # p >= 0.2
+    freq = np.bincount(full, minlength=V) / n
+    assert abs(freq[0] - 0.4) < 0.08 and abs(freq[1] - 0.25) < 0.08
+
+
+def test_seed_and_step_make_draws_reproducible():
+    n = 64
+    seeds = np.stack([np.arange(n), np.zeros(n)], 1).astype(np.uint32)
+    a = draw(rows(n, seed=seeds), n=n)
+    b = draw(rows(n, seed=seeds), n=n)
+    c = draw(rows(n, seed=seeds, step=np.ones(n, np.int32)), n=n)
+    assert (a == b).all() and (a != c).any()
+
+
+def test_bias_banned_and_penalties():
+    g = dict(temperature=[0.0])
+    assert int(sample(LOGITS, rows(1, bias_ids=[[7]], bias_values=[[100.0]], **g), ALL).tokens[0]) == 7
+    assert int(sample(LOGITS, rows(1, banned_ids=[[0]], **g), ALL).tokens[0]) == 1
+    # token 0 already generated twice: a frequency penalty of 1 lowers its logit by 2
+    out_ids = [[0, 0, V, V]]
+    assert int(sample(LOGITS, rows(1, output_ids=out_ids, frequency=[1.0], **g), ALL).tokens[0]) == 1
+    assert int(sample(LOGITS, rows(1, output_ids=out_ids, presence=[0.2], **g), ALL).tokens[0]) == 0
+    # repetition penalty divides positive / multiplies negative logits of seen tokens (prompt too)
+    logits = jnp.asarray([[2.0, 1.5] + [-5.0] * (V - 2)])
+    rs = rows(1, prompt_ids=[[0, V, V, V]], repetition=[2.0], **g)
+    assert int(sample(logits, rs, ALL).tokens[0]) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+     ({"logprobs": 21}, "logprobs"), ({"logit_bias": {999: 1.0}}, "logit_bias"), ({"n": 0}, "n"),
+     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty")],
+)
+def test_parameter_validation(kwargs, param):
+    with pytest.raises(SamplingError) as e:
+        SamplingParams(**kwargs).validate(vocab_size=100)
+    assert e.value.param == param
