@@ -106,6 +106,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "enable_prefix_caching", "bool", True, None, "reuse KV blocks of shared prefixes"),
     Key("engine", "decode_row_buckets", "list[int]", [1, 2, 4, 8, 16, 32], ascending_buckets, "compiled decode batch sizes"),
     Key("engine", "prefill_token_buckets", "list[int]", [16, 32, 64, 128, 256, 512], ascending_buckets, "compiled prefill token counts"),
+    Key("engine", "warmup_context_tokens", "int", 2048, at_least(16), "`kiln warmup` compiles buckets up to this context"),
     Key("engine", "kv_events_endpoint", "str", "", None, "ZMQ PUB endpoint for KV events, e.g. tcp://*:5557; empty = off"),
     Key("engine", "kv_events_replay_endpoint", "str", "", None, "ZMQ ROUTER endpoint for KV event replay; empty = off"),
     Key("engine", "seed", "int", 0, None, "base seed for sampling"),

@@ -25,3 +25,14 @@ def kiln_cache(tmp_path_factory):
         os.environ.pop("KILN_CACHE_DIR", None)
     else:
         os.environ["KILN_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, kiln_cache):
+    """A tiny random llama with a byte-level tokenizer and chat template, loaded from GGUF."""
+    from tiny_models import make_hf_model, write_gguf
+
+    from kiln.models.loader import load_model
+
+    path = write_gguf(make_hf_model("llama", vocab_size=260, seed=3), tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+    return load_model(path, show_progress=False, model_id="tiny-llama")

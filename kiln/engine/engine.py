@@ -212,39 +212,55 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop:
-            self._drain_inbox()
-            if not self.scheduler.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            batch = self.scheduler.schedule()
-            self.stats.preemptions += len(batch.preempted)
-            if not batch.rows:
-                self._fail_unschedulable()
-                continue
             try:
-                results, prompt_lps = self.runner.run(batch.rows)
-            except GraphCaptureDisabled as exc:
-                for req, _ in batch.rows:
-                    self._finish(req, "error", CaptureRefused(str(exc)))
-                continue
-            except Exception as exc:  # a failed step fails its rows, never the process
-                log.exception("step failed")
-                self._recover_after_failure(batch, exc)
-                continue
-            self.stats.steps += 1
-            now = time.monotonic()
-            produced = set(self.scheduler.after_step(batch))
-            for i, (req, n) in enumerate(batch.rows):
-                if req.num_preemptions == 0 and req.timing.prefill_done is None and req.num_computed >= len(req.prompt_ids):
-                    req.timing.prefill_done = now
-                if i in prompt_lps:
-                    self._collect_prompt_logprobs(req, n, prompt_lps[i])
-                if req in produced:
-                    self._on_token(req, results[i], now)
-            if self._events and self.publisher:
-                self.publisher.publish(self._events)
-                self._events = []
+                self._iteration()
+            except Exception:  # the loop must survive anything one iteration does
+                log.exception("engine iteration failed")
+                time.sleep(0.01)
+
+    def _emit(self, req: Request, delta: Delta) -> None:
+        """Hands a delta to the caller; a caller that has gone away gets its request aborted."""
+        try:
+            self._sinks[req.request_id](delta)
+        except Exception:  # e.g. the caller's event loop is closed
+            log.warning("caller of %s is gone; aborting it", req.request_id)
+            if delta.finish_reason is None:
+                self._inbox.put(("abort", req.request_id))
+
+    def _iteration(self) -> None:
+        self._drain_inbox()
+        if not self.scheduler.has_work():
+            self._wake.wait(0.05)
+            self._wake.clear()
+            return
+        batch = self.scheduler.schedule()
+        self.stats.preemptions += len(batch.preempted)
+        if not batch.rows:
+            self._fail_unschedulable()
+            return
+        try:
+            results, prompt_lps = self.runner.run(batch.rows)
+        except GraphCaptureDisabled as exc:
+            for req, _ in batch.rows:
+                self._finish(req, "error", CaptureRefused(str(exc)))
+            return
+        except Exception as exc:  # a failed step fails its rows, never the process
+            log.exception("step failed")
+            self._recover_after_failure(batch, exc)
+            return
+        self.stats.steps += 1
+        now = time.monotonic()
+        produced = set(self.scheduler.after_step(batch))
+        for i, (req, n) in enumerate(batch.rows):
+            if req.num_preemptions == 0 and req.timing.prefill_done is None and req.num_computed >= len(req.prompt_ids):
+                req.timing.prefill_done = now
+            if i in prompt_lps:
+                self._collect_prompt_logprobs(req, n, prompt_lps[i])
+            if req in produced:
+                self._on_token(req, results[i], now)
+        if self._events and self.publisher:
+            self.publisher.publish(self._events)
+            self._events = []
 
     def _collect_prompt_logprobs(self, req: Request, n: int, data) -> None:
         target, top_ids, top_lps, targets = data
@@ -270,17 +286,17 @@ class Engine:
             self.scheduler.finish(req, finish)
             self._final(req, delta)
         else:
-            self._sinks[req.request_id](delta)
+            self._emit(req, delta)
 
     def _final(self, req: Request, delta: Delta) -> None:
         delta.usage = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
                        "cached_tokens": req.num_cached_prompt_tokens}
         delta.metrics = {**req.timing.phases(), "preemptions": req.num_preemptions}
         self.stats.finished += 1
-        sink = self._sinks.pop(req.request_id)
+        self._emit(req, delta)
+        self._sinks.pop(req.request_id, None)
         self._outputs.pop(req.request_id, None)
         self._requests.pop(req.request_id, None)
-        sink(delta)
 
     def _finish(self, req: Request, reason: str, error: Exception | None = None) -> None:
         if req.status is Status.FINISHED and req.request_id not in self._sinks:

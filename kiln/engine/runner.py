@@ -220,8 +220,32 @@ class Runner:
 
     def run(self, rows: list[tuple[Request, int]]) -> tuple[list[RowResult], dict[int, tuple]]:
         """Runs one step. Returns per-row results and, for rows that asked for prompt
-        logprobs, {row index: (target logprobs, top ids, top logprobs)} for their new tokens."""
-        shape = self.resolve(self.shape_for(rows))
+        logprobs, {row index: (target logprobs, top ids, top logprobs, target ids)}."""
+        try:
+            shape = self.resolve(self.shape_for(rows))
+        except GraphCaptureDisabled:
+            if len(rows) == 1:
+                raise
+            return self._run_split(rows)
+        return self._run_shape(rows, shape)
+
+    def _run_split(self, rows):
+        """Without live capture, a mixed batch runs as its decode rows plus one step per prefill row,
+        so the compiled decode and single-row prefill buckets cover it."""
+        decode = [i for i, (_, n) in enumerate(rows) if n == 1]
+        groups = ([decode] if decode else []) + [[i] for i, (_, n) in enumerate(rows) if n != 1]
+        results: list = [None] * len(rows)
+        prompt_out: dict[int, tuple] = {}
+        for group in groups:
+            sub = [rows[i] for i in group]
+            res, prompt = self._run_shape(sub, self.resolve(self.shape_for(sub)))
+            for j, i in enumerate(group):
+                results[i] = res[j]
+                if j in prompt:
+                    prompt_out[i] = prompt[j]
+        return results, prompt_out
+
+    def _run_shape(self, rows, shape: StepShape):
         work = [RowWork(r.all_ids[r.num_computed : r.num_computed + n], r.num_computed, r.block_ids, r.adapter_slot) for r, n in rows]
         inputs = build_step_inputs(work, self.config.block_size, self.config.num_blocks, shape.tokens, shape.rows, shape.query, shape.blocks)
         last_index = np.zeros(shape.rows, np.int32)
@@ -260,6 +284,18 @@ class Runner:
                     prompt_out[i] = (target[sl], p_ids[sl], p_lps[sl], targets[sl])
                 t += n
         return results, prompt_out
+
+    def warmup_shapes(self, context_tokens: int) -> list[StepShape]:
+        """The configured buckets: decode (each row bucket) and single-row prefill (each token
+        bucket), for every blocks-per-row bucket up to `context_tokens` of context."""
+        B = self.config.block_size
+        top = min(_pow2(math.ceil(context_tokens / B)), _pow2(self.max_blocks_per_seq))
+        block_buckets = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+        flags = SamplingFlags()
+        shapes = [StepShape(s, s, 1, m, flags, False) for s in self.row_buckets for m in block_buckets]
+        for t in self.token_buckets:
+            shapes += [StepShape(t, 1, t, m, flags, False) for m in block_buckets if m * B >= t]
+        return shapes
 
     def warm(self, shapes: list[StepShape]) -> None:
         """Compiles the given buckets by running them on padding (writes nothing to the cache)."""

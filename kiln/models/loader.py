@@ -85,12 +85,12 @@ def _dir_digest(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def convert_gguf(path: Path, show_progress: bool = True) -> tuple[Path, str]:
+def convert_gguf(path: Path, show_progress: bool = True, cache_root: Path | None = None) -> tuple[Path, str]:
     """Converts a GGUF file to a cached HF directory (once); returns (directory, file digest)."""
     if not path.is_file():
         raise ModelLoadError("GGUF file not found", file=str(path))
     digest = file_digest(path)
-    target = cache_dir() / "converted" / digest[:32]
+    target = (cache_root or cache_dir()) / "converted" / digest[:32]
     if (target / "kiln_source.json").exists():
         return target, digest
     gguf = GGUFModel(path)
@@ -120,18 +120,19 @@ def load_model(
     mesh=None,
     show_progress: bool = True,
     model_id: str | None = None,
+    cache_root: Path | None = None,
 ) -> LoadedModel:
     """Loads params onto the accelerator (sharded over `mesh` when given) with tokenizer and metadata."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if path is None:
         gguf_path = default_model_path()
-        model_dir, digest = convert_gguf(gguf_path, show_progress)
+        model_dir, digest = convert_gguf(gguf_path, show_progress, cache_root)
         model_id, source = model_id or DEFAULT_MODEL_ID, str(gguf_path)
     else:
         p = Path(path)
         if p.suffix == ".gguf":
-            model_dir, digest = convert_gguf(p, show_progress)
+            model_dir, digest = convert_gguf(p, show_progress, cache_root)
             model_id, source = model_id or p.stem, str(p)
         elif p.is_dir():
             model_dir, digest = p, None

@@ -1,0 +1,215 @@
+"""The engine end to end on a tiny model: batching, prefix cache, preemption, sampling, stops."""
+
+import asyncio
+import random
+
+import numpy as np
+import pytest
+from conftest import jit_forward
+
+from kiln.engine.engine import CaptureRefused, Engine, EngineConfig
+from kiln.engine.sampling import SamplingParams
+from kiln.models.batch import RowWork, build_step_inputs
+from kiln.models.decoder import init_kv_cache
+from kiln.models.generate import greedy_generate
+
+SMALL = dict(block_size=16, row_buckets=(1, 2, 4, 8), token_buckets=(16, 32, 64), max_num_seqs=8, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    yield eng
+    eng.shutdown()
+
+
+def run(eng, prompts, params, **kw):
+    """Submits all prompts concurrently; returns (token ids, text, final delta) per prompt."""
+
+    async def one(i, p):
+        ids, text, last = [], "", None
+        async for d in eng.generate(f"req-{i}-{random.random()}", p, params if isinstance(params, SamplingParams) else params[i], **kw):
+            ids += d.token_ids
+            text += d.text
+            last = d
+        return ids, text, last
+
+    async def main():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    return asyncio.run(main())
+
+
+def prompts_of(n, seed=0, lo=5, hi=60):
+    rng = np.random.RandomState(seed)
+    return [list(rng.randint(3, 250, size=rng.randint(lo, hi))) for _ in range(n)]
+
+
+def assert_pool_idle(eng):
+    for _ in range(200):
+        if not eng.scheduler.has_work():
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert eng.pool.num_free == eng.pool.num_blocks
+    assert all(b.ref_count == 0 for b in eng.pool.blocks)
+
+
+def test_batched_greedy_equals_single_request_greedy(engine, tiny_model):
+    prompts = prompts_of(6)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = run(engine, prompts, greedy)
+    for p, (ids, _, last) in zip(prompts, outs, strict=True):
+        assert ids == greedy_generate(tiny_model.params, tiny_model.config, [p], 12)[0]
+        assert last.finish_reason == "length" and last.usage["completion_tokens"] == 12
+    assert_pool_idle(engine)
+
+
+def test_prefix_hit_reuses_blocks_and_matches_cold_run(engine):
+    prompt = prompts_of(1, seed=5, lo=50, hi=51)[0]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    before = engine.pool.stats.prefix_hits
+    (cold, _, cold_last), = run(engine, [prompt], greedy)
+    (warm, _, warm_last), = run(engine, [prompt], greedy)
+    assert warm == cold
+    assert cold_last.usage["cached_tokens"] == 0 and warm_last.usage["cached_tokens"] == 48
+    assert engine.pool.stats.prefix_hits - before == 48
+    # a different cache salt never shares KV
+    (_, _, salted), = run(engine, [prompt], greedy, cache_salt="tenant-b")
+    assert salted.usage["cached_tokens"] == 0
+
+
+def test_preemption_recomputes_and_frees_everything(tiny_model):
+    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=12, enable_prefix_caching=False, **SMALL))
+    try:
+        prompts = prompts_of(6, seed=2, lo=20, hi=40)
+        greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        outs = run(eng, prompts, greedy)
+        assert eng.stats.preemptions > 0  # 11 usable blocks cannot hold 6 rows of up to 70 tokens
+        for p, (ids, _, _) in zip(prompts, outs, strict=True):
+            assert ids == greedy_generate(tiny_model.params, tiny_model.config, [p], 30)[0]
+        assert_pool_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine):
+    prompt = prompts_of(1, seed=9)[0]
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    (alone, _, _), = run(engine, [prompt], seeded)
+    others = prompts_of(5, seed=10)
+    params = [seeded] + [SamplingParams(max_tokens=7, temperature=0.7, ignore_eos=True)] * 5
+    mixed = run(engine, [prompt, *others], params)
+    assert mixed[0][0] == alone
+    (other_seed, _, _), = run(engine, [prompt], SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True))
+    assert other_seed != alone
+
+
+def test_n_siblings_share_prompt_blocks(engine):
+    prompt = prompts_of(1, seed=11, lo=40, hi=41)[0]
+    params = SamplingParams(max_tokens=5, temperature=1.0, seed=7, n=3, ignore_eos=True)
+
+    async def main():
+        by_index = {}
+        async for d in engine.generate("group", prompt, params):
+            by_index.setdefault(d.index, []).append(d)
+        return by_index
+
+    by_index = asyncio.run(main())
+    assert sorted(by_index) == [0, 1, 2]
+    finals = [ds[-1] for ds in by_index.values()]
+    assert sum(f.usage["cached_tokens"] for f in finals) >= 2 * 32  # two siblings reuse 2 full blocks
+    samples = {tuple(t for d in ds for t in d.token_ids) for ds in by_index.values()}
+    assert len(samples) > 1
+    assert_pool_idle(engine)
+
+
+def test_logprobs_and_prompt_logprobs_match_the_model(engine, tiny_model):
+    prompt = prompts_of(1, seed=12, lo=20, hi=21)[0]
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=5, prompt_logprobs=2, ignore_eos=True)
+    (ids, _, _), = run(engine, [prompt], params)
+
+    async def first_delta():
+        async for d in engine.generate("lp", prompt, params):
+            return d
+
+    first = asyncio.run(first_delta())
+    full = prompt + ids
+    kv = init_kv_cache(tiny_model.config, 4, 16)
+    logits, _ = jit_forward(tiny_model.params, kv, build_step_inputs([RowWork(full, 0, [1, 2])], 16, 4), tiny_model.config)
+    lp = np.asarray(logits) - np.log(np.exp(np.asarray(logits, np.float64)).sum(-1, keepdims=True))
+    tok = first.logprobs[0]
+    assert tok.token_id == ids[0]
+    np.testing.assert_allclose(tok.logprob, lp[len(prompt) - 1, ids[0]], atol=1e-4)
+    assert [t for t, _ in tok.top] == list(np.argsort(-lp[len(prompt) - 1])[:5])
+    pl = first.prompt_logprobs
+    assert pl[0] is None and len(pl) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert pl[pos].token_id == prompt[pos]
+        np.testing.assert_allclose(pl[pos].logprob, lp[pos - 1, prompt[pos]], atol=1e-4)
+        assert len(pl[pos].top) == 2
+
+
+def test_stop_strings_are_held_back_and_cut(engine, tiny_model):
+    prompt = prompts_of(1, seed=13)[0]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, skip_special_tokens=False)
+    (_, text, _), = run(engine, [prompt], greedy)
+    assert len(text) > 6
+    stop = text[4:7]
+    stopped = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, skip_special_tokens=False, stop=[stop])
+
+    async def stream():
+        return [d async for d in engine.generate("stop", prompt, stopped)]
+
+    deltas = asyncio.run(stream())
+    streamed = "".join(d.text for d in deltas)
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == stop
+    assert streamed == text[: text.index(stop)]
+    assert all(stop not in d.text for d in deltas)
+
+
+def test_logit_bias_min_tokens_and_stop_token_ids(engine):
+    prompt = prompts_of(1, seed=14)[0]
+    forced = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={65: 100.0}, stop_token_ids=[65], min_tokens=3, ignore_eos=True)
+    (ids, _, last), = run(engine, [prompt], forced)
+    assert 65 not in ids[:3] and ids[3] == 65 and len(ids) == 4
+    assert last.finish_reason == "stop" and last.stop_reason == 65
+
+
+def test_abort_frees_blocks(engine):
+    prompt = prompts_of(1, seed=15)[0]
+
+    async def main():
+        gen = engine.generate("to-abort", prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        async for _ in gen:
+            break
+        await gen.aclose()  # a client going away
+
+    asyncio.run(main())
+    assert_pool_idle(engine)
+
+
+def test_validation_errors(engine):
+    from kiln.engine.sampling import SamplingError
+
+    with pytest.raises(SamplingError, match="maximum context length"):
+        engine.validate([5] * 10, SamplingParams(max_tokens=engine.max_model_len))
+    with pytest.raises(SamplingError):
+        engine.validate([], SamplingParams())
+    with pytest.raises(SamplingError):
+        engine.validate([999999], SamplingParams())
+
+
+def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
+    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=32, allow_live_capture=False, **SMALL))
+    try:
+        prompt = prompts_of(1, seed=16, lo=20, hi=21)[0]
+        greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        (_, _, last), = run(eng, [prompt], greedy)
+        assert last.finish_reason == "error" and isinstance(last.error, CaptureRefused)
+        eng.runner.warm(eng.runner.warmup_shapes(64))
+        compiled = set(eng.runner.compiled)
+        outs = run(eng, prompts_of(3, seed=17, lo=10, hi=30), greedy)  # mixed batches split into warm buckets
+        assert all(o[2].finish_reason == "length" for o in outs)
+        assert eng.runner.compiled == compiled
+    finally:
+        eng.shutdown()
