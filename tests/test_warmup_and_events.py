@@ -1,0 +1,82 @@
+"""`kiln warmup` fills JAX's persistent cache (a second process compiles nothing) and the
+engine publishes its prefix-cache blocks as vLLM-format KV events over ZMQ."""
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+
+import msgpack
+import zmq
+
+from kiln.engine.engine import Engine, EngineConfig
+from kiln.engine.sampling import SamplingParams
+
+
+def _env(tmp_path, model_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(
+        KILN_MODEL_PATH=str(model_path),
+        KILN_CACHE_DIR=str(tmp_path / "cache"),
+        KILN_ENGINE_DECODE_ROW_BUCKETS="1,4",
+        KILN_ENGINE_PREFILL_TOKEN_BUCKETS="16,32",
+        KILN_ENGINE_MAX_NUM_SEQS="4",
+        KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="32",
+        KILN_ENGINE_NUM_KV_BLOCKS="64",
+        KILN_ENGINE_WARMUP_CONTEXT_TOKENS="64",
+        JAX_PLATFORMS="cpu",
+    )
+    return env
+
+
+def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
+    env = _env(tmp_path, tiny_model.source)
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", "kiln", "warmup"], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        m = re.search(r"warmup: (\d+) step buckets ready .*\((\d+) executables compiled, (\d+) loaded from cache\)", proc.stdout)
+        assert m, proc.stdout + proc.stderr[-2000:]
+        runs.append(tuple(int(x) for x in m.groups()))
+    (buckets, compiled1, _), (buckets2, compiled2, loaded2) = runs
+    assert buckets == buckets2 and buckets > 4
+    assert compiled1 >= buckets
+    assert compiled2 == 0 and loaded2 >= buckets
+    assert any((tmp_path / "cache" / "jax").iterdir())
+
+
+def test_engine_publishes_kv_events(tiny_model):
+    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=8, block_size=16, row_buckets=(1, 2), token_buckets=(16, 32, 64),
+                                          max_num_seqs=2, max_num_batched_tokens=64, kv_events_endpoint="tcp://127.0.0.1:*"))
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(eng.publisher.endpoint)
+    try:
+        asyncio.run(asyncio.sleep(0.3))  # let the subscription reach the publisher
+        prompt = list(range(10, 60))  # 50 tokens: 3 full blocks
+
+        async def go(rid, p):
+            async for _ in eng.generate(rid, p, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)):
+                pass
+
+        asyncio.run(go("a", prompt))
+        # a second, different long prompt forces evictions in the 7-block pool
+        asyncio.run(go("b", list(range(100, 190))))
+        events = []
+        poller = zmq.Poller()
+        poller.register(sub, zmq.POLLIN)
+        while poller.poll(1000):
+            topic, seq, payload = sub.recv_multipart()
+            assert len(seq) == 8
+            ts, batch, rank = msgpack.unpackb(payload)
+            events += batch
+        stored = [e for e in events if e[0] == "BlockStored"]
+        removed = [e for e in events if e[0] == "BlockRemoved"]
+        assert stored and stored[0][3] == prompt[:48] and stored[0][2] is None and stored[0][4] == 16
+        assert len(stored[0][1]) == 3
+        assert removed and set(removed[0][1]) <= {h for e in stored for h in e[1]}
+    finally:
+        sub.close(0)
+        eng.shutdown()
