@@ -84,6 +84,8 @@ class Engine:
             allow_live_capture=config.allow_live_capture, kv_dtype=model.dtype), eos)
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_adds = 0  # submitted, not yet seen by the engine thread
+        self._pending_lock = threading.Lock()
         self._wake = threading.Event()
         self._outputs: dict[str, OutputState] = {}
         self._sinks: dict[str, Callable[[Delta], None]] = {}
@@ -123,6 +125,8 @@ class Engine:
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
             req = Request(rid, list(prompt_ids), params, seed=(base_seed + i) % (1 << 64), adapter_slot=adapter_slot,
                           adapter_name=adapter_name, cache_salt=cache_salt, group_id=request_id if params.n > 1 else None)
+            with self._pending_lock:
+                self._pending_adds += 1
             self._inbox.put(("add", req, sink, i))
             ids.append(rid)
         self._wake.set()
@@ -154,6 +158,9 @@ class Engine:
             if remaining:
                 self.abort(request_id)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -161,10 +168,14 @@ class Engine:
         if self.publisher:
             self.publisher.close()
 
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued in the scheduler or not yet picked up."""
+        return len(self.scheduler.waiting) + self._pending_adds
+
     def live_stats(self) -> dict:
         return {
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "waiting": self.num_waiting(),
             "kv_usage": self.pool.usage(),
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
@@ -195,6 +206,8 @@ class Engine:
             kind = item[0]
             if kind == "add":
                 _, req, sink, index = item
+                with self._pending_lock:
+                    self._pending_adds -= 1
                 req.index = index
                 self._requests[req.request_id] = req
                 self._sinks[req.request_id] = sink

@@ -1,0 +1,116 @@
+"""Request bodies of the OpenAI-compatible API (msgspec structs: validation + OpenAPI schema).
+
+Fields follow OpenAI's API plus vLLM's sampling extras; unknown fields are ignored as
+OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(Struct, kw_only=True):
+    """Shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    cache_salt: str | None = None
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: str | list[Any]  # a string, strings, token ids, or lists of token ids
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+class RenderRequest(Struct, kw_only=True):
+    """A chat (messages) or completion (prompt) body; everything else in it is ignored."""
+
+    model: str | None = None
+    messages: list[ChatMessage] | None = None
+    prompt: str | list[int] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the plain dicts chat templates expect (text parts joined)."""
+    out = []
+    for m in messages:
+        d = {k: v for k, v in msgspec.structs.asdict(m).items() if v is not None}
+        if isinstance(m.content, list):
+            d["content"] = "".join(p.text or "" for p in m.content if p.type == "text")
+        elif m.content is None:
+            d["content"] = ""
+        out.append(d)
+    return out

@@ -1,0 +1,60 @@
+"""Starts a real `python -m kiln.server` on loopback for tests, and stops it with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_path: str, cache_dir: str, **env_overrides: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+        env.update(
+            JAX_PLATFORMS="cpu",
+            KILN_MODEL_PATH=model_path,
+            KILN_CACHE_DIR=cache_dir,
+            KILN_SERVER_PORT=str(self.port),
+            KILN_ENGINE_DECODE_ROW_BUCKETS="1,2,4,8",
+            KILN_ENGINE_PREFILL_TOKEN_BUCKETS="16,32,64",
+            KILN_ENGINE_MAX_NUM_SEQS="8",
+            KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="64",
+            KILN_ENGINE_NUM_KV_BLOCKS="128",
+        )
+        env.update(env_overrides)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()[-4000:]}")
+            try:
+                httpx.get(self.url + "/health", timeout=2)  # any answer: up (maintenance answers 503)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("server did not start in time")
+
+    def stop(self, timeout: float = 60) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode, self.proc.stdout.read()
