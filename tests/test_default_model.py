@@ -39,8 +39,8 @@ def hf_greedy(model, ids, n):
     out, past, x = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
-            res = model(input_ids=x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(input_ids=x, cache=past, use_cache=True)
+            past = res.cache
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
             x = torch.tensor([[nxt]])
