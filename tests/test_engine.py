@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from conftest import jit_forward
 
-from kiln.engine.engine import CaptureRefused, Engine, EngineConfig
+from kiln.engine.engine import Engine, EngineConfig
+from kiln.engine.runner import GraphCaptureDisabled
 from kiln.engine.sampling import SamplingParams
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
@@ -205,7 +206,7 @@ def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
         prompt = prompts_of(1, seed=16, lo=20, hi=21)[0]
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         (_, _, last), = run(eng, [prompt], greedy)
-        assert last.finish_reason == "error" and isinstance(last.error, CaptureRefused)
+        assert last.finish_reason == "error" and isinstance(last.error, GraphCaptureDisabled)
         eng.runner.warm(eng.runner.warmup_shapes(64))
         compiled = set(eng.runner.compiled)
         outs = run(eng, prompts_of(3, seed=17, lo=10, hi=30), greedy)  # mixed batches split into warm buckets

@@ -45,10 +45,6 @@ class EngineRequestError(Exception):
     """A request failed inside the engine (HTTP 500 for that request only)."""
 
 
-class CaptureRefused(Exception):
-    """The batch needed an uncompiled bucket while live graph capture is off (HTTP 503)."""
-
-
 @dataclasses.dataclass
 class EngineStats:
     prompt_tokens: int = 0
@@ -255,7 +251,7 @@ class Engine:
             results, prompt_lps = self.runner.run(batch.rows)
         except GraphCaptureDisabled as exc:
             for req, _ in batch.rows:
-                self._finish(req, "error", CaptureRefused(str(exc)))
+                self._finish(req, "error", exc)
             return
         except Exception as exc:  # a failed step fails its rows, never the process
             log.exception("step failed")

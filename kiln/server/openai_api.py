@@ -120,10 +120,10 @@ def usage(finals: list[Delta], prompt_lens: list[int]) -> dict:
 
 def raise_if_failed(delta: Delta) -> None:
     if delta.finish_reason == "error":
-        from kiln.engine.engine import CaptureRefused
+        from kiln.engine.runner import GraphCaptureDisabled
         from kiln.errors import AdmissionRejected
 
-        if isinstance(delta.error, CaptureRefused):
+        if isinstance(delta.error, GraphCaptureDisabled):
             raise AdmissionRejected(str(delta.error), "graph_capture_disabled")
         raise RequestFailed(str(delta.error or "request failed"))
 
