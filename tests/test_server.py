@@ -272,7 +272,7 @@ def test_schemathesis_finds_no_server_errors(server):
     cmd = [exe] if exe else [sys.executable, "-m", "schemathesis.cli"]
     proc = subprocess.run([*cmd, "run", server.url + "/schema/openapi.json", "--checks", "not_a_server_error",
                            "--max-examples", "15", "--url", server.url,
-                           "--request-timeout", "300"]  # a fuzzed body may ask for n=128 long completions,
+                           "--request-timeout", "300"],  # a fuzzed body may ask for n=128 long completions
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
     import re
