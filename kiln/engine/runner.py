@@ -219,26 +219,37 @@ class Runner:
     # ---- step --------------------------------------------------------------------------
 
     def run(self, rows: list[tuple[Request, int]]) -> tuple[list[RowResult], dict[int, tuple]]:
-        """Runs one step. Returns per-row results and, for rows that asked for prompt
-        logprobs, {row index: (target logprobs, top ids, top logprobs, target ids)}."""
+        """Runs one scheduled batch. Returns per-row results and, for rows that asked for prompt
+        logprobs, {row index: (target logprobs, top ids, top logprobs, target ids)}.
+
+        Attention pads every row to the longest new-token run, so decode rows sharing a step
+        with a long prefill chunk would each pay for the chunk's length: such a batch runs as
+        a decode step plus a prefill step instead (also the fallback when live capture is off)."""
+        n_rows = len(rows)
+        longest = max(n for _, n in rows)
+        mixed = longest > 1 and any(n == 1 for _, n in rows)
+        if mixed and n_rows * longest > 2 * sum(n for _, n in rows):
+            return self._run_groups(rows, self._split(rows))
         try:
             shape = self.resolve(self.shape_for(rows))
         except GraphCaptureDisabled:
-            if len(rows) == 1:
+            if n_rows == 1:
                 raise
-            return self._run_split(rows)
+            return self._run_groups(rows, [[i] for i in range(n_rows)] if not mixed else self._split(rows))
         return self._run_shape(rows, shape)
 
-    def _run_split(self, rows):
-        """Without live capture, a mixed batch runs as its decode rows plus one step per prefill row,
-        so the compiled decode and single-row prefill buckets cover it."""
+    @staticmethod
+    def _split(rows) -> list[list[int]]:
         decode = [i for i, (_, n) in enumerate(rows) if n == 1]
-        groups = ([decode] if decode else []) + [[i] for i, (_, n) in enumerate(rows) if n != 1]
+        prefill = [i for i, (_, n) in enumerate(rows) if n != 1]
+        return [g for g in (decode, prefill) if g]
+
+    def _run_groups(self, rows, groups: list[list[int]]):
         results: list = [None] * len(rows)
         prompt_out: dict[int, tuple] = {}
         for group in groups:
             sub = [rows[i] for i in group]
-            res, prompt = self._run_shape(sub, self.resolve(self.shape_for(sub)))
+            res, prompt = self.run(sub) if len(group) < len(rows) else self._run_shape(sub, self.resolve(self.shape_for(sub)))
             for j, i in enumerate(group):
                 results[i] = res[j]
                 if j in prompt:
