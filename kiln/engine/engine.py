@@ -332,5 +332,5 @@ class Engine:
             self.runner.kv = init_kv_cache(self.model.config, self.config.num_kv_blocks, self.config.block_size,
                                            self.runner.kv.k.dtype)
             for req in list(self.scheduler.running):
-                self.scheduler._preempt(req)
+                self.scheduler.preempt(req)
             self.pool.reset_prefix_cache()

@@ -51,7 +51,7 @@ class Scheduler:
     def _blocks_needed(self, req: Request, upto: int) -> int:
         return max(0, math.ceil(upto / self.block_size) - len(req.block_ids))
 
-    def _preempt(self, req: Request) -> None:
+    def preempt(self, req: Request) -> None:
         """Free and recompute later: the request returns to the front of the queue."""
         self.running.remove(req)
         self.pool.release(req.block_ids)
@@ -74,7 +74,7 @@ class Scheduler:
             need = self._blocks_needed(req, req.num_computed + n)
             while need > self.pool.num_free:
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
