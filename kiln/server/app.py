@@ -328,15 +328,9 @@ async def completions(request: Request, data: CompletionRequest) -> Response | S
             text = prompt_text + text
         if data.logprobs is not None:
             items = lps[idx]
-            if data.echo:
-                first = oa.TokenLogprob(prompt_ids[0], None, []) if prompt_ids else None
-                items = [first, *(prompt_lps[idx] or [])[1:], *items]
-                logprobs = oa.completion_logprobs(st.tokenizer, items)
-                logprobs["token_logprobs"][0] = None
-                if logprobs["top_logprobs"]:
-                    logprobs["top_logprobs"][0] = None
-            else:
-                logprobs = oa.completion_logprobs(st.tokenizer, items)
+            if data.echo:  # the first prompt token has no logprob; the rest come from prompt logprobs
+                items = [oa.TokenLogprob(prompt_ids[0], None, []), *(prompt_lps[idx] or [])[1:], *items]
+            logprobs = oa.completion_logprobs(st.tokenizer, items)
         choices.append({"index": idx, "text": text, "logprobs": logprobs, "finish_reason": finals[idx].finish_reason,
                         "stop_reason": finals[idx].stop_reason})
     return Response({"id": rid, "object": "text_completion", "created": oa.now(), "model": st.model_id, "choices": choices,

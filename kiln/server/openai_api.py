@@ -94,12 +94,10 @@ def chat_logprobs(tok: KilnTokenizer, items: list[TokenLogprob]) -> dict:
     return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in items]}
 
 
-def completion_logprobs(tok: KilnTokenizer, items: list[TokenLogprob | None], offset0: int = 0) -> dict:
+def completion_logprobs(tok: KilnTokenizer, items: list[TokenLogprob], offset0: int = 0) -> dict:
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = offset0
     for t in items:
-        if t is None:  # the first prompt token has no logprob
-            continue
         text = _token_text(tok, t.token_id)
         tokens.append(text)
         token_lps.append(t.logprob)
