@@ -55,6 +55,7 @@ class Request:
     block_ids: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full, cached blocks
     num_cached_prompt_tokens: int = 0
+    lookup_hashes: tuple[int, list[int]] | None = None  # (tokens hashed, hashes) for prefix lookups
     num_preemptions: int = 0
     finish_reason: str | None = None
     timing: Timing = dataclasses.field(default_factory=Timing)

@@ -122,8 +122,10 @@ class Scheduler:
             return []  # prompt logprobs need every prompt position computed
         # leave at least one token to compute, so the step yields logits to sample from
         usable = (req.num_tokens - 1) // self.block_size
-        hashes = block_hashes(req.all_ids[: usable * self.block_size], self.block_size, req.hash_extra)
-        return self.pool.lookup(hashes)
+        if req.lookup_hashes is None or req.lookup_hashes[0] != usable:  # a blocked head retries every step
+            tokens = req.all_ids[: usable * self.block_size]
+            req.lookup_hashes = (usable, block_hashes(tokens, self.block_size, req.hash_extra))
+        return self.pool.lookup(req.lookup_hashes[1])
 
     def _sibling_prefilling(self, req: Request) -> bool:
         if req.group_id is None or req.num_preemptions:
