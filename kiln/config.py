@@ -112,7 +112,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "seed", "int", 0, None, "base seed for sampling"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
-    Key("adapters", "store", "str", "", None, "adapter directory; empty = <cache dir>/adapters"),
+    Key("adapters", "store", "str", "", None, "adapter store (path or orbax URL); empty = <cache dir>/adapters"),
+    Key("adapters", "load", "list[str]", [], None, "adapters loaded at startup: \"name\" (from the store) or \"name=path\""),
     Key("cache", "dir", "str", "", None, "cache directory; empty = $XDG_CACHE_HOME/kiln or ~/.cache/kiln"),
     Key("cache", "compilation_dir", "str", "", None, "JAX persistent compilation cache; empty = <cache dir>/jax"),
 )
@@ -240,8 +241,11 @@ class Settings:
     def compilation_dir(self) -> Path:
         return Path(self.cache.compilation_dir).expanduser() if self.cache.compilation_dir else self.cache_dir() / "jax"
 
-    def adapter_store(self) -> Path:
-        return Path(self.adapters.store).expanduser() if self.adapters.store else self.cache_dir() / "adapters"
+    def adapter_store(self) -> str:
+        """A local path or any URL orbax accepts (gs://..., a shared filesystem)."""
+        if not self.adapters.store:
+            return str(self.cache_dir() / "adapters")
+        return self.adapters.store if "://" in self.adapters.store else str(Path(self.adapters.store).expanduser())
 
     def to_json(self) -> dict[str, Any]:
         """The `kiln config --json` / `/v1/config` object; secrets are redacted."""

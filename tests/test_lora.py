@@ -52,7 +52,7 @@ def test_rows_with_different_adapters_equal_merged_weights(model):
         1: (random_adapter(cfg, 4, TARGET_MODULES, seed=1), 2.0),  # rank below the slot rank
         2: (random_adapter(cfg, 8, ("q_proj", "v_proj", "down_proj"), seed=2), 0.5),
     }
-    state = empty_lora_state(cfg, n_slots=4, rank=8)
+    state = empty_lora_state(cfg, n_slots=3, rank=8)
     for slot, (adapter, scale) in adapters.items():
         state = set_slot(state, slot, adapter, scale)
     rng = np.random.RandomState(0)
@@ -73,10 +73,15 @@ def test_rows_with_different_adapters_equal_merged_weights(model):
 def test_slot_rules(model):
     cfg, _ = model
     state = empty_lora_state(cfg, n_slots=2, rank=4, modules=("q_proj",))
-    with pytest.raises(ValueError, match="slot 0"):
+    with pytest.raises(ValueError, match="outside 1..2"):
         set_slot(state, 0, random_adapter(cfg, 4, ("q_proj",), 0), 1.0)
+    with pytest.raises(ValueError, match="outside 1..2"):
+        set_slot(state, 3, random_adapter(cfg, 4, ("q_proj",), 0), 1.0)
     with pytest.raises(ValueError, match="rank 8 exceeds"):
         set_slot(state, 1, random_adapter(cfg, 8, ("q_proj",), 0), 1.0)
     with pytest.raises(ValueError, match="without slots"):
         set_slot(state, 1, random_adapter(cfg, 4, ("v_proj",), 0), 1.0)
     assert float(jnp.abs(state["layers"]["q_proj"]["a"]).sum()) == 0.0
+    state = set_slot(state, 2, random_adapter(cfg, 4, ("q_proj",), 0), 1.5)
+    assert float(jnp.abs(state["layers"]["q_proj"]["a"][:, 0]).sum()) == 0.0  # slot 1 untouched
+    assert float(state["scale"][1]) == 1.5

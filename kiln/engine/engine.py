@@ -7,16 +7,21 @@ loop.call_soon_threadsafe). JAX releases the GIL while a step computes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kiln.engine.kv_cache import BlockPool
+from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.output import Delta, OutputState, TokenLogprob
+from kiln.engine.ownership import Ownership
 from kiln.engine.request import Request, Status
 from kiln.engine.runner import GraphCaptureDisabled, Runner, RunnerConfig
 from kiln.engine.sampling import SamplingError, SamplingParams
@@ -39,6 +44,8 @@ class EngineConfig:
     allow_live_capture: bool = True
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
+    max_loras: int = 4  # LoRA slots resident on the accelerator
+    max_lora_rank: int = 16
 
 
 class EngineRequestError(Exception):
@@ -73,11 +80,14 @@ class Engine:
                               on_removed=self._on_removed if self.publisher else None)
         self._events: list = []
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len), self.pool)
+        self.ownership = Ownership()
+        self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype)
+        self._adapter_waiting: deque[Request] = deque()  # FCFS until their adapter has a slot
         self.runner = Runner(cfg, model.params, RunnerConfig(
             num_blocks=config.num_kv_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=self.max_model_len,
             row_buckets=config.row_buckets, token_buckets=config.token_buckets,
-            allow_live_capture=config.allow_live_capture, kv_dtype=model.dtype), eos)
+            allow_live_capture=config.allow_live_capture, kv_dtype=model.dtype), eos, self.lora_slots)
         self.stats = EngineStats()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # submitted, not yet seen by the engine thread
@@ -109,18 +119,22 @@ class Engine:
             )
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    sink: Callable[[Delta], None], adapter_slot: int = 0, adapter_name: str | None = None,
+                    sink: Callable[[Delta], None], adapter: AdapterWeights | None = None,
                     cache_salt: str | None = None) -> list[str]:
         """Queues a request (n > 1 fans out into siblings sharing the prompt's blocks).
 
-        `sink` is called from the engine thread with every Delta. Returns the child ids."""
+        `sink` is called from the engine thread with every Delta. Returns the child ids.
+        A request on `adapter` keeps that version's weights until it finishes, even if the
+        adapter is replaced or unloaded meanwhile."""
         self.validate(prompt_ids, params)
+        if adapter is not None and adapter.rank > self.config.max_lora_rank:
+            raise SamplingError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.config.max_lora_rank}", "model")
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         ids = []
         for i in range(params.n):
             rid = request_id if params.n == 1 else f"{request_id}-{i}"
-            req = Request(rid, list(prompt_ids), params, seed=(base_seed + i) % (1 << 64), adapter_slot=adapter_slot,
-                          adapter_name=adapter_name, cache_salt=cache_salt, group_id=request_id if params.n > 1 else None)
+            req = Request(rid, list(prompt_ids), params, seed=(base_seed + i) % (1 << 64), adapter=adapter,
+                          cache_salt=cache_salt, group_id=request_id if params.n > 1 else None)
             with self._pending_lock:
                 self._pending_adds += 1
             self._inbox.put(("add", req, sink, i))
@@ -133,10 +147,23 @@ class Engine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
-    def at_boundary(self, fn: Callable[[], None]) -> None:
-        """Runs fn in the engine thread between two steps (weight transitions, resets)."""
-        self._inbox.put(("call", fn))
+    def at_boundary(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Runs fn in the engine thread between two steps (weight transitions, resets);
+        the future carries its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, future))
         self._wake.set()
+        return future
+
+    def place_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
+        """Loads an adapter version into a slot at the next boundary (result: the slot, or
+        None while every slot serves live requests: it then loads on first use)."""
+        return self.at_boundary(lambda: self.lora_slots.place(adapter))
+
+    def retire_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
+        """Unload/replace: new requests cannot select this version; requests already on it
+        finish with it, and its slot frees when the last one ends."""
+        return self.at_boundary(lambda: self.lora_slots.retire(adapter))
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, **kwargs) -> AsyncIterator[Delta]:
         """Streams deltas; closing the iterator early (client gone) aborts the request."""
@@ -166,7 +193,7 @@ class Engine:
 
     def num_waiting(self) -> int:
         """Requests not yet running: queued in the scheduler or not yet picked up."""
-        return len(self.scheduler.waiting) + self._pending_adds
+        return len(self.scheduler.waiting) + len(self._adapter_waiting) + self._pending_adds
 
     def live_stats(self) -> dict:
         return {
@@ -177,6 +204,9 @@ class Engine:
             "kv_blocks_free": self.pool.num_free,
             "prefix_queries": self.pool.stats.prefix_queries,
             "prefix_hits": self.pool.stats.prefix_hits,
+            "lora_slots_used": sum(s is not None for s in self.lora_slots.slots),
+            "lora_slots_total": self.lora_slots.n_slots,
+            "waiting_for_adapter_slot": len(self._adapter_waiting),
             **dataclasses.asdict(self.stats),
         }
 
@@ -208,16 +238,21 @@ class Engine:
                 self._requests[req.request_id] = req
                 self._sinks[req.request_id] = sink
                 self._outputs[req.request_id] = OutputState(req, self.model.tokenizer, self.eos_ids, self.max_model_len)
-                self.scheduler.add(req)
+                if req.adapter is None:
+                    self.scheduler.add(req)
+                else:
+                    self._adapter_waiting.append(req)
             elif kind == "abort":
                 for rid, req in list(self._requests.items()):
                     if rid == item[1] or req.group_id == item[1]:
                         self._finish(req, "abort")
             elif kind == "call":
+                _, fn, future = item
                 try:
-                    item[1]()
-                except Exception:  # a boundary task must not kill the loop
+                    future.set_result(fn())
+                except Exception as exc:  # a boundary task must not kill the loop
                     log.exception("iteration-boundary task failed")
+                    future.set_exception(exc)
 
     def _loop(self) -> None:
         while not self._stop:
@@ -236,8 +271,26 @@ class Engine:
             if delta.finish_reason is None:
                 self._inbox.put(("abort", req.request_id))
 
+    def _admit_adapter_requests(self) -> None:
+        """Gives waiting adapter requests their slot, first come first served: a request whose
+        adapter cannot get a slot yet holds back the ones behind it, so busy slots drain."""
+        while self._adapter_waiting:
+            req = self._adapter_waiting[0]
+            try:
+                slot = self.lora_slots.acquire(req.adapter)
+            except Exception as exc:  # the adapter cannot be placed: fail this request only
+                log.exception("loading adapter %s failed", req.adapter.name)
+                self._finish(req, "error", EngineRequestError(f"loading adapter {req.adapter.name!r} failed: {exc}"))
+                continue
+            if slot is None:
+                return
+            self._adapter_waiting.popleft()
+            req.adapter_slot = slot
+            self.scheduler.add(req)
+
     def _iteration(self) -> None:
         self._drain_inbox()
+        self._admit_adapter_requests()
         if not self.scheduler.has_work():
             self._wake.wait(0.05)
             self._wake.clear()
@@ -248,7 +301,8 @@ class Engine:
             self._fail_unschedulable()
             return
         try:
-            results, prompt_lps = self.runner.run(batch.rows)
+            with self.ownership.inference():
+                results, prompt_lps = self.runner.run(batch.rows)
         except GraphCaptureDisabled as exc:
             for req, _ in batch.rows:
                 self._finish(req, "error", exc)
@@ -302,6 +356,9 @@ class Engine:
                        "cached_tokens": req.num_cached_prompt_tokens}
         delta.metrics = {**req.timing.phases(), "preemptions": req.num_preemptions}
         self.stats.finished += 1
+        if req.adapter_slot:
+            self.lora_slots.release(req.adapter_slot)
+            req.adapter_slot = 0
         self._emit(req, delta)
         self._sinks.pop(req.request_id, None)
         self._outputs.pop(req.request_id, None)
@@ -310,6 +367,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, error: Exception | None = None) -> None:
         if req.status is Status.FINISHED and req.request_id not in self._sinks:
             return
+        if req in self._adapter_waiting:
+            self._adapter_waiting.remove(req)
         self.scheduler.finish(req, reason)
         self._final(req, Delta(req.request_id, req.index, [], "", finish_reason=reason, error=error))
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from kiln.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kiln.engine.lora_slots import AdapterWeights
 
 
 class Status(enum.Enum):
@@ -44,8 +48,8 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int  # always set: the user's seed or a random one drawn at submit time
-    adapter_slot: int = 0
-    adapter_name: str | None = None
+    adapter: AdapterWeights | None = None
+    adapter_slot: int = 0  # set when the engine gives the request a LoRA slot
     cache_salt: str | None = None
     group_id: str | None = None  # siblings of an n > 1 request share their prompt's blocks
     index: int = 0  # choice index among siblings
@@ -71,8 +75,14 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def adapter_name(self) -> str | None:
+        return self.adapter.name if self.adapter is not None else None
+
+    @property
     def hash_extra(self) -> tuple:
-        return (self.adapter_name, self.cache_salt) if (self.adapter_name or self.cache_salt) else ()
+        """Keys the prefix cache: adapters (each version) and cache salts never share KV."""
+        key = self.adapter.key if self.adapter is not None else None
+        return (key, self.cache_salt) if (key or self.cache_salt) else ()
 
     @property
     def in_prefill(self) -> bool:

@@ -37,10 +37,11 @@ class StepShape(NamedTuple):
     blocks: int
     flags: SamplingFlags
     prompt_logprobs: bool
+    lora: bool = False  # some row uses an adapter slot
 
     def fits(self, other: StepShape) -> bool:
         """True if a batch of shape `other` can run padded to this shape."""
-        return (self.flags, self.prompt_logprobs) == (other.flags, other.prompt_logprobs) and all(
+        return (self.flags, self.prompt_logprobs) == (other.flags, other.prompt_logprobs) and self.lora >= other.lora and all(
             a >= b for a, b in zip(self[:4], other[:4], strict=True)
         )
 
@@ -127,7 +128,7 @@ class RowResult:
 
 
 class Runner:
-    def __init__(self, cfg: ModelConfig, params, config: RunnerConfig, eos_ids: tuple[int, ...] = ()):
+    def __init__(self, cfg: ModelConfig, params, config: RunnerConfig, eos_ids: tuple[int, ...] = (), lora_slots=None):
         self.cfg = cfg
         self.params = params
         self.config = config
@@ -137,7 +138,11 @@ class Runner:
         self.token_buckets = tuple(sorted(set(config.token_buckets) | {_pow2(config.max_num_batched_tokens)}))
         self.max_blocks_per_seq = math.ceil(config.max_model_len / config.block_size)
         self.compiled: set[StepShape] = set()
-        self.lora = None
+        self.lora_slots = lora_slots  # LoraSlots: its .state is read at every step
+
+    def _lora(self, shape: StepShape):
+        """Batches without adapter rows run the plain graph (no LoRA work at all)."""
+        return self.lora_slots.state if shape.lora and self.lora_slots is not None else None
 
     # ---- shapes ------------------------------------------------------------------------
 
@@ -159,7 +164,8 @@ class Runner:
             top_logprobs=any((p.logprobs or 0) > 0 for p in params),
         )
         prompt_lp = any(p.prompt_logprobs is not None and r.in_prefill for (r, _), p in zip(rows, params, strict=True))
-        return StepShape(T, S, Q, M, flags, prompt_lp)
+        lora = any(r.adapter_slot for r, _ in rows)
+        return StepShape(T, S, Q, M, flags, prompt_lp, lora)
 
     def resolve(self, shape: StepShape) -> StepShape:
         if shape in self.compiled or self.config.allow_live_capture:
@@ -273,7 +279,7 @@ class Runner:
             t += n
         rs = self._sampling_arrays(rows, shape)
         sampled, prompt, self.kv = model_step(self.params, self.kv, inputs, last_index, rs, targets,
-                                              self.cfg, shape.flags, shape.prompt_logprobs, self.lora)
+                                              self.cfg, shape.flags, shape.prompt_logprobs, self._lora(shape))
         self.compiled.add(shape)
         return self._results(rows, shape, sampled, prompt, targets)
 
@@ -320,6 +326,6 @@ class Runner:
                                 np.zeros((S, shape.blocks), np.int32), np.zeros(S, np.int32))
             rs = self._sampling_arrays([], shape)
             sampled, _, self.kv = model_step(self.params, self.kv, inputs, np.zeros(S, np.int32), rs,
-                                             np.full(T, -1, np.int32), self.cfg, shape.flags, shape.prompt_logprobs, self.lora)
+                                             np.full(T, -1, np.int32), self.cfg, shape.flags, shape.prompt_logprobs, self._lora(shape))
             jax.block_until_ready(sampled.tokens)
             self.compiled.add(shape)

@@ -42,6 +42,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         allow_live_capture=settings.serving_profile.policy.live_graph_capture,
         kv_events_endpoint=e.kv_events_endpoint,
         kv_events_replay_endpoint=e.kv_events_replay_endpoint,
+        max_loras=settings.adapters.max_loras,
+        max_lora_rank=settings.adapters.max_lora_rank,
     )
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.lora import lora_delta
+from kiln.models.lora import lora_delta, slot_onehot
 
 Params = dict
 
@@ -152,7 +152,7 @@ def forward_hidden(
 
     if lora is not None:
         token_slot = inputs.adapter_slots[inputs.token_rows]
-        onehot = jax.nn.one_hot(token_slot, lora["scale"].shape[0], dtype=h.dtype)
+        onehot = slot_onehot(token_slot, lora["scale"].shape[0], h.dtype)
         lora_scale, lora_layers = lora["scale"].astype(h.dtype), lora["layers"]
     else:
         onehot = lora_scale = lora_layers = None

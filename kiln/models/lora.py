@@ -1,12 +1,15 @@
 """LoRA in stacked adapter slots, applied per row (BGMV without a gather of weights).
 
-A LoRA state is {"scale": [n_slots], "layers": {module: {"a": [L, n_slots, in, r],
-"b": [L, n_slots, r, out]}}}. Slot 0 holds zeros, so rows without an adapter add nothing.
-Each token projects through every slot's A (cheap: r is small), keeps only its own slot's
-result via a one-hot mask, and one matmul with all B's stacked yields the delta.
+A LoRA state holds n loadable slots: {"scale": [n], "layers": {module: {"a": [L, n, in, r],
+"b": [L, n, r, out]}}}. Rows name a slot 1..n; slot 0 means "no adapter" and has no storage
+(its one-hot row is all zeros). Each token projects through every slot's A (cheap: r is
+small), keeps only its own slot's result via the one-hot mask, and one matmul with all B's
+stacked yields the delta.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,11 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
+def slot_onehot(token_slots: jax.Array, n_slots: int, dtype) -> jax.Array:
+    """[T] slots (0 = none, 1..n) -> [T, n] mask; slot 0 maps to an all-zero row."""
+    return jax.nn.one_hot(token_slots - 1, n_slots, dtype=dtype)
+
+
 def lora_delta(x: jax.Array, weights: dict, token_slot_onehot: jax.Array, slot_scale: jax.Array) -> jax.Array:
     """x: [T, in]; weights a: [n, in, r], b: [n, r, out]; one-hot: [T, n]; scale: [n] -> [T, out]."""
     xa = jnp.einsum("ti,nir->tnr", x, weights["a"].astype(x.dtype))
@@ -35,7 +43,7 @@ def lora_delta(x: jax.Array, weights: dict, token_slot_onehot: jax.Array, slot_s
 
 
 def empty_lora_state(cfg: ModelConfig, n_slots: int, rank: int, modules=TARGET_MODULES, dtype=jnp.float32) -> dict:
-    """All-zero slots (slot 0 plus n_slots - 1 loadable ones)."""
+    """All-zero state with n_slots loadable slots (rows address them as 1..n_slots)."""
     shapes = module_shapes(cfg)
     layers = {
         m: {
@@ -47,25 +55,48 @@ def empty_lora_state(cfg: ModelConfig, n_slots: int, rank: int, modules=TARGET_M
     return {"scale": jnp.zeros((n_slots,), jnp.float32), "layers": layers}
 
 
-def set_slot(state: dict, slot: int, adapter: dict[str, dict[str, np.ndarray]], scale: float) -> dict:
-    """Returns a state with `adapter` ({module: {"a": [L, in, r'], "b": [L, r', out]}}) in `slot`.
+def num_slots(state: dict) -> int:
+    return int(state["scale"].shape[0])
 
-    Ranks below the slot rank are zero-padded, which leaves the product unchanged.
-    """
-    if slot == 0:
-        raise ValueError("slot 0 is reserved for 'no adapter'")
-    layers = dict(state["layers"])
-    for module, slots in state["layers"].items():
-        a = jnp.zeros(slots["a"].shape[:1] + slots["a"].shape[2:], slots["a"].dtype)
-        b = jnp.zeros(slots["b"].shape[:1] + slots["b"].shape[2:], slots["b"].dtype)
-        if module in adapter:
-            r = adapter[module]["a"].shape[-1]
-            if r > a.shape[-1]:
-                raise ValueError(f"adapter rank {r} exceeds slot rank {a.shape[-1]}")
-            a = a.at[:, :, :r].set(adapter[module]["a"])
-            b = b.at[:, :r, :].set(adapter[module]["b"])
-        layers[module] = {"a": slots["a"].at[:, slot].set(a), "b": slots["b"].at[:, slot].set(b)}
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_slot(state: dict, index, padded: dict, scale) -> dict:
+    layers = {
+        m: {"a": w["a"].at[:, index].set(padded[m]["a"].astype(w["a"].dtype)),
+            "b": w["b"].at[:, index].set(padded[m]["b"].astype(w["b"].dtype))}
+        for m, w in state["layers"].items()
+    }
+    return {"scale": state["scale"].at[index].set(scale), "layers": layers}
+
+
+def set_slot(state: dict, slot: int, adapter: dict[str, dict[str, np.ndarray]], scale: float) -> dict:
+    """Returns the state with `adapter` ({module: {"a": [L, in, r'], "b": [L, r', out]}}) in `slot`.
+
+    Updates in place on the device (the old state is donated). Ranks below the slot rank
+    are zero-padded, which leaves the product unchanged; absent modules get zeros."""
+    n = num_slots(state)
+    if not 1 <= slot <= n:
+        raise ValueError(f"slot {slot} is outside 1..{n} (slot 0 is reserved for 'no adapter')")
     unknown = set(adapter) - set(state["layers"])
     if unknown:
         raise ValueError(f"adapter targets modules without slots: {sorted(unknown)}")
-    return {"scale": state["scale"].at[slot].set(scale), "layers": layers}
+    padded = {}
+    for module, slots in state["layers"].items():
+        L, _, fan_in, rank = slots["a"].shape
+        fan_out = slots["b"].shape[-1]
+        a, b = np.zeros((L, fan_in, rank), np.float32), np.zeros((L, rank, fan_out), np.float32)
+        if module in adapter:
+            r = adapter[module]["a"].shape[-1]
+            if r > rank:
+                raise ValueError(f"adapter rank {r} exceeds slot rank {rank}")
+            if adapter[module]["a"].shape != (L, fan_in, r) or adapter[module]["b"].shape != (L, r, fan_out):
+                raise ValueError(f"{module}: adapter shapes {adapter[module]['a'].shape} / {adapter[module]['b'].shape} "
+                                 f"do not fit the model ({L}, {fan_in}, r) / ({L}, r, {fan_out})")
+            a[:, :, :r], b[:, :r, :] = adapter[module]["a"], adapter[module]["b"]
+        padded[module] = {"a": a, "b": b}
+    return _write_slot(state, jnp.int32(slot - 1), padded, jnp.float32(scale))
+
+
+def clear_slot(state: dict, slot: int) -> dict:
+    """Zeroes a slot's scale so nothing it held can leak into a row (weights stay until overwritten)."""
+    return {**state, "scale": state["scale"].at[slot - 1].set(0.0)}

@@ -15,12 +15,13 @@ from typing import Any
 
 import jax
 import uvicorn
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 from litestar.response import Stream
 
 from kiln import __version__
+from kiln.adapters.registry import AdapterError, AdapterRegistry, LoadedAdapter
 from kiln.config import Settings
 from kiln.engine.engine import Engine
 from kiln.errors import (
@@ -36,11 +37,14 @@ from kiln.profiles import ServingProfile, log_startup
 from kiln.server import openai_api as oa
 from kiln.server.metrics import Metrics
 from kiln.server.schemas import (
+    AdapterLoadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     RenderRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 
 log = logging.getLogger("kiln.server")
@@ -53,6 +57,7 @@ class ServerState:
     engine: Engine
     metrics: Metrics
     model_id: str
+    adapters: AdapterRegistry
     prewarm: str = "pending"  # pending | done | skipped
 
     @property
@@ -71,18 +76,24 @@ class ServerState:
         if self.engine.num_waiting() >= self.settings.server.max_waiting_requests:
             raise QueueFull("too many requests are waiting; retry later")
 
-    def check_model(self, model: str | None) -> None:
-        if model not in (None, "", self.model_id):
+    def check_model(self, model: str | None) -> LoadedAdapter | None:
+        """The adapter a request's `model` selects (None: the base model)."""
+        if model in (None, "", self.model_id):
+            return None
+        adapter = self.adapters.get(model)
+        if adapter is None:
             raise NotFound(f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        return adapter
 
-    def lineage(self) -> dict[str, Any]:
+    def lineage(self, adapter: LoadedAdapter | None = None) -> dict[str, Any]:
         m = self.engine.model
-        return {"model": self.model_id, "weights_digest": m.weights_digest, "adapter": None,
-                "adapter_manifest_digest": None, "serving_profile": self.profile.profile.value,
-                "backend_route": f"xla:{jax.default_backend()}"}
+        return {"model": self.model_id, "weights_digest": m.weights_digest,
+                "adapter": adapter.name if adapter else None,
+                "adapter_manifest_digest": adapter.artifact.manifest_digest if adapter else None,
+                "serving_profile": self.profile.profile.value, "backend_route": f"xla:{jax.default_backend()}"}
 
-    def kiln_object(self, finals) -> dict[str, Any]:
-        return {"latency": [d.metrics for d in finals], "lineage": self.lineage()}
+    def kiln_object(self, finals, adapter: LoadedAdapter | None = None) -> dict[str, Any]:
+        return {"latency": [d.metrics for d in finals], "lineage": self.lineage(adapter)}
 
 
 def _state(request: Request) -> ServerState:
@@ -176,7 +187,58 @@ def models(request: Request) -> dict[str, Any]:
     st = _state(request)
     card = {"id": st.model_id, "object": "model", "created": 0, "owned_by": "kiln", "root": st.model_id,
             "parent": None, "max_model_len": st.engine.max_model_len}
-    return {"object": "list", "data": [card]}
+    adapters = [{"id": a.name, "object": "model", "created": int(a.loaded_at), "owned_by": "kiln", "root": a.source,
+                 "parent": st.model_id, "max_model_len": st.engine.max_model_len} for a in st.adapters.loaded()]
+    return {"object": "list", "data": [card, *adapters]}
+
+
+# ---- adapters ------------------------------------------------------------------------------
+
+
+def _adapter_call(fn, *args, **kwargs):
+    """Registry refusals become OpenAI error bodies with the registry's code."""
+    try:
+        return fn(*args, **kwargs)
+    except AdapterError as exc:
+        if exc.status == 404:
+            raise NotFound(str(exc), code=exc.code) from None
+        if exc.status == 503:
+            raise AdmissionRejected(str(exc), exc.code) from None
+        raise InvalidRequest(str(exc), code=exc.code) from None
+
+
+@get("/v1/adapters", sync_to_thread=True)
+def list_adapters(request: Request) -> dict[str, Any]:
+    st = _state(request)
+    return {"object": "list", "data": st.adapters.describe_all(), "slots": st.engine.lora_slots.resident(),
+            "max_loras": st.engine.config.max_loras, "max_lora_rank": st.engine.config.max_lora_rank}
+
+
+@post("/v1/adapters", status_code=200, sync_to_thread=True)
+def load_adapter(request: Request, data: AdapterLoadRequest) -> dict[str, Any]:
+    st = _state(request)
+    return _adapter_call(st.adapters.load, data.name, data.path, replace=data.replace).describe()
+
+
+@delete("/v1/adapters/{name:str}", status_code=200, sync_to_thread=True)
+def unload_adapter(request: Request, name: str) -> dict[str, Any]:
+    st = _state(request)
+    entry = _adapter_call(st.adapters.unload, name)
+    return {"name": entry.name, "object": "adapter", "unloaded": True}
+
+
+@post("/v1/load_lora_adapter", status_code=200, sync_to_thread=True, media_type="text/plain")
+def load_lora_adapter(request: Request, data: LoadLoraAdapterRequest) -> str:
+    st = _state(request)
+    _adapter_call(st.adapters.load, data.lora_name, data.lora_path, replace=data.load_inplace)
+    return f"Success: LoRA adapter '{data.lora_name}' added successfully."
+
+
+@post("/v1/unload_lora_adapter", status_code=200, sync_to_thread=True, media_type="text/plain")
+def unload_lora_adapter(request: Request, data: UnloadLoraAdapterRequest) -> str:
+    st = _state(request)
+    _adapter_call(st.adapters.unload, data.lora_name)
+    return f"Success: LoRA adapter '{data.lora_name}' removed successfully."
 
 
 @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")
@@ -230,17 +292,19 @@ def render(request: Request, data: RenderRequest) -> dict[str, Any]:
 async def chat_completions(request: Request, data: ChatCompletionRequest) -> Response | Stream:
     st = _state(request)
     st.admit_inference()
-    st.check_model(data.model)
+    adapter = st.check_model(data.model)
     if not data.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     prompt = oa.render_chat(st.tokenizer, data, data.messages)
     params = oa.sampling_params(data, oa.chat_max_tokens(data), oa.chat_logprob_count(data))
     oa.check_sampling(st.engine, prompt, params)
     rid = oa.new_id("chatcmpl")
-    stream = st.engine.generate(rid, prompt, params, cache_salt=data.cache_salt)
+    stream = st.engine.generate(rid, prompt, params, cache_salt=data.cache_salt, adapter=adapter and adapter.weights)
+    model_name = adapter.name if adapter else st.model_id
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return Stream(_chat_stream(st, rid, stream, params, len(prompt), include_usage), media_type="text/event-stream")
+        return Stream(_chat_stream(st, rid, stream, params, len(prompt), include_usage, adapter),
+                      media_type="text/event-stream")
     texts, lps, finals = [""] * params.n, [[] for _ in range(params.n)], [None] * params.n
     async for d in stream:
         oa.raise_if_failed(d)
@@ -252,14 +316,15 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
     choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                 "logprobs": oa.chat_logprobs(st.tokenizer, lps[i]) if params.logprobs is not None else None,
                 "finish_reason": finals[i].finish_reason, "stop_reason": finals[i].stop_reason} for i in range(params.n)]
-    return Response({"id": rid, "object": "chat.completion", "created": oa.now(), "model": st.model_id,
+    return Response({"id": rid, "object": "chat.completion", "created": oa.now(), "model": model_name,
                      "choices": choices, "usage": oa.usage(finals, [len(prompt)]),
-                     "kiln": st.kiln_object(finals)})
+                     "kiln": st.kiln_object(finals, adapter)})
 
 
-async def _chat_stream(st: ServerState, rid: str, stream, params, prompt_len: int, include_usage: bool):
+async def _chat_stream(st: ServerState, rid: str, stream, params, prompt_len: int, include_usage: bool, adapter):
     created = oa.now()
-    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_id}
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created,
+            "model": adapter.name if adapter else st.model_id}
     finals = []
     try:
         for i in range(params.n):
@@ -274,11 +339,12 @@ async def _chat_stream(st: ServerState, rid: str, stream, params, prompt_len: in
                 finals.append(d)
                 st.metrics.observe(d.metrics, d.usage["completion_tokens"], d.finish_reason)
                 if len(finals) == params.n and not include_usage:
-                    chunk["kiln"] = st.kiln_object(finals)
+                    chunk["kiln"] = st.kiln_object(finals, adapter)
             if choice["delta"] or choice["finish_reason"] or choice["logprobs"]:
                 yield oa.sse(chunk)
         if include_usage:
-            yield oa.sse({**base, "choices": [], "usage": oa.usage(finals, [prompt_len]), "kiln": st.kiln_object(finals)})
+            yield oa.sse({**base, "choices": [], "usage": oa.usage(finals, [prompt_len]),
+                          "kiln": st.kiln_object(finals, adapter)})
     except KilnError as exc:
         yield oa.sse(exc.body())
     finally:
@@ -290,7 +356,7 @@ async def _chat_stream(st: ServerState, rid: str, stream, params, prompt_len: in
 async def completions(request: Request, data: CompletionRequest) -> Response | Stream:
     st = _state(request)
     st.admit_inference()
-    st.check_model(data.model)
+    adapter = st.check_model(data.model)
     oa.completion_checks(data)
     prompts = oa.completion_prompts(st.tokenizer, data.prompt)
     params = oa.sampling_params(data, data.max_tokens, data.logprobs)
@@ -299,13 +365,14 @@ async def completions(request: Request, data: CompletionRequest) -> Response | S
     for p in prompts:
         oa.check_sampling(st.engine, p, params)
     rid = oa.new_id("cmpl")
-    streams = [st.engine.generate(f"{rid}-{i}", p, params, cache_salt=data.cache_salt) for i, p in enumerate(prompts)]
+    streams = [st.engine.generate(f"{rid}-{i}", p, params, cache_salt=data.cache_salt, adapter=adapter and adapter.weights)
+               for i, p in enumerate(prompts)]
     merged = oa.merged(streams)
     n = params.n
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return Stream(_completion_stream(st, rid, merged, n, len(prompts), [len(p) for p in prompts], include_usage),
-                      media_type="text/event-stream")
+        return Stream(_completion_stream(st, rid, merged, n, len(prompts), [len(p) for p in prompts], include_usage,
+                                         adapter), media_type="text/event-stream")
     total = n * len(prompts)
     texts, lps, finals, prompt_lps = [""] * total, [[] for _ in range(total)], [None] * total, [None] * total
     async for pi, d in merged:
@@ -333,12 +400,13 @@ async def completions(request: Request, data: CompletionRequest) -> Response | S
             logprobs = oa.completion_logprobs(st.tokenizer, items)
         choices.append({"index": idx, "text": text, "logprobs": logprobs, "finish_reason": finals[idx].finish_reason,
                         "stop_reason": finals[idx].stop_reason})
-    return Response({"id": rid, "object": "text_completion", "created": oa.now(), "model": st.model_id, "choices": choices,
-                     "usage": oa.usage(finals, [len(p) for p in prompts]), "kiln": st.kiln_object(finals)})
+    return Response({"id": rid, "object": "text_completion", "created": oa.now(),
+                     "model": adapter.name if adapter else st.model_id, "choices": choices,
+                     "usage": oa.usage(finals, [len(p) for p in prompts]), "kiln": st.kiln_object(finals, adapter)})
 
 
-async def _completion_stream(st: ServerState, rid, merged, n, n_prompts, prompt_lens, include_usage):
-    base = {"id": rid, "object": "text_completion", "created": oa.now(), "model": st.model_id}
+async def _completion_stream(st: ServerState, rid, merged, n, n_prompts, prompt_lens, include_usage, adapter):
+    base = {"id": rid, "object": "text_completion", "created": oa.now(), "model": adapter.name if adapter else st.model_id}
     finals = []
     total = n * n_prompts
     try:
@@ -352,12 +420,12 @@ async def _completion_stream(st: ServerState, rid, merged, n, n_prompts, prompt_
                 finals.append(d)
                 st.metrics.observe(d.metrics, d.usage["completion_tokens"], d.finish_reason)
                 if len(finals) == total and not include_usage:
-                    chunk["kiln"] = st.kiln_object(finals)
+                    chunk["kiln"] = st.kiln_object(finals, adapter)
             if d.text or d.finish_reason is not None:
                 yield oa.sse(chunk)
         if include_usage:
             yield oa.sse({**base, "choices": [], "usage": oa.usage(finals, prompt_lens),
-                          "kiln": st.kiln_object(finals)})
+                          "kiln": st.kiln_object(finals, adapter)})
     except KilnError as exc:
         yield oa.sse(exc.body())
     finally:
@@ -371,7 +439,8 @@ async def _completion_stream(st: ServerState, rid, merged, n, n_prompts, prompt_
 def create_app(state: ServerState) -> Litestar:
     app = Litestar(
         route_handlers=[health, health_v1, config, models, metrics, tokenize, detokenize, render,
-                        chat_completions, completions],
+                        chat_completions, completions, list_adapters, load_adapter, unload_adapter,
+                        load_lora_adapter, unload_lora_adapter],
         exception_handlers={KilnError: _kiln_error, ValidationException: _validation_error,
                             HTTPException: _http_error, Exception: _unexpected_error},
         before_request=_authorize,
@@ -405,7 +474,20 @@ def prewarm(state: ServerState) -> None:
     log.info("prewarm: %d step buckets ready", len(shapes))
 
 
+def preload_adapters(state: ServerState) -> bool:
+    """Loads `adapters.load` entries ("name" from the store, or "name=path") before serving."""
+    for entry in state.settings.adapters.load:
+        name, _, path = entry.partition("=")
+        try:
+            state.adapters.load(name.strip(), path.strip() or None)
+        except AdapterError as exc:
+            print(f"kiln: error: cannot load adapter {entry!r} (adapters.load): {exc}", file=sys.stderr)
+            return False
+    return True
+
+
 def serve(settings: Settings) -> int:
+    from kiln.adapters.store import AdapterStore
     from kiln.engine.setup import build_engine
 
     logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -416,8 +498,13 @@ def serve(settings: Settings) -> int:
         print(f"kiln: error: cannot load the model: {exc}", file=sys.stderr)
         return 1
     model_id = engine.model.model_id
-    state = ServerState(settings, engine, Metrics(engine, model_id), model_id)
+    registry = AdapterRegistry(engine, AdapterStore(settings.adapter_store()),
+                               settings.serving_profile.policy.adapter_weight_transitions)
+    state = ServerState(settings, engine, Metrics(engine, model_id), model_id, registry)
     prewarm(state)
+    if not preload_adapters(state):
+        engine.shutdown()
+        return 1
     config = uvicorn.Config(create_app(state), host=settings.server.host, port=settings.server.port,
                             log_level=settings.server.log_level, timeout_graceful_shutdown=30, access_log=False)
     log.info("serving %s on http://%s:%d", model_id, settings.server.host, settings.server.port)

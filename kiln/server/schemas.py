@@ -114,3 +114,27 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             d["content"] = ""
         out.append(d)
     return out
+
+
+class AdapterLoadRequest(Struct, kw_only=True):
+    """POST /v1/adapters: `path` is a server-side Kiln artifact or PEFT directory; without it
+    the adapter is loaded from the store. `replace` swaps a loaded adapter's weights."""
+
+    name: str
+    path: str | None = None
+    replace: bool = False
+
+
+class LoadLoraAdapterRequest(Struct, kw_only=True):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str | None = None
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(Struct, kw_only=True):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -1,0 +1,111 @@
+"""Hugging Face PEFT interop: `adapter_config.json` + `adapter_model.safetensors`.
+
+PEFT stores lora_A as [r, in] and lora_B as [out, r] per layer and module under keys like
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`; Kiln keeps
+{module: {"a": [L, in, r], "b": [L, r, out]}} in the HF layout of the base weights, so
+adapters move to and from vLLM and transformers unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from kiln.models.config import ModelConfig
+from kiln.models.lora import TARGET_MODULES, module_shapes
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_PARENT = {m: ("self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for m in TARGET_MODULES}
+
+
+class PeftFormatError(ValueError):
+    """The directory is not a PEFT LoRA adapter Kiln can serve; the message says why."""
+
+
+def is_peft_dir(path: str | Path) -> bool:
+    return (Path(path) / CONFIG).is_file()
+
+
+def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
+    """Returns (weights, info) with info = {rank, alpha, use_rslora, target_modules, base_model, peft_config}."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PeftFormatError(f"{path / CONFIG}: {exc}") from None
+    if config.get("peft_type", "LORA") != "LORA":
+        raise PeftFormatError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
+    unsupported = {
+        "use_dora": bool(config.get("use_dora")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        "bias": config.get("bias", "none") not in (None, "none"),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise PeftFormatError(f"{path}: unsupported PEFT options: {', '.join(bad)}")
+    if not (path / WEIGHTS).is_file():
+        raise PeftFormatError(f"{path}: {WEIGHTS} is missing (pickled adapter_model.bin is not loaded)")
+    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except Exception as exc:  # safetensors raises its own error types for damaged files
+        raise PeftFormatError(f"{path / WEIGHTS}: {exc}") from None
+
+    shapes = module_shapes(cfg)
+    weights: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        m = _KEY.search(key)
+        if m is None:
+            raise PeftFormatError(f"{path}: tensor {key!r} is not a LoRA weight of a decoder projection")
+        layer, module, part = int(m.group(1)), m.group(3), m.group(4)
+        if module not in shapes:
+            raise PeftFormatError(f"{path}: tensor {key!r} targets {module!r}; Kiln adapts {', '.join(TARGET_MODULES)}")
+        if layer >= cfg.num_layers:
+            raise PeftFormatError(f"{path}: tensor {key!r} is for layer {layer}, the model has {cfg.num_layers}")
+        fan_in, fan_out = shapes[module]
+        expected = (rank, fan_in) if part == "A" else (fan_out, rank)
+        if tuple(value.shape) != expected:
+            raise PeftFormatError(f"{path}: tensor {key!r} has shape {tuple(value.shape)}, expected {expected} "
+                                  "for this base model")
+        w = weights.setdefault(module, {"a": np.zeros((cfg.num_layers, fan_in, rank), np.float32),
+                                        "b": np.zeros((cfg.num_layers, rank, fan_out), np.float32)})
+        w["a" if part == "A" else "b"][layer] = np.asarray(value, np.float32).T
+    if not weights:
+        raise PeftFormatError(f"{path}: {WEIGHTS} holds no LoRA weights")
+    info = {"rank": rank, "alpha": alpha, "use_rslora": bool(config.get("use_rslora")),
+            "target_modules": sorted(weights, key=TARGET_MODULES.index),
+            "base_model": config.get("base_model_name_or_path"), "peft_config": config}
+    return weights, info
+
+
+def write_peft(path: str | Path, weights: dict, rank: int, alpha: float, use_rslora: bool, base_model: str) -> Path:
+    """Writes a PEFT LoRA adapter directory that transformers + peft and vLLM load."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for module, w in weights.items():
+        for layer in range(w["a"].shape[0]):
+            prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(w["a"][layer].T, np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(w["b"][layer].T, np.float32)
+    save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora, "target_modules": sorted(weights),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
+        "modules_to_save": None, "layers_to_transform": None, "inference_mode": True, "init_lora_weights": True,
+    }
+    (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return path

@@ -1,0 +1,74 @@
+"""Writer-priority ownership of the accelerator.
+
+Inference steps are readers; writers are operations that change accelerator state
+(adapter slot transitions, training steps, KV resize, allocator reclaim). Writers are
+exclusive and have priority: once a writer waits, no new inference step starts, so the
+writer gets the accelerator at the next iteration boundary; inference resumes when no
+writer is waiting or active. A step therefore never sees a half-applied write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+
+class Ownership:
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._steps = 0  # inference steps in progress
+        self._writer: str | None = None
+        self._waiting: list[str] = []
+        self.writes = 0
+        self.write_wait_s = 0.0  # total time writers waited for a boundary
+        self.write_hold_s = 0.0  # total time writers held the accelerator
+
+    @contextlib.contextmanager
+    def inference(self) -> Iterator[None]:
+        """Held around one inference step; waits while any writer is active or waiting."""
+        with self._cond:
+            while self._writer is not None or self._waiting:
+                self._cond.wait()
+            self._steps += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._steps -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self, what: str) -> Iterator[None]:
+        """Exclusive accelerator access for a writer; never call it while holding `inference`."""
+        t0 = time.monotonic()
+        with self._cond:
+            self._waiting.append(what)
+            try:
+                while self._writer is not None or self._steps:
+                    self._cond.wait()
+            finally:
+                self._waiting.remove(what)
+            self._writer = what
+        t1 = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = None
+                self.writes += 1
+                self.write_wait_s += t1 - t0
+                self.write_hold_s += time.monotonic() - t1
+                self._cond.notify_all()
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {
+                "active_writer": self._writer,
+                "waiting_writers": list(self._waiting),
+                "inference_steps_running": self._steps,
+                "writes": self.writes,
+                "write_wait_s": round(self.write_wait_s, 6),
+                "write_hold_s": round(self.write_hold_s, 6),
+            }
