@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -25,6 +26,7 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
         env.update(
             JAX_PLATFORMS="cpu",
+            PYTHONFAULTHANDLER="1",  # a hung server dumps every thread's stack on SIGABRT
             KILN_MODEL_PATH=model_path,
             KILN_CACHE_DIR=cache_dir,
             KILN_SERVER_PORT=str(self.port),
@@ -37,10 +39,15 @@ class ServerProcess:
         env.update(env_overrides)
         self.proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
+        self._output: list[str] = []
+        # drain the pipe all along: a full pipe would block the server's logging
+        self._reader = threading.Thread(target=lambda: self._output.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.proc.stdout.read()[-4000:]}")
+                self._reader.join(5)
+                raise RuntimeError(f"server exited early:\n{''.join(self._output)[-4000:]}")
             try:
                 httpx.get(self.url + "/health", timeout=2)  # any answer: up (maintenance answers 503)
                 return
@@ -55,6 +62,11 @@ class ServerProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode, self.proc.stdout.read()
+                self.proc.send_signal(signal.SIGABRT)  # stacks to the output, then exit
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+        self._reader.join(10)
+        return self.proc.returncode, "".join(self._output)

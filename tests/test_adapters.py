@@ -345,3 +345,73 @@ def test_ownership_is_writer_priority():
     for th in (first, writer, second):
         th.join()
     assert order == ["step1", "write", "step2"]  # the step that came after the writer waited
+
+
+SAVER = """
+import sys, numpy as np
+from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
+from kiln.adapters.store import AdapterStore
+store = AdapterStore(sys.argv[1], keep_versions=100)
+for i in range(1, 1000):
+    rng = np.random.RandomState(i)
+    weights = {"q_proj": {"a": rng.randn(4, 1024, 512).astype(np.float32), "b": rng.randn(4, 512, 1024).astype(np.float32)}}
+    store.save(Manifest(name="job", base_model=BaseModelRef("m", sys.argv[2]), rank=512, alpha=1.0,
+                        target_modules=["q_proj"], weights_digest="", provenance=provenance("test")), weights)
+    print("saved", i, flush=True)
+"""
+
+
+def test_kill_9_during_save_keeps_the_previous_artifact(tmp_path, tiny_model):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(root), tiny_model.weights_digest],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.stdout.readline().split() == ["saved", "1"]
+    caught = None
+    deadline = time.monotonic() + 120
+    while caught is None and time.monotonic() < deadline:  # kill the saver while a version is half written
+        for v in sorted((root / "job").iterdir()):
+            if v.is_dir() and not (v / "manifest.json").exists():
+                proc.send_signal(signal.SIGKILL)
+                caught = v.name
+                break
+        time.sleep(0.001)
+    proc.wait()
+    assert caught is not None, "never observed a save in progress"
+    store = AdapterStore(root)
+    latest = store.latest("job")
+    assert int(latest.version) == int(caught) - 1  # the previous, complete version is current
+    rng = np.random.RandomState(int(latest.version))
+    expected = {"q_proj": {"a": rng.randn(4, 1024, 512).astype(np.float32), "b": rng.randn(4, 512, 1024).astype(np.float32)}}
+    assert latest.manifest.weights_digest == weights_digest(expected)
+    assert weights_digest(load_weights(latest)) == latest.manifest.weights_digest
+    assert store.names() == ["job"]
+    # the next save after the crash succeeds and clears the half-written leftovers
+    again = store.save(_manifest("job", tiny_model), _weights(tiny_model))
+    assert int(again.version) > int(caught)
+    assert not (root / "job" / caught).exists()
+    assert store.latest("job").manifest_digest == again.manifest_digest
+
+
+def test_registry_after_restart_serves_the_store(tiny_model, peft_dirs, tmp_path):
+    """A new process (engine + registry) on the same store finds the imported artifact intact."""
+    root = tmp_path / "store"
+    first = Engine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    try:
+        digest = AdapterRegistry(first, AdapterStore(root)).load("a0", str(peft_dirs["a0"][0])).artifact.manifest_digest
+    finally:
+        first.shutdown()
+    second = Engine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    try:
+        reg = AdapterRegistry(second, AdapterStore(root))
+        assert [(a["name"], a["loaded"]) for a in reg.describe_all()] == [("a0", False)]
+        entry = reg.load("a0")
+        assert entry.artifact.manifest_digest == digest and entry.source == "store"
+        prompt = [7, 44, 101, 9]
+        assert generate(second, [(prompt, GREEDY, entry.weights)])[0][0] == reference_greedy(peft_dirs["a0"][1], prompt, 10)
+    finally:
+        second.shutdown()

@@ -23,6 +23,7 @@ from etils import epath
 from kiln.adapters.manifest import Manifest, manifest_digest, validate_name, weights_digest
 
 log = logging.getLogger("kiln.adapters")
+logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO through absl
 MANIFEST = "manifest.json"
 
 
