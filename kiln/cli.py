@@ -1,4 +1,4 @@
-"""`kiln` command line: config, serve, warmup.
+"""`kiln` command line: config, serve, warmup, adapters.
 
 Every subcommand resolves settings through add_settings_arguments + settings_from_args, so
 `kiln config` shows exactly what `kiln serve` and `kiln warmup` would use.
@@ -104,6 +104,12 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     return warmup(settings) or 0
 
 
+def _cmd_adapters(args: argparse.Namespace) -> int:
+    from kiln.adapters import cli  # lazy: pulls in orbax
+
+    return cli.run(args, settings_from_args(args))
+
+
 def _apply_log_level(settings: Settings) -> None:
     logging.getLogger().setLevel(settings.server.log_level.upper())
 
@@ -124,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warmup", help="compile the configured shape buckets into the persistent cache")
     add_settings_arguments(p)
     p.set_defaults(func=_cmd_warmup)
+
+    from kiln.adapters.cli import add_parser
+
+    add_parser(sub, add_settings_arguments)
+    sub.choices["adapters"].set_defaults(func=_cmd_adapters)
     return parser
 
 

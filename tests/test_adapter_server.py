@@ -72,6 +72,10 @@ def test_load_select_list_unload_and_reload_from_the_store(server, client, adapt
     chunks = list(chat)
     assert chunks[-1].model == "sql" and chunks[-1].model_extra["kiln"]["lineage"]["adapter"] == "sql"
 
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+    assert f'kiln:lora_slots_used{{model_name="{MODEL}"}} 1.0' in metrics
+    assert "kiln:writer_operations_total" in metrics
     listed = httpx.get(server.url + "/v1/adapters").json()
     assert [(a["name"], a["loaded"]) for a in listed["data"]] == [("sql", True)] and listed["max_loras"] == 2
     r = httpx.delete(server.url + "/v1/adapters/sql")

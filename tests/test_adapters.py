@@ -415,3 +415,33 @@ def test_registry_after_restart_serves_the_store(tiny_model, peft_dirs, tmp_path
         assert generate(second, [(prompt, GREEDY, entry.weights)])[0][0] == reference_greedy(peft_dirs["a0"][1], prompt, 10)
     finally:
         second.shutdown()
+
+
+def test_cli_imports_lists_and_exports_peft(tiny_model, peft_dirs, tmp_path, kiln_cache):
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KILN_")}, "JAX_PLATFORMS": "cpu",
+           "KILN_MODEL_PATH": tiny_model.source, "KILN_CACHE_DIR": str(kiln_cache),
+           "KILN_ADAPTERS_STORE": str(tmp_path / "store")}
+
+    def kiln(*args):
+        proc = subprocess.run([sys.executable, "-m", "kiln", "adapters", *args], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        return proc.stdout
+
+    kiln("import", "a1", str(peft_dirs["a1"][0]))
+    (row,) = json.loads(kiln("list", "--json"))
+    assert (row["name"], row["rank"], row["alpha"], row["version"]) == ("a1", 8, 4.0, "000001")
+    kiln("export", "a1", str(tmp_path / "out"))
+    original = load_file(str(peft_dirs["a1"][0] / "adapter_model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert sorted(original) == sorted(exported)
+    for key in original:
+        np.testing.assert_array_equal(original[key], exported[key])
+    proc = subprocess.run([sys.executable, "-m", "kiln", "adapters", "export", "nope", str(tmp_path / "x")], env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "no adapter named 'nope'" in proc.stdout

@@ -31,15 +31,23 @@ def is_peft_dir(path: str | Path) -> bool:
     return (Path(path) / CONFIG).is_file()
 
 
-def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
-    """Returns (weights, info) with info = {rank, alpha, use_rslora, target_modules, base_model, peft_config}."""
-    from safetensors.numpy import load_file
-
+def read_peft_config(path: str | Path) -> dict:
     path = Path(path)
     try:
         config = json.loads((path / CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise PeftFormatError(f"{path / CONFIG}: {exc}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
+        raise PeftFormatError(f"{path / CONFIG}: not a LoRA adapter config (needs a positive integer 'r')")
+    return config
+
+
+def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
+    """Returns (weights, info) with info = {rank, alpha, use_rslora, target_modules, base_model, peft_config}."""
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    config = read_peft_config(path)
     if config.get("peft_type", "LORA") != "LORA":
         raise PeftFormatError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
     unsupported = {

@@ -27,6 +27,24 @@ from kiln.models.lora import TARGET_MODULES
 log = logging.getLogger("kiln.adapters")
 
 
+def import_peft(store: AdapterStore, name: str, path: str | Path, model) -> Artifact:
+    """A PEFT adapter becomes a Kiln artifact in the store, bound to `model` (a LoadedModel)."""
+    weights, info = peft_io.read_peft(path, model.config)
+    manifest = Manifest(
+        name=validate_name(name), base_model=BaseModelRef(model.model_id, model.weights_digest),
+        rank=info["rank"], alpha=info["alpha"], use_rslora=info["use_rslora"], target_modules=info["target_modules"],
+        weights_digest="", provenance=provenance("import:peft"),
+        config={"peft": info["peft_config"], "imported_from": str(path)},
+    )
+    return store.save(manifest, weights)
+
+
+def export_peft(artifact: Artifact, path: str | Path) -> Path:
+    """Writes a Kiln artifact as a PEFT directory (for transformers + peft, vLLM)."""
+    m = artifact.manifest
+    return peft_io.write_peft(path, load_weights(artifact), m.rank, m.alpha, m.use_rslora, m.base_model.id)
+
+
 class AdapterError(Exception):
     """A load/unload the registry refuses; `code` names the reason for the API."""
 
@@ -113,8 +131,12 @@ class AdapterRegistry:
                                   source, time.time())
             self._loaded[name] = entry  # new requests select the new version from here on
             if old is not None:
-                self.engine.retire_adapter(old.weights).result()
-            self.engine.place_adapter(entry.weights).result()  # activate: into a slot at the next boundary
+                self._at_boundary(self.engine.retire_adapter(old.weights))
+            try:
+                self._at_boundary(self.engine.place_adapter(entry.weights))  # activate: into a slot
+            except AdapterError:
+                self._loaded.pop(name, None)  # never leave a name pointing at weights that failed to load
+                raise
             log.info("adapter %s loaded (version %s, %s)%s", name, artifact.version, artifact.manifest_digest[:19],
                      " replacing the previous version" if old else "")
             return entry
@@ -127,11 +149,21 @@ class AdapterRegistry:
             entry = self._loaded.pop(name, None)
             if entry is None:
                 raise AdapterError(f"The lora adapter '{name}' cannot be found.", "adapter_not_found", 404)
-            self.engine.retire_adapter(entry.weights).result()
+            self._at_boundary(self.engine.retire_adapter(entry.weights))
             log.info("adapter %s unloaded", name)
             return entry
 
     # ---- helpers ----------------------------------------------------------------------------
+
+    def _at_boundary(self, future, timeout: float = 300.0):
+        """Waits for an engine-thread transition; failures become API errors."""
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            raise AdapterError("the engine did not reach an iteration boundary in time", "engine_unavailable", 503) from None
+        except Exception as exc:  # the transition itself failed (e.g. out of accelerator memory)
+            raise AdapterError(f"adapter transition failed: {type(exc).__name__}: {exc}", "adapter_transition_failed",
+                               500) from None
 
     def _resolve(self, name: str, path: str | None) -> tuple[Artifact, str]:
         if path is None:
@@ -154,18 +186,11 @@ class AdapterRegistry:
         return artifact, path
 
     def _import_peft(self, name: str, path: Path) -> Artifact:
-        """A PEFT adapter becomes a Kiln artifact in the store, bound to the served model."""
-        weights, info = peft_io.read_peft(path, self.model.config)
-        if info["rank"] > self.engine.config.max_lora_rank:
-            raise AdapterError(f"adapter rank {info['rank']} exceeds max_lora_rank {self.engine.config.max_lora_rank}",
+        rank = peft_io.read_peft_config(path)["r"]
+        if rank > self.engine.config.max_lora_rank:  # refused before anything is written to the store
+            raise AdapterError(f"adapter rank {rank} exceeds max_lora_rank {self.engine.config.max_lora_rank}",
                                "adapter_rank_too_large")
-        manifest = Manifest(
-            name=name, base_model=BaseModelRef(self.model.model_id, self.model.weights_digest),
-            rank=info["rank"], alpha=info["alpha"], use_rslora=info["use_rslora"],
-            target_modules=info["target_modules"], weights_digest="", provenance=provenance("import:peft"),
-            config={"peft": info["peft_config"], "imported_from": str(path)},
-        )
-        return self.store.save(manifest, weights)
+        return import_peft(self.store, name, path, self.model)
 
     def _weights(self, artifact: Artifact) -> dict:
         try:

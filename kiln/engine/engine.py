@@ -207,6 +207,10 @@ class Engine:
             "lora_slots_used": sum(s is not None for s in self.lora_slots.slots),
             "lora_slots_total": self.lora_slots.n_slots,
             "waiting_for_adapter_slot": len(self._adapter_waiting),
+            "running_adapters": sorted({r.adapter_name for r in list(self.scheduler.running) if r.adapter_name}),
+            "waiting_adapters": sorted({r.adapter_name for r in [*self.scheduler.waiting, *self._adapter_waiting]
+                                        if r.adapter_name}),
+            "writer_operations": self.ownership.writes,
             **dataclasses.asdict(self.stats),
         }
 

@@ -53,6 +53,12 @@ class LoraSlots:
         self.loads = 0
         self.evictions = 0
 
+    def ensure_state(self) -> dict:
+        """The stacked slot arrays, allocated (all zero) on first need."""
+        if self.state is None:
+            self.state = empty_lora_state(self.cfg, self.n_slots, self.max_rank, TARGET_MODULES, self.dtype)
+        return self.state
+
     def _find(self, adapter: AdapterWeights) -> int | None:
         for i, s in enumerate(self.slots):
             if s is not None and s.adapter is adapter:
@@ -79,8 +85,7 @@ class LoraSlots:
             if adapter.rank > self.max_rank:
                 raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
             with self.ownership.write(f"load adapter {adapter.name} into slot {i + 1}"):
-                if self.state is None:
-                    self.state = empty_lora_state(self.cfg, self.n_slots, self.max_rank, TARGET_MODULES, self.dtype)
+                self.ensure_state()
                 self.slots[i] = None  # a failed write leaves the slot empty, never half-labelled
                 self.state = set_slot(self.state, i + 1, adapter.weights, adapter.scale)
             self.slots[i] = _Slot(adapter)

@@ -302,9 +302,10 @@ class Runner:
                 t += n
         return results, prompt_out
 
-    def warmup_shapes(self, context_tokens: int) -> list[StepShape]:
+    def warmup_shapes(self, context_tokens: int, lora: bool = False) -> list[StepShape]:
         """The configured buckets: decode (each row bucket) and single-row prefill (each token
-        bucket), for every blocks-per-row bucket up to `context_tokens` of context."""
+        bucket), for every blocks-per-row bucket up to `context_tokens` of context; with `lora`,
+        also the decode buckets of batches that carry adapter rows."""
         B = self.config.block_size
         top = min(_pow2(math.ceil(context_tokens / B)), _pow2(self.max_blocks_per_seq))
         block_buckets = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
@@ -312,6 +313,8 @@ class Runner:
         shapes = [StepShape(s, s, 1, m, flags, False) for s in self.row_buckets for m in block_buckets]
         for t in self.token_buckets:
             shapes += [StepShape(t, 1, t, m, flags, False) for m in block_buckets if m * B >= t]
+        if lora and self.lora_slots is not None:
+            shapes += [StepShape(s, s, 1, m, flags, False, True) for s in self.row_buckets for m in block_buckets]
         return shapes
 
     def warm(self, shapes: list[StepShape]) -> None:
@@ -325,6 +328,8 @@ class Runner:
                                 np.zeros(T, np.int32), np.full((S, shape.query), T, np.int32),
                                 np.zeros((S, shape.blocks), np.int32), np.zeros(S, np.int32))
             rs = self._sampling_arrays([], shape)
+            if shape.lora:
+                self.lora_slots.ensure_state()
             sampled, _, self.kv = model_step(self.params, self.kv, inputs, np.zeros(S, np.int32), rs,
                                              np.full(T, -1, np.int32), self.cfg, shape.flags, shape.prompt_logprobs, self._lora(shape))
             jax.block_until_ready(sampled.tokens)

@@ -17,7 +17,7 @@ def warmup(settings: Settings) -> int:
     engine = build_engine(settings)
     try:
         runner = engine.runner
-        shapes = runner.warmup_shapes(settings.engine.warmup_context_tokens)
+        shapes = runner.warmup_shapes(settings.engine.warmup_context_tokens, lora=True)
         built, hits = COUNTER.builds, COUNTER.cache_hits
         for shape in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
             runner.warm([shape])

@@ -30,6 +30,7 @@ from kiln.errors import (
     KilnError,
     NotFound,
     QueueFull,
+    RequestFailed,
     Unauthorized,
 )
 from kiln.models.errors import ModelLoadError
@@ -204,6 +205,8 @@ def _adapter_call(fn, *args, **kwargs):
             raise NotFound(str(exc), code=exc.code) from None
         if exc.status == 503:
             raise AdmissionRejected(str(exc), exc.code) from None
+        if exc.status == 500:
+            raise RequestFailed(str(exc), code=exc.code) from None
         raise InvalidRequest(str(exc), code=exc.code) from None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -23,6 +25,23 @@ class _EngineCollector:
             "num_requests_waiting": ("Requests waiting to be scheduled", s["waiting"]),
             "kv_cache_usage_perc": ("KV-cache block usage (1 = full)", s["kv_usage"]),
         }
+        # vLLM's adapter gauge: labels carry the adapter names, the value is the scrape time
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests",
+                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        info.add_metric([str(s["lora_slots_total"]), ",".join(s["waiting_adapters"]), ",".join(s["running_adapters"])],
+                        time.time())
+        yield info
+        for name, doc, value in (("lora_slots_used", "LoRA slots holding an adapter", s["lora_slots_used"]),
+                                 ("lora_slots_total", "LoRA slots on the accelerator", s["lora_slots_total"]),
+                                 ("requests_waiting_for_adapter_slot", "Requests waiting for their adapter to get a slot",
+                                  s["waiting_for_adapter_slot"])):
+            g = GaugeMetricFamily(f"kiln:{name}", doc, labels=["model_name"])
+            g.add_metric(label, value)
+            yield g
+        c = CounterMetricFamily("kiln:writer_operations", "Accelerator writer operations (adapter transitions, ...)",
+                                labels=["model_name"])
+        c.add_metric(label, s["writer_operations"])
+        yield c
         counters = {
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", s["prefix_queries"]),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", s["prefix_hits"]),
