@@ -164,21 +164,25 @@ def sample(logits: jax.Array, rs: RowSampling, flags: SamplingFlags) -> Sampled:
     x = x.at[rows, rs.banned_ids].set(-jnp.inf, mode="drop")
     greedy = jnp.argmax(x, axis=-1)
 
-    scaled = x / jnp.maximum(rs.temperature, 1e-5)[:, None]
-    if flags.filtering:
-        sorted_desc = -jnp.sort(-scaled, axis=-1)
-        k = jnp.where(rs.top_k > 0, jnp.minimum(rs.top_k, V), V)
-        kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-        probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-        cum = jnp.cumsum(probs_sorted, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (always the first token)
-        cutoff_idx = jnp.sum(cum - probs_sorted < rs.top_p[:, None], axis=-1) - 1
-        top_p_min = jnp.take_along_axis(sorted_desc, jnp.maximum(cutoff_idx, 0)[:, None], axis=-1)
-        min_p_min = sorted_desc[:, :1] + jnp.log(jnp.maximum(rs.min_p, 1e-30))[:, None]
-        threshold = jnp.maximum(jnp.maximum(kth, top_p_min), jnp.where(rs.min_p[:, None] > 0, min_p_min, -jnp.inf))
-        scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(_row_keys(rs.seed, rs.step))
-    sampled = jnp.argmax(scaled + gumbel, axis=-1)
+    def draw():
+        scaled = x / jnp.maximum(rs.temperature, 1e-5)[:, None]
+        if flags.filtering:
+            sorted_desc = -jnp.sort(-scaled, axis=-1)
+            k = jnp.where(rs.top_k > 0, jnp.minimum(rs.top_k, V), V)
+            kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+            probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+            cum = jnp.cumsum(probs_sorted, axis=-1)
+            # keep the smallest prefix whose mass reaches top_p (always the first token)
+            cutoff_idx = jnp.sum(cum - probs_sorted < rs.top_p[:, None], axis=-1) - 1
+            top_p_min = jnp.take_along_axis(sorted_desc, jnp.maximum(cutoff_idx, 0)[:, None], axis=-1)
+            min_p_min = sorted_desc[:, :1] + jnp.log(jnp.maximum(rs.min_p, 1e-30))[:, None]
+            threshold = jnp.maximum(jnp.maximum(kth, top_p_min), jnp.where(rs.min_p[:, None] > 0, min_p_min, -jnp.inf))
+            scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(_row_keys(rs.seed, rs.step))
+        return jnp.argmax(scaled + gumbel, axis=-1)
+
+    # an all-greedy batch skips the noise and filtering at run time (same executable)
+    sampled = jax.lax.cond(jnp.any(rs.temperature > 0.0), draw, lambda: greedy)
     tokens = jnp.where(rs.temperature == 0.0, greedy, sampled).astype(jnp.int32)
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     if flags.top_logprobs:
