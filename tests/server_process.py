@@ -70,3 +70,10 @@ class ServerProcess:
                     self.proc.wait()
         self._reader.join(10)
         return self.proc.returncode, "".join(self._output)
+
+    def stop_cleanly(self) -> str:
+        """Stops the server and asserts a clean exit (code 0, no traceback in its output)."""
+        code, out = self.stop()
+        assert code == 0, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        return out

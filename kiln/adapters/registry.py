@@ -190,7 +190,13 @@ class AdapterRegistry:
         if rank > self.engine.config.max_lora_rank:  # refused before anything is written to the store
             raise AdapterError(f"adapter rank {rank} exceeds max_lora_rank {self.engine.config.max_lora_rank}",
                                "adapter_rank_too_large")
-        return import_peft(self.store, name, path, self.model)
+        try:
+            return import_peft(self.store, name, path, self.model)
+        except peft_io.PeftFormatError:
+            raise
+        except Exception as exc:  # the store could not be written (permissions, full disk, ...)
+            raise AdapterError(f"cannot write adapter {name!r} to the store {self.store.root}: {exc}",
+                               "adapter_store_error", 500) from None
 
     def _weights(self, artifact: Artifact) -> dict:
         try:
