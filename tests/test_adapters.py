@@ -266,6 +266,9 @@ def test_more_adapters_than_slots_rotate_lru(tiny_model, peft_dirs, tmp_path):
         assert [t[0] for t in together] == [a[0] for a in alone]
         assert eng.lora_slots.evictions >= 2
         assert all(r["requests"] == 0 for r in eng.lora_slots.resident())
+        resident = {r["adapter"] for r in eng.lora_slots.resident()}
+        idle = next(n for n in ("a0", "a1", "a2", "a4") if n not in resident)
+        assert reg.activate(idle) in (1, 2) and idle in {r["adapter"] for r in eng.lora_slots.resident()}
     finally:
         eng.shutdown()
 

@@ -133,13 +133,24 @@ class AdapterRegistry:
             if old is not None:
                 self._at_boundary(self.engine.retire_adapter(old.weights))
             try:
-                self._at_boundary(self.engine.place_adapter(entry.weights))  # activate: into a slot
+                self._activate(entry)
             except AdapterError:
                 self._loaded.pop(name, None)  # never leave a name pointing at weights that failed to load
                 raise
             log.info("adapter %s loaded (version %s, %s)%s", name, artifact.version, artifact.manifest_digest[:19],
                      " replacing the previous version" if old else "")
             return entry
+
+    def activate(self, name: str) -> int | None:
+        """Places a loaded adapter in an accelerator slot now (evicting the least recently used
+        idle one); returns the slot, or None while every slot serves live requests."""
+        entry = self._loaded.get(name)
+        if entry is None:
+            raise AdapterError(f"The lora adapter '{name}' cannot be found.", "adapter_not_found", 404)
+        return self._activate(entry)
+
+    def _activate(self, entry: LoadedAdapter) -> int | None:
+        return self._at_boundary(self.engine.place_adapter(entry.weights))
 
     def unload(self, name: str) -> LoadedAdapter:
         if not self.transitions_allowed:
