@@ -276,7 +276,7 @@ def test_more_adapters_than_slots_rotate_lru(tiny_model, peft_dirs, tmp_path):
 def test_replace_and_unload_never_mix_versions_in_one_request(registry, engine, peft_dirs):
     """A request keeps the version it started with; new requests get the new one."""
     prompt = [11, 22, 33, 44, 55]
-    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
+    long = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True, logprobs=0)
     v1 = registry.load("live", str(peft_dirs["a0"][0])).weights
     pure_v1 = generate(engine, [(prompt, long, v1)])[0][0]
     results = {}
@@ -286,8 +286,10 @@ def test_replace_and_unload_never_mix_versions_in_one_request(registry, engine, 
 
     t = threading.Thread(target=run_long)
     t.start()
-    while engine.lora_slots.resident()[0]["requests"] == 0:
+    deadline = time.monotonic() + 60
+    while not any(r["requests"] for r in engine.lora_slots.resident()) and time.monotonic() < deadline:
         time.sleep(0.005)
+    assert t.is_alive()  # the replacement below lands mid-generation
     v2 = registry.load("live", str(peft_dirs["a1"][0]), replace=True).weights
     after = generate(engine, [(prompt, GREEDY, registry.get("live").weights)])[0][0]
     t.join()
@@ -309,7 +311,8 @@ def test_waiting_writer_gets_the_next_boundary_and_inference_resumes(engine, reg
     results = {}
     t = threading.Thread(target=lambda: results.setdefault("out", generate(engine, [(prompt, long, None)])))
     t.start()
-    while engine.stats.steps < 3:
+    deadline = time.monotonic() + 60
+    while engine.stats.steps < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
     with engine.ownership.write("test writer"):
         frozen = engine.stats.steps
