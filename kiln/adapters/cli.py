@@ -32,9 +32,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     store = AdapterStore(settings.adapter_store())
     try:
         if args.adapters_command == "list":
-            rows = [{"name": a.name, "version": a.version, "manifest_digest": a.manifest_digest, "rank": a.manifest.rank,
-                     "alpha": a.manifest.alpha, "base_model": a.manifest.base_model.id,
-                     "created_at": a.manifest.provenance.created_at, "path": str(a.path)} for a in store.list()]
+            rows = [a.summary() for a in store.list()]
             if args.json:
                 print(json.dumps(rows, indent=2))
             for r in [] if args.json else rows:

@@ -65,11 +65,8 @@ class LoadedAdapter:
         return self.weights.name
 
     def describe(self) -> dict[str, Any]:
-        m = self.artifact.manifest
-        return {"name": self.name, "loaded": True, "source": self.source, "path": str(self.artifact.path),
-                "version": self.artifact.version, "manifest_digest": self.artifact.manifest_digest,
-                "rank": m.rank, "alpha": m.alpha, "target_modules": m.target_modules, "base_model": m.base_model.id,
-                "created_at": m.provenance.created_at, "loaded_at": int(self.loaded_at)}
+        return {**self.artifact.summary(), "name": self.name, "loaded": True, "source": self.source,
+                "loaded_at": int(self.loaded_at)}
 
 
 class AdapterRegistry:
@@ -99,11 +96,7 @@ class AdapterRegistry:
                         "active_requests": slot["requests"] if slot else 0})
         for art in self.store.list():
             if art.name not in self._loaded:
-                m = art.manifest
-                out.append({"name": art.name, "loaded": False, "source": "store", "path": str(art.path),
-                            "version": art.version, "manifest_digest": art.manifest_digest, "rank": m.rank,
-                            "alpha": m.alpha, "target_modules": m.target_modules, "base_model": m.base_model.id,
-                            "created_at": m.provenance.created_at, "slot": None, "active_requests": 0})
+                out.append({**art.summary(), "loaded": False, "source": "store", "slot": None, "active_requests": 0})
         return out
 
     # ---- transitions (blocking; call from a worker thread) --------------------------------

@@ -42,6 +42,13 @@ class Artifact:
     def version(self) -> str:
         return self.path.name
 
+    def summary(self) -> dict[str, Any]:
+        """What listings show of an artifact (API, CLI)."""
+        m = self.manifest
+        return {"name": self.name, "version": self.version, "manifest_digest": self.manifest_digest, "rank": m.rank,
+                "alpha": m.alpha, "target_modules": m.target_modules, "base_model": m.base_model.id,
+                "created_at": m.provenance.created_at, "path": str(self.path)}
+
 
 def read_artifact(path: str | epath.Path) -> Artifact:
     """A version directory, or an adapter directory (its latest complete version)."""
