@@ -27,9 +27,20 @@ from kiln.models.lora import TARGET_MODULES
 log = logging.getLogger("kiln.adapters")
 
 
-def import_peft(store: AdapterStore, name: str, path: str | Path, model) -> Artifact:
-    """A PEFT adapter becomes a Kiln artifact in the store, bound to `model` (a LoadedModel)."""
+class AdapterError(Exception):
+    """A load/unload the registry refuses; `code` names the reason for the API."""
+
+    def __init__(self, message: str, code: str, status: int = 400):
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+def import_peft(store: AdapterStore, name: str, path: str | Path, model, max_rank: int | None = None) -> Artifact:
+    """A PEFT adapter becomes a Kiln artifact in the store, bound to `model` (a LoadedModel).
+    An adapter above `max_rank` is refused before anything is written."""
     weights, info = peft_io.read_peft(path, model.config)
+    if max_rank is not None and info["rank"] > max_rank:
+        raise AdapterError(f"adapter rank {info['rank']} exceeds max_lora_rank {max_rank}", "adapter_rank_too_large")
     manifest = Manifest(
         name=validate_name(name), base_model=BaseModelRef(model.model_id, model.weights_digest),
         rank=info["rank"], alpha=info["alpha"], use_rslora=info["use_rslora"], target_modules=info["target_modules"],
@@ -43,14 +54,6 @@ def export_peft(artifact: Artifact, path: str | Path) -> Path:
     """Writes a Kiln artifact as a PEFT directory (for transformers + peft, vLLM)."""
     m = artifact.manifest
     return peft_io.write_peft(path, load_weights(artifact), m.rank, m.alpha, m.use_rslora, m.base_model.id)
-
-
-class AdapterError(Exception):
-    """A load/unload the registry refuses; `code` names the reason for the API."""
-
-    def __init__(self, message: str, code: str, status: int = 400):
-        super().__init__(message)
-        self.code, self.status = code, status
 
 
 @dataclasses.dataclass
@@ -190,13 +193,9 @@ class AdapterRegistry:
         return artifact, path
 
     def _import_peft(self, name: str, path: Path) -> Artifact:
-        rank = peft_io.read_peft_config(path)["r"]
-        if rank > self.engine.config.max_lora_rank:  # refused before anything is written to the store
-            raise AdapterError(f"adapter rank {rank} exceeds max_lora_rank {self.engine.config.max_lora_rank}",
-                               "adapter_rank_too_large")
         try:
-            return import_peft(self.store, name, path, self.model)
-        except peft_io.PeftFormatError:
+            return import_peft(self.store, name, path, self.model, self.engine.config.max_lora_rank)
+        except (peft_io.PeftFormatError, AdapterError):
             raise
         except Exception as exc:  # the store could not be written (permissions, full disk, ...)
             raise AdapterError(f"cannot write adapter {name!r} to the store {self.store.root}: {exc}",
