@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 
-from kiln.engine.kv_cache import BlockPool
+from kiln.engine.block_pool import BlockPool
 from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.ownership import Ownership
 from kiln.engine.request import Request

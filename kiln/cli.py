@@ -91,7 +91,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _apply_log_level(settings)
-    from kiln.server.app import serve  # lazy: pulls in JAX and the HTTP stack
+    from kiln.server.lifecycle import serve  # lazy: pulls in JAX and the HTTP stack
 
     return serve(settings) or 0
 

@@ -1,9 +1,20 @@
-"""Failure taxonomy: each failure maps to an HTTP status and an OpenAI-style error body.
+"""Kiln's one failure taxonomy.
 
-    {"error": {"message": ..., "type": ..., "code": ..., "param": ...}}
+Every failure is a `KilnError` subclass that carries its HTTP status, its OpenAI error
+`type`, a `code` and the offending `param`, so any layer can raise it and the HTTP layer
+renders it unchanged as `{"error": {"message", "type", "code", "param"}}`:
 
-See DESIGN.md, "Failure boundaries": validation 400/422, admission 503/429 with a code,
-request failure 500 for that request only, device loss 503 everywhere.
+| failure                                  | class                           | status |
+|------------------------------------------|---------------------------------|--------|
+| malformed body, bad parameter            | InvalidRequest and subclasses   | 400    |
+| unknown model, adapter, ...              | NotFound and subclasses         | 404    |
+| admission refused: profile, capture, ... | AdmissionRejected               | 503    |
+| waiting queue full                       | QueueFull                       | 429    |
+| one request failed inside the engine     | RequestFailed                   | 500    |
+| the accelerator is gone                  | DeviceLost                      | 503    |
+
+Startup failures (`ConfigError`, `ModelLoadError`) are KilnErrors too; they end the
+process with a message instead of becoming a response.
 """
 
 from __future__ import annotations
@@ -11,49 +22,51 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 
-class ConfigError(Exception):
-    """A fatal startup configuration error; the message names the source and the value.
-
-    Not an HTTP error: configuration is resolved before the server accepts requests.
-    """
-
-
 class KilnError(Exception):
-    """Base of every error that becomes an HTTP response."""
+    """Base of every Kiln failure."""
 
     status: ClassVar[int] = 500
     type: ClassVar[str] = "internal_error"
     default_code: ClassVar[str | None] = None
+    default_param: ClassVar[str | None] = None
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None):
         super().__init__(message)
         self.message = message
         self.code = code if code is not None else self.default_code
-        self.param = param
+        self.param = param if param is not None else self.default_param
 
     def body(self) -> dict[str, dict[str, Any]]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "code": self.code,
-                "param": self.param,
-            }
-        }
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+# ---- validation: nothing else changes ------------------------------------------------------
 
 
 class InvalidRequest(KilnError):
-    """Malformed body or bad parameter; nothing else changes."""
+    """Malformed body or bad parameter."""
 
     status = 400
     type = "invalid_request_error"
 
 
 class UnprocessableRequest(KilnError):
-    """Well-formed but semantically invalid (e.g. prompt longer than the model's context)."""
+    """Well-formed but semantically invalid."""
 
     status = 422
     type = "invalid_request_error"
+
+
+class TemplateError(InvalidRequest):
+    """The chat template cannot render these messages."""
+
+    default_param = "messages"
+
+
+class InvalidAdapter(InvalidRequest):
+    """An adapter directory or artifact that Kiln cannot read or serve."""
+
+    default_code = "invalid_adapter"
 
 
 class Unauthorized(KilnError):
@@ -70,14 +83,21 @@ class NotFound(KilnError):
     default_code = "not_found"
 
 
+class AdapterNotFound(NotFound):
+    default_code = "adapter_not_found"
+
+
 class PayloadTooLarge(KilnError):
     status = 413
     type = "invalid_request_error"
     default_code = "payload_too_large"
 
 
+# ---- admission: the request was not started -----------------------------------------------
+
+
 class QueueFull(KilnError):
-    """The waiting queue is at server.max_waiting_requests; the request was not started."""
+    """The waiting queue is at server.max_waiting_requests."""
 
     status = 429
     type = "rate_limit_error"
@@ -85,13 +105,19 @@ class QueueFull(KilnError):
 
 
 class AdmissionRejected(KilnError):
-    """Admission refused (profile, memory); the code says why, e.g. "inference_disabled_by_profile"."""
+    """Admission refused (profile, memory, engine state); the code says why."""
 
     status = 503
     type = "service_unavailable"
 
-    def __init__(self, message: str, code: str, *, param: str | None = None):
-        super().__init__(message, code=code, param=param)
+
+class GraphCaptureDisabled(AdmissionRejected):
+    """No compiled step bucket fits the batch and the serving profile forbids compiling one."""
+
+    default_code = "graph_capture_disabled"
+
+
+# ---- failures after admission -------------------------------------------------------------
 
 
 class RequestFailed(KilnError):
@@ -107,3 +133,24 @@ class DeviceLost(KilnError):
     status = 503
     type = "service_unavailable"
     default_code = "device_lost"
+
+
+# ---- startup --------------------------------------------------------------------------------
+
+
+class ConfigError(KilnError):
+    """A fatal configuration error; the message names the source and the value."""
+
+    type = "configuration_error"
+
+
+class ModelLoadError(KilnError):
+    """A model cannot be loaded; the message names the file and, where known, the tensor."""
+
+    type = "model_load_error"
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        self.file = file
+        self.tensor = tensor
+        where = [f"file {file}"] * bool(file) + [f"tensor {tensor}"] * bool(tensor)
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)

@@ -14,17 +14,20 @@ from tiny_models import make_hf_model, save_hf_model
 
 from kiln.adapters import peft_io
 from kiln.adapters.manifest import BaseModelRef, Manifest, provenance, validate_name, weights_digest
-from kiln.adapters.registry import AdapterError, AdapterRegistry
-from kiln.adapters.store import AdapterStore, ArtifactError, load_weights, read_artifact
-from kiln.engine.engine import Engine, EngineConfig
+from kiln.adapters.registry import AdapterRegistry
+from kiln.adapters.store import AdapterStore, load_weights, read_artifact
+from kiln.engine.client import AsyncEngine
+from kiln.engine.config import EngineConfig
 from kiln.engine.ownership import Ownership
 from kiln.engine.sampling import SamplingParams
+from kiln.errors import InvalidAdapter, InvalidRequest, KilnError
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.hf_loader import load_hf_dir
 from kiln.models.lora import empty_lora_state, set_slot
 
-SMALL = dict(block_size=16, row_buckets=(1, 2, 4, 8), token_buckets=(16, 32, 64), max_num_seqs=8, max_num_batched_tokens=64)
+SMALL = dict(block_size=16, decode_row_buckets=(1, 2, 4, 8), prefill_token_buckets=(16, 32, 64), max_num_seqs=8,
+             max_num_batched_tokens=64)
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
@@ -51,7 +54,7 @@ def peft_dirs(hf_tiny, tmp_path_factory):
 
 @pytest.fixture
 def engine(tiny_model):
-    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=64, max_loras=4, max_lora_rank=16, **SMALL))
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, max_loras=4, max_lora_rank=16, **SMALL))
     yield eng
     eng.shutdown()
 
@@ -140,11 +143,11 @@ def test_peft_import_refuses_what_it_cannot_serve(tiny_model, peft_dirs, tmp_pat
         config = json.loads((src / "adapter_config.json").read_text())
         config[option] = value
         (bad / "adapter_config.json").write_text(json.dumps(config))
-        with pytest.raises(peft_io.PeftFormatError, match=option):
+        with pytest.raises(InvalidAdapter, match=option):
             peft_io.read_peft(bad, cfg)
     other = make_hf_model("llama", vocab_size=260, seed=3, hidden_size=32, intermediate_size=64)
     make_peft_adapter(other, tmp_path / "wrong-shapes")
-    with pytest.raises(peft_io.PeftFormatError, match="expected"):
+    with pytest.raises(InvalidAdapter, match="expected"):
         peft_io.read_peft(tmp_path / "wrong-shapes", cfg)
 
 
@@ -184,31 +187,31 @@ def test_store_versions_manifest_and_integrity(tiny_model, tmp_path):
     # a manifest that does not match its checkpoint is refused
     (latest.path / "manifest.json").write_bytes(
         latest.path.joinpath("manifest.json").read_bytes().replace(m.weights_digest.encode(), b"sha256:" + b"0" * 64))
-    with pytest.raises(ArtifactError, match="weights digest"):
+    with pytest.raises(InvalidAdapter, match="weights digest"):
         load_weights(read_artifact(latest.path))
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "", ".hidden", "a..b", "x" * 129, "a b", "a\\b"])
 def test_adapter_names_are_plain_identifiers(name):
-    with pytest.raises(ValueError, match="invalid adapter name"):
+    with pytest.raises(InvalidRequest, match="invalid adapter name"):
         validate_name(name)
 
 
 def test_registry_refuses_foreign_base_and_oversized_rank(registry, tiny_model, tmp_path):
     store = AdapterStore(tmp_path / "elsewhere")
     foreign = store.save(_manifest("foreign", tiny_model, base_digest="sha256:" + "1" * 64), _weights(tiny_model))
-    with pytest.raises(AdapterError, match="was made for base model") as err:
+    with pytest.raises(KilnError, match="was made for base model") as err:
         registry.load("foreign", str(foreign.path))
     assert err.value.code == "adapter_base_model_mismatch"
     big = store.save(_manifest("big", tiny_model, rank=32), _weights(tiny_model, rank=32))
-    with pytest.raises(AdapterError, match="rank 32 exceeds max_lora_rank 16"):
+    with pytest.raises(KilnError, match="rank 32 exceeds max_lora_rank 16"):
         registry.load("big", str(big.path))
-    with pytest.raises(AdapterError) as err:
+    with pytest.raises(KilnError) as err:
         registry.load("nothing", str(tmp_path / "missing"))
     assert err.value.status == 404
-    with pytest.raises(AdapterError, match="invalid adapter name"):
+    with pytest.raises(KilnError, match="invalid adapter name"):
         registry.load("../etc", None)
-    assert registry.loaded() == [] and registry.engine.lora_slots.resident() == []
+    assert registry.loaded() == [] and registry.engine.snapshot["resident_adapters"] == []
 
 
 # ---- serving through the engine -------------------------------------------------------------
@@ -229,9 +232,9 @@ def test_four_adapters_in_one_batch_equal_their_single_requests(registry, engine
     entries = [registry.load(n, str(peft_dirs[n][0])) for n in ("a0", "a1", "a2", "a3")]
     prompts = [[5 + i, 80, 31 * i % 250 + 3, 17, 99, 140 + i] for i in range(5)]
     jobs = [(prompts[i], GREEDY, e.weights) for i, e in enumerate(entries)] + [(prompts[4], GREEDY, None)]
-    steps_before = engine.stats.steps
+    steps_before = engine.snapshot["steps"]
     batched = generate(engine, jobs)
-    assert engine.stats.steps - steps_before <= 12  # all five rows shared the steps
+    assert engine.snapshot["steps"] - steps_before <= 12  # all five rows shared the steps
     singles = [generate(engine, [job])[0] for job in jobs]
     for (ids, lps, _), (ref_ids, ref_lps, _) in zip(batched, singles, strict=True):
         assert ids == ref_ids
@@ -255,20 +258,20 @@ def test_prefix_cache_never_shares_kv_across_adapters_or_versions(registry, engi
 
 
 def test_more_adapters_than_slots_rotate_lru(tiny_model, peft_dirs, tmp_path):
-    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=64, max_loras=2, max_lora_rank=16, **SMALL))
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, max_loras=2, max_lora_rank=16, **SMALL))
     try:
         reg = AdapterRegistry(eng, AdapterStore(tmp_path / "store"))
         entries = [reg.load(n, str(peft_dirs[n][0])) for n in ("a0", "a1", "a2", "a4")]
-        assert len(eng.lora_slots.resident()) == 2
+        assert len(eng.snapshot["resident_adapters"]) == 2
         jobs = [([9, 8, 7, 6, 5 + i], GREEDY, e.weights) for i, e in enumerate(entries)]
         together = generate(eng, jobs)  # four adapters, two slots: the last two wait for a slot
         alone = [generate(eng, [job])[0] for job in jobs]
         assert [t[0] for t in together] == [a[0] for a in alone]
-        assert eng.lora_slots.evictions >= 2
-        assert all(r["requests"] == 0 for r in eng.lora_slots.resident())
-        resident = {r["adapter"] for r in eng.lora_slots.resident()}
+        assert eng.snapshot["lora_evictions"] >= 2
+        assert all(r["requests"] == 0 for r in eng.snapshot["resident_adapters"])
+        resident = {r["adapter"] for r in eng.snapshot["resident_adapters"]}
         idle = next(n for n in ("a0", "a1", "a2", "a4") if n not in resident)
-        assert reg.activate(idle) in (1, 2) and idle in {r["adapter"] for r in eng.lora_slots.resident()}
+        assert reg.activate(idle) in (1, 2) and idle in {r["adapter"] for r in eng.snapshot["resident_adapters"]}
     finally:
         eng.shutdown()
 
@@ -287,7 +290,7 @@ def test_replace_and_unload_never_mix_versions_in_one_request(registry, engine, 
     t = threading.Thread(target=run_long)
     t.start()
     deadline = time.monotonic() + 60
-    while not any(r["requests"] for r in engine.lora_slots.resident()) and time.monotonic() < deadline:
+    while not any(r["requests"] for r in engine.snapshot["resident_adapters"]) and time.monotonic() < deadline:
         time.sleep(0.005)
     assert t.is_alive()  # the replacement below lands mid-generation
     v2 = registry.load("live", str(peft_dirs["a1"][0]), replace=True).weights
@@ -296,10 +299,10 @@ def test_replace_and_unload_never_mix_versions_in_one_request(registry, engine, 
     assert results["long"] == pure_v1  # finished on v1 although v2 arrived mid-generation
     assert after == generate(engine, [(prompt, GREEDY, v2)])[0][0] != pure_v1[:10]
     assert v1.retired and not v2.retired
-    assert [r["version"] for r in engine.lora_slots.resident()] == [v2.version]  # v1's slot freed once idle
+    assert [r["version"] for r in engine.snapshot["resident_adapters"]] == [v2.version]  # v1's slot freed once idle
     registry.unload("live")
-    assert registry.get("live") is None and engine.lora_slots.resident() == []
-    with pytest.raises(AdapterError, match="cannot be found") as err:
+    assert registry.get("live") is None and engine.snapshot["resident_adapters"] == []
+    with pytest.raises(KilnError, match="cannot be found") as err:
         registry.unload("live")
     assert err.value.status == 404
 
@@ -312,16 +315,17 @@ def test_waiting_writer_gets_the_next_boundary_and_inference_resumes(engine, reg
     t = threading.Thread(target=lambda: results.setdefault("out", generate(engine, [(prompt, long, None)])))
     t.start()
     deadline = time.monotonic() + 60
-    while engine.stats.steps < 3 and time.monotonic() < deadline:
+    while engine.snapshot["steps"] < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
-    with engine.ownership.write("test writer"):
-        frozen = engine.stats.steps
+    with engine.core.ownership.write("test writer"):
+        time.sleep(0.05)  # the step that ended as the writer took over publishes its snapshot
+        frozen = engine.snapshot["steps"]
         time.sleep(0.3)
-        assert engine.stats.steps == frozen  # no inference step while the writer holds it
-        assert engine.ownership.snapshot()["active_writer"] == "test writer"
+        assert engine.snapshot["steps"] == frozen  # no inference step while the writer holds it
+        assert engine.core.ownership.snapshot()["active_writer"] == "test writer"
     t.join(timeout=60)
     assert len(results["out"][0][0]) == 60
-    assert engine.ownership.writes >= 1
+    assert engine.core.ownership.writes >= 1
 
 
 def test_ownership_is_writer_priority():
@@ -406,12 +410,12 @@ def test_kill_9_during_save_keeps_the_previous_artifact(tmp_path, tiny_model):
 def test_registry_after_restart_serves_the_store(tiny_model, peft_dirs, tmp_path):
     """A new process (engine + registry) on the same store finds the imported artifact intact."""
     root = tmp_path / "store"
-    first = Engine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    first = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
     try:
         digest = AdapterRegistry(first, AdapterStore(root)).load("a0", str(peft_dirs["a0"][0])).artifact.manifest_digest
     finally:
         first.shutdown()
-    second = Engine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    second = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
     try:
         reg = AdapterRegistry(second, AdapterStore(root))
         assert [(a["name"], a["loaded"]) for a in reg.describe_all()] == [("a0", False)]

@@ -7,19 +7,21 @@ import numpy as np
 import pytest
 from conftest import jit_forward
 
-from kiln.engine.engine import Engine, EngineConfig
-from kiln.engine.runner import GraphCaptureDisabled
+from kiln.engine.client import AsyncEngine
+from kiln.engine.config import EngineConfig
 from kiln.engine.sampling import SamplingParams
+from kiln.errors import GraphCaptureDisabled, InvalidRequest
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.generate import greedy_generate
 
-SMALL = dict(block_size=16, row_buckets=(1, 2, 4, 8), token_buckets=(16, 32, 64), max_num_seqs=8, max_num_batched_tokens=64)
+SMALL = dict(block_size=16, decode_row_buckets=(1, 2, 4, 8), prefill_token_buckets=(16, 32, 64), max_num_seqs=8,
+             max_num_batched_tokens=64)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
     yield eng
     eng.shutdown()
 
@@ -29,7 +31,8 @@ def run(eng, prompts, params, **kw):
 
     async def one(i, p):
         ids, text, last = [], "", None
-        async for d in eng.generate(f"req-{i}-{random.random()}", p, params if isinstance(params, SamplingParams) else params[i], **kw):
+        p_i = params if isinstance(params, SamplingParams) else params[i]
+        async for d in eng.generate(f"req-{i}-{random.random()}", p, p_i, **kw):
             ids += d.token_ids
             text += d.text
             last = d
@@ -46,13 +49,21 @@ def prompts_of(n, seed=0, lo=5, hi=60):
     return [list(rng.randint(3, 250, size=rng.randint(lo, hi))) for _ in range(n)]
 
 
+def pool_state(eng):
+    """(has work, free blocks, usable blocks, referenced blocks), read in the engine thread."""
+    core = eng.core
+    return eng.at_boundary(lambda: (core.has_work(), core.pool.num_free, core.pool.num_blocks,
+                                    sum(b.ref_count > 0 for b in core.pool.blocks))).result(10)
+
+
 def assert_pool_idle(eng):
     for _ in range(200):
-        if not eng.scheduler.has_work():
+        if not pool_state(eng)[0]:
             break
         asyncio.run(asyncio.sleep(0.01))
-    assert eng.pool.num_free == eng.pool.num_blocks
-    assert all(b.ref_count == 0 for b in eng.pool.blocks)
+    _, free, total, referenced = pool_state(eng)
+    assert free == total
+    assert referenced == 0
 
 
 def test_batched_greedy_equals_single_request_greedy(engine, tiny_model):
@@ -68,24 +79,24 @@ def test_batched_greedy_equals_single_request_greedy(engine, tiny_model):
 def test_prefix_hit_reuses_blocks_and_matches_cold_run(engine):
     prompt = prompts_of(1, seed=5, lo=50, hi=51)[0]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    before = engine.pool.stats.prefix_hits
+    before = engine.snapshot["prefix_hits"]
     (cold, _, cold_last), = run(engine, [prompt], greedy)
     (warm, _, warm_last), = run(engine, [prompt], greedy)
     assert warm == cold
     assert cold_last.usage["cached_tokens"] == 0 and warm_last.usage["cached_tokens"] == 48
-    assert engine.pool.stats.prefix_hits - before == 48
+    assert engine.snapshot["prefix_hits"] - before == 48
     # a different cache salt never shares KV
     (_, _, salted), = run(engine, [prompt], greedy, cache_salt="tenant-b")
     assert salted.usage["cached_tokens"] == 0
 
 
 def test_preemption_recomputes_and_frees_everything(tiny_model):
-    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=12, enable_prefix_caching=False, **SMALL))
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=12, enable_prefix_caching=False, **SMALL))
     try:
         prompts = prompts_of(6, seed=2, lo=20, hi=40)
         greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
         outs = run(eng, prompts, greedy)
-        assert eng.stats.preemptions > 0  # 11 usable blocks cannot hold 6 rows of up to 70 tokens
+        assert eng.snapshot["preemptions"] > 0  # 11 usable blocks cannot hold 6 rows of up to 70 tokens
         for p, (ids, _, _) in zip(prompts, outs, strict=True):
             assert ids == greedy_generate(tiny_model.params, tiny_model.config, [p], 30)[0]
         assert_pool_idle(eng)
@@ -190,27 +201,26 @@ def test_abort_frees_blocks(engine):
 
 
 def test_validation_errors(engine):
-    from kiln.engine.sampling import SamplingError
-
-    with pytest.raises(SamplingError, match="maximum context length"):
-        engine.validate([5] * 10, SamplingParams(max_tokens=engine.max_model_len))
-    with pytest.raises(SamplingError):
-        engine.validate([], SamplingParams())
-    with pytest.raises(SamplingError):
-        engine.validate([999999], SamplingParams())
+    with pytest.raises(InvalidRequest, match="maximum context length"):
+        engine.core.validate([5] * 10, SamplingParams(max_tokens=engine.max_model_len))
+    with pytest.raises(InvalidRequest):
+        engine.core.validate([], SamplingParams())
+    with pytest.raises(InvalidRequest):
+        engine.core.validate([999999], SamplingParams())
 
 
 def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
-    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=32, allow_live_capture=False, **SMALL))
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, allow_live_capture=False, **SMALL))
     try:
         prompt = prompts_of(1, seed=16, lo=20, hi=21)[0]
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         (_, _, last), = run(eng, [prompt], greedy)
         assert last.finish_reason == "error" and isinstance(last.error, GraphCaptureDisabled)
-        eng.runner.warm(eng.runner.warmup_shapes(64))
-        compiled = set(eng.runner.compiled)
+        runner = eng.core.runner
+        eng.at_boundary(lambda: runner.warm(runner.warmup_shapes(64))).result()
+        compiled = set(runner.compiled)
         outs = run(eng, prompts_of(3, seed=17, lo=10, hi=30), greedy)  # mixed batches split into warm buckets
         assert all(o[2].finish_reason == "length" for o in outs)
-        assert eng.runner.compiled == compiled
+        assert runner.compiled == compiled
     finally:
         eng.shutdown()

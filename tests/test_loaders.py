@@ -12,9 +12,9 @@ from conftest import jit_forward
 from safetensors.numpy import save_file
 from tiny_models import SPECIALS, make_hf_model, save_hf_model, write_gguf
 
+from kiln.errors import ModelLoadError
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
-from kiln.models.errors import ModelLoadError
 from kiln.models.hf_loader import load_hf_dir
 from kiln.models.loader import cache_dir, load_model
 

@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kiln.engine.sampling import RowSampling, SamplingError, SamplingFlags, SamplingParams, sample
+from kiln.engine.sampling import RowSampling, SamplingFlags, SamplingParams, sample
+from kiln.errors import InvalidRequest
 
 V = 12
 ALL = SamplingFlags(penalties=True, filtering=True, top_logprobs=True)
@@ -82,6 +83,6 @@ def test_bias_banned_and_penalties():
      ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty")],
 )
 def test_parameter_validation(kwargs, param):
-    with pytest.raises(SamplingError) as e:
+    with pytest.raises(InvalidRequest) as e:
         SamplingParams(**kwargs).validate(vocab_size=100)
     assert e.value.param == param

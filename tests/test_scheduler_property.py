@@ -7,12 +7,26 @@ token so the property is about bookkeeping only (the engine tests cover the nume
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.engine.kv_cache import BlockPool
+from kiln.engine.block_pool import BlockPool
+from kiln.engine.config import EngineConfig
 from kiln.engine.request import Request, Status
 from kiln.engine.sampling import SamplingParams
-from kiln.engine.scheduler import Scheduler, SchedulerConfig
+from kiln.engine.scheduler import Scheduler
 
 BLOCK = 4
+
+
+class DeterministicOutput:
+    """Stands in for the model: row i samples a token from its output length."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def token(self, i):
+        return len(self.rows[i][0].output_ids) % 4, 0.0, []
+
+    def prompt_logprobs(self, i):
+        return []
 
 request_st = st.tuples(
     st.integers(0, 6),  # arrival step
@@ -23,10 +37,14 @@ request_st = st.tuples(
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(request_st, min_size=1, max_size=10), st.integers(6, 24), st.booleans(), st.integers(1, 6), st.integers(4, 40))
-def test_no_block_leaks(reqs, num_blocks, caching, max_seqs, budget):
+@given(st.lists(request_st, min_size=1, max_size=10), st.integers(6, 24), st.booleans(), st.integers(1, 6),
+       st.integers(4, 40))
+def test_no_block_leaks(tiny_model, reqs, num_blocks, caching, max_seqs, budget):
     pool = BlockPool(num_blocks, BLOCK, enable_caching=caching)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=64), pool)
+    config = EngineConfig(num_kv_blocks=num_blocks, block_size=BLOCK, max_num_seqs=max_seqs,
+                          max_num_batched_tokens=budget)
+    sched = Scheduler(config, pool, None, max_model_len=64, tokenizer=tiny_model.tokenizer, eos_ids=(),
+                      step_cost=len, fits=lambda rows: True)
     live: list[tuple[Request, int | None]] = []
     pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
     for step in range(400):
@@ -42,18 +60,16 @@ def test_no_block_leaks(reqs, num_blocks, caching, max_seqs, budget):
                 sched.finish(req, "abort")
         if not sched.has_work() and not pending:
             break
-        batch = sched.schedule()
+        plan = sched.schedule()
         # invariant: referenced blocks are exactly those the running requests hold
         held = [b for r in sched.running for b in r.block_ids]
         assert len(held) == len(set(held)) or caching  # shared only through the prefix cache
         assert all(pool.blocks[b].ref_count > 0 for b in held)
-        for r, n in batch.rows:
-            assert r.num_computed + n <= r.num_tokens
-            assert len(r.block_ids) * BLOCK >= r.num_computed + n
-        for req in sched.after_step(batch):
-            req.output_ids.append(len(req.output_ids) % 4)
-            if len(req.output_ids) >= req.params.max_tokens:
-                sched.finish(req, "length")
+        for batch in plan.batches:
+            for r, n in batch.rows:
+                assert r.num_computed + n <= r.num_tokens
+                assert len(r.block_ids) * BLOCK >= r.num_computed + n
+        sched.update_from_output(plan, [DeterministicOutput(b.rows) for b in plan.batches])
     for req, abort_at in live:
         if abort_at is None:  # liveness: every request that fits the pool completes
             assert req.finish_reason == "length", (req.request_id, req.status, req.num_computed)

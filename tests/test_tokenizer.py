@@ -4,8 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kiln.errors import TemplateError
 from kiln.models.loader import convert_gguf, default_model_path
-from kiln.models.tokenizer import IncrementalDetokenizer, KilnTokenizer, TemplateError
+from kiln.models.tokenizer import IncrementalDetokenizer, KilnTokenizer
 
 TOOLS_TEMPLATE = """{%- if tools %}{{ bos_token }}Tools: {{ tools | tojson }}
 {% endif %}{% for m in messages %}{% if m.role == 'system' and not loop.first %}{{ raise_exception('system must come first') }}{% endif %}[{{ m.role }}] {{ m.content }}{{ eos_token }}

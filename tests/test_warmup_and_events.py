@@ -10,7 +10,8 @@ import sys
 import msgpack
 import zmq
 
-from kiln.engine.engine import Engine, EngineConfig
+from kiln.engine.client import AsyncEngine
+from kiln.engine.config import EngineConfig
 from kiln.engine.sampling import SamplingParams
 
 
@@ -47,12 +48,13 @@ def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
 
 
 def test_engine_publishes_kv_events(tiny_model):
-    eng = Engine(tiny_model, EngineConfig(num_kv_blocks=8, block_size=16, row_buckets=(1, 2), token_buckets=(16, 32, 64),
-                                          max_num_seqs=2, max_num_batched_tokens=64, kv_events_endpoint="tcp://127.0.0.1:*"))
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=8, block_size=16, decode_row_buckets=(1, 2),
+                                               prefill_token_buckets=(16, 32, 64), max_num_seqs=2,
+                                               max_num_batched_tokens=64, kv_events_endpoint="tcp://127.0.0.1:*"))
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(eng.publisher.endpoint)
+    sub.connect(eng.core.publisher.endpoint)
     try:
         asyncio.run(asyncio.sleep(0.3))  # let the subscription reach the publisher
         prompt = list(range(10, 60))  # 50 tokens: 3 full blocks

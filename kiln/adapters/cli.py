@@ -25,9 +25,9 @@ def add_parser(sub, add_settings_arguments) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    from kiln.adapters.peft_io import PeftFormatError
     from kiln.adapters.registry import export_peft, import_peft
-    from kiln.adapters.store import AdapterStore, ArtifactError
+    from kiln.adapters.store import AdapterStore
+    from kiln.errors import KilnError
 
     store = AdapterStore(settings.adapter_store())
     try:
@@ -41,7 +41,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         if args.adapters_command == "import":
             from kiln.engine.setup import load_model_from_settings
 
-            artifact = import_peft(store, args.name, args.peft_dir, load_model_from_settings(settings, show_progress=False))
+            model = load_model_from_settings(settings, show_progress=False)
+            artifact = import_peft(store, args.name, args.peft_dir, model, settings.adapters.max_lora_rank)
             print(f"imported {args.name} as {artifact.path} ({artifact.manifest_digest})")
             return 0
         artifact = store.latest(args.name)
@@ -50,6 +51,6 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             return 1
         print(f"exported {args.name} v{artifact.version} to {export_peft(artifact, args.out_dir)}")
         return 0
-    except (PeftFormatError, ArtifactError, ValueError, OSError) as exc:
+    except (KilnError, OSError) as exc:
         print(f"kiln: error: {exc}")
         return 1

@@ -17,22 +17,18 @@ import msgspec
 import numpy as np
 
 from kiln import __version__
+from kiln.errors import InvalidRequest
 
 FORMAT = "kiln.adapter/1"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-class InvalidAdapterName(ValueError):
-    pass
-
-
 def validate_name(name: object) -> str:
     """An adapter name is a plain identifier, so it can never address a file."""
     if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
-        raise InvalidAdapterName(
+        raise InvalidRequest(
             f"invalid adapter name {name!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter "
-            "or digit, without '..' or path separators"
-        )
+            "or digit, without '..' or path separators", code="invalid_adapter_name", param="name")
     return name
 
 

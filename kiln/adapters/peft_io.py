@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.errors import InvalidAdapter
 from kiln.models.config import ModelConfig
 from kiln.models.lora import TARGET_MODULES, module_shapes
 
@@ -21,10 +22,6 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _PARENT = {m: ("self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for m in TARGET_MODULES}
-
-
-class PeftFormatError(ValueError):
-    """The directory is not a PEFT LoRA adapter Kiln can serve; the message says why."""
 
 
 def is_peft_dir(path: str | Path) -> bool:
@@ -36,9 +33,9 @@ def read_peft_config(path: str | Path) -> dict:
     try:
         config = json.loads((path / CONFIG).read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise PeftFormatError(f"{path / CONFIG}: {exc}") from None
+        raise InvalidAdapter(f"{path / CONFIG}: {exc}") from None
     if not isinstance(config, dict) or not isinstance(config.get("r"), int) or config["r"] < 1:
-        raise PeftFormatError(f"{path / CONFIG}: not a LoRA adapter config (needs a positive integer 'r')")
+        raise InvalidAdapter(f"{path / CONFIG}: not a LoRA adapter config (needs a positive integer 'r')")
     return config
 
 
@@ -49,7 +46,7 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
     path = Path(path)
     config = read_peft_config(path)
     if config.get("peft_type", "LORA") != "LORA":
-        raise PeftFormatError(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
+        raise InvalidAdapter(f"{path}: peft_type {config.get('peft_type')!r} is not LORA")
     unsupported = {
         "use_dora": bool(config.get("use_dora")),
         "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
@@ -60,36 +57,36 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
-        raise PeftFormatError(f"{path}: unsupported PEFT options: {', '.join(bad)}")
+        raise InvalidAdapter(f"{path}: unsupported PEFT options: {', '.join(bad)}")
     if not (path / WEIGHTS).is_file():
-        raise PeftFormatError(f"{path}: {WEIGHTS} is missing (pickled adapter_model.bin is not loaded)")
+        raise InvalidAdapter(f"{path}: {WEIGHTS} is missing (pickled adapter_model.bin is not loaded)")
     rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
     try:
         tensors = load_file(str(path / WEIGHTS))
     except Exception as exc:  # safetensors raises its own error types for damaged files
-        raise PeftFormatError(f"{path / WEIGHTS}: {exc}") from None
+        raise InvalidAdapter(f"{path / WEIGHTS}: {exc}") from None
 
     shapes = module_shapes(cfg)
     weights: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         m = _KEY.search(key)
         if m is None:
-            raise PeftFormatError(f"{path}: tensor {key!r} is not a LoRA weight of a decoder projection")
+            raise InvalidAdapter(f"{path}: tensor {key!r} is not a LoRA weight of a decoder projection")
         layer, module, part = int(m.group(1)), m.group(3), m.group(4)
         if module not in shapes:
-            raise PeftFormatError(f"{path}: tensor {key!r} targets {module!r}; Kiln adapts {', '.join(TARGET_MODULES)}")
+            raise InvalidAdapter(f"{path}: tensor {key!r} targets {module!r}; Kiln adapts {', '.join(TARGET_MODULES)}")
         if layer >= cfg.num_layers:
-            raise PeftFormatError(f"{path}: tensor {key!r} is for layer {layer}, the model has {cfg.num_layers}")
+            raise InvalidAdapter(f"{path}: tensor {key!r} is for layer {layer}, the model has {cfg.num_layers}")
         fan_in, fan_out = shapes[module]
         expected = (rank, fan_in) if part == "A" else (fan_out, rank)
         if tuple(value.shape) != expected:
-            raise PeftFormatError(f"{path}: tensor {key!r} has shape {tuple(value.shape)}, expected {expected} "
+            raise InvalidAdapter(f"{path}: tensor {key!r} has shape {tuple(value.shape)}, expected {expected} "
                                   "for this base model")
         w = weights.setdefault(module, {"a": np.zeros((cfg.num_layers, fan_in, rank), np.float32),
                                         "b": np.zeros((cfg.num_layers, rank, fan_out), np.float32)})
         w["a" if part == "A" else "b"][layer] = np.asarray(value, np.float32).T
     if not weights:
-        raise PeftFormatError(f"{path}: {WEIGHTS} holds no LoRA weights")
+        raise InvalidAdapter(f"{path}: {WEIGHTS} holds no LoRA weights")
     info = {"rank": rank, "alpha": alpha, "use_rslora": bool(config.get("use_rslora")),
             "target_modules": sorted(weights, key=TARGET_MODULES.index),
             "base_model": config.get("base_model_name_or_path"), "peft_config": config}

@@ -21,14 +21,11 @@ import numpy as np
 from etils import epath
 
 from kiln.adapters.manifest import Manifest, manifest_digest, validate_name, weights_digest
+from kiln.errors import AdapterNotFound, InvalidAdapter
 
 log = logging.getLogger("kiln.adapters")
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO through absl
 MANIFEST = "manifest.json"
-
-
-class ArtifactError(Exception):
-    """An artifact is missing, incomplete or corrupt."""
 
 
 @dataclasses.dataclass
@@ -53,16 +50,18 @@ class Artifact:
 def read_artifact(path: str | epath.Path) -> Artifact:
     """A version directory, or an adapter directory (its latest complete version)."""
     path = epath.Path(path)
+    if not path.exists():
+        raise AdapterNotFound(f"{path}: no such adapter directory")
     if not (path / MANIFEST).exists():
         versions = _complete_versions(path)
         if not versions:
-            raise ArtifactError(f"{path}: no complete Kiln adapter artifact (no {MANIFEST})")
+            raise InvalidAdapter(f"{path}: no complete Kiln adapter artifact (no {MANIFEST})")
         path = path / versions[-1]
     data = (path / MANIFEST).read_bytes()
     try:
         manifest = Manifest.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise ArtifactError(f"{path / MANIFEST}: {exc}") from None
+        raise InvalidAdapter(f"{path / MANIFEST}: {exc}") from None
     return Artifact(manifest.name, path, manifest, manifest_digest(data))
 
 
@@ -84,10 +83,10 @@ def load_weights(artifact: Artifact) -> dict[str, dict[str, np.ndarray]]:
         with ocp.StandardCheckpointer() as ckpt:
             tree = ckpt.restore(artifact.path / "checkpoint")
     except Exception as exc:  # orbax raises many types for a damaged checkpoint
-        raise ArtifactError(f"{artifact.path}: cannot restore the checkpoint: {exc}") from None
+        raise InvalidAdapter(f"{artifact.path}: cannot restore the checkpoint: {exc}") from None
     weights = {m: {k: np.asarray(v, np.float32) for k, v in parts.items()} for m, parts in tree.items()}
     if weights_digest(weights) != artifact.manifest.weights_digest:
-        raise ArtifactError(f"{artifact.path}: checkpoint does not match the manifest's weights digest")
+        raise InvalidAdapter(f"{artifact.path}: checkpoint does not match the manifest's weights digest")
     return weights
 
 
@@ -95,7 +94,7 @@ def load_optimizer_state(artifact: Artifact, target: Any = None) -> Any:
     import orbax.checkpoint as ocp
 
     if not artifact.manifest.has_optimizer_state:
-        raise ArtifactError(f"{artifact.path}: the artifact has no optimizer state")
+        raise InvalidAdapter(f"{artifact.path}: the artifact has no optimizer state")
     with ocp.StandardCheckpointer() as ckpt:
         return ckpt.restore(artifact.path / "optimizer", target)
 

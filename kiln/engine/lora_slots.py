@@ -82,8 +82,6 @@ class LoraSlots:
                 return None
             if self.slots[i] is not None:
                 self.evictions += 1
-            if adapter.rank > self.max_rank:
-                raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
             with self.ownership.write(f"load adapter {adapter.name} into slot {i + 1}"):
                 self.ensure_state()
                 self.slots[i] = None  # a failed write leaves the slot empty, never half-labelled

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from kiln.engine.request import Request
+from kiln.errors import KilnError
 from kiln.models.tokenizer import IncrementalDetokenizer, KilnTokenizer
+
+if TYPE_CHECKING:
+    from kiln.engine.request import Request
 
 
 @dataclasses.dataclass
@@ -26,14 +30,18 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    prompt_logprobs: list | None = None
-    usage: dict | None = None
-    metrics: dict | None = None
-    error: Exception | None = None  # set when the request failed inside the engine
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first delta only; [0] is None
+    usage: dict | None = None  # last delta only: prompt_tokens, completion_tokens, cached_tokens
+    metrics: dict | None = None  # last delta only: latency phases, preemptions
+    error: KilnError | None = None  # set when the request failed inside the engine
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class OutputState:
-    """Per-request detokenizer and stop-string holdback."""
+    """Per-request detokenizer, stop conditions and stop-string holdback."""
 
     def __init__(self, req: Request, tokenizer: KilnTokenizer, eos_ids: tuple[int, ...], max_model_len: int):
         self.req = req

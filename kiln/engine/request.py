@@ -1,4 +1,4 @@
-"""A request's state inside the engine: tokens, KV blocks, progress, timing."""
+"""A request's state inside the engine: tokens, KV blocks, adapter slot, progress, timing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kiln.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kiln.engine.lora_slots import AdapterWeights
+    from kiln.engine.output import OutputState, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -47,12 +48,12 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    seed: int  # always set: the user's seed or a random one drawn at submit time
+    seed: int  # always set: the user's seed or one drawn at submit time
     adapter: AdapterWeights | None = None
-    adapter_slot: int = 0  # set when the engine gives the request a LoRA slot
     cache_salt: str | None = None
     group_id: str | None = None  # siblings of an n > 1 request share their prompt's blocks
     index: int = 0  # choice index among siblings
+    adapter_slot: int = 0  # the LoRA slot the scheduler gave the request (0: none yet / no adapter)
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
@@ -63,8 +64,9 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     timing: Timing = dataclasses.field(default_factory=Timing)
-    # prompt logprobs gathered chunk by chunk: position -> (logprob, top ids, top logprobs)
-    prompt_logprobs: list = dataclasses.field(default_factory=list)
+    # aligned with prompt positions; position 0 has no logprob (None), as the API reports it
+    prompt_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=lambda: [None])
+    output: OutputState | None = None  # detokenizer and stop checks, set when the scheduler takes the request
 
     @property
     def all_ids(self) -> list[int]:
@@ -87,3 +89,7 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

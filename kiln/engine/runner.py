@@ -1,15 +1,18 @@
-"""Runner: pads a scheduled batch into a shape bucket and calls the jitted step.
+"""Runner: executes one planned batch as one jitted step, and owns the KV state.
 
-Each bucket tuple (tokens T, rows S, query length Q, blocks per row M, sampling flags)
-is one compiled executable: Kiln's graph capture. When live capture is forbidden
-(the serving profile), a batch runs in the smallest already-compiled larger bucket,
-or is refused with GraphCaptureDisabled.
+It pads the batch into a shape bucket and calls the step; it never splits or reorders
+what the scheduler planned. Each bucket tuple (tokens T, rows S, query length Q, blocks
+per row M, sampling flags, prompt logprobs, LoRA groups) is one compiled executable:
+Kiln's graph capture. When live capture is forbidden (the serving profile), a batch runs
+in the smallest already-compiled bucket that fits it, or fails with GraphCaptureDisabled;
+`fits` tells the scheduler beforehand. A failed step that took the donated KV state with
+it is recovered here (`reset_kv`); the scheduler then recomputes the running requests.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import logging
 import math
 import threading
 from typing import NamedTuple
@@ -19,15 +22,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch
 
+from kiln.engine.config import EngineConfig
+from kiln.engine.lora_slots import LoraSlots
+from kiln.engine.output import TokenLogprob
 from kiln.engine.request import Request
 from kiln.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampled, SamplingFlags, sample
+from kiln.engine.scheduler import Batch, Rows, StepFailure
+from kiln.errors import GraphCaptureDisabled, RequestFailed
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import KVCache, StepInputs, forward_hidden, init_kv_cache, logits
+from kiln.models.lora import module_shapes
 
+log = logging.getLogger("kiln.engine")
 
-class GraphCaptureDisabled(RuntimeError):
-    """No compiled bucket fits the batch and compiling a new one is not allowed."""
+# Step cost model (relative units): a step pays a fixed cost (streaming the weights once),
+# a per-token cost (the matmuls) and a per attended key cost. Measured on XLA:CPU, a step's
+# fixed cost is about that of 16 tokens, and attention, being memory-bound, costs about 8x
+# its FLOPs relative to the matmuls.
+FIXED_STEP_TOKENS = 16
+ATTENTION_MEMORY_FACTOR = 8
 
 
 class StepShape(NamedTuple):
@@ -37,13 +51,13 @@ class StepShape(NamedTuple):
     blocks: int
     flags: SamplingFlags
     prompt_logprobs: bool
-    lora: bool = False  # some row uses an adapter slot
+    lora: int = 0  # adapter groups (distinct adapters) the step applies; 0: none
 
     def fits(self, other: StepShape) -> bool:
         """True if a batch of shape `other` can run padded to this shape."""
-        return (self.flags, self.prompt_logprobs) == (other.flags, other.prompt_logprobs) and self.lora >= other.lora and all(
-            a >= b for a, b in zip(self[:4], other[:4], strict=True)
-        )
+        same = (self.flags, self.prompt_logprobs) == (other.flags, other.prompt_logprobs)
+        return same and all(a >= b for a, b in zip(self[:4], other[:4], strict=True)) and (
+            self.lora >= other.lora and (self.lora > 0) == (other.lora > 0))
 
 
 class PromptLogprobs(NamedTuple):
@@ -96,19 +110,6 @@ def model_step(params, kv: KVCache, inputs: StepInputs, last_index, rs: RowSampl
     return sampled, prompt, kv
 
 
-@dataclasses.dataclass
-class RunnerConfig:
-    num_blocks: int
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    row_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    token_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-    allow_live_capture: bool = True
-    kv_dtype: str = "float32"
-
-
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if b >= n:
@@ -120,38 +121,71 @@ def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
-@dataclasses.dataclass
-class RowResult:
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]  # up to MAX_TOP_LOGPROBS (token id, logprob)
+class StepResult:
+    """One executed batch, on the host: each row's sampled token and, for rows that asked,
+    the logprobs of their prompt tokens."""
+
+    def __init__(self, rows: Rows, sampled: Sampled, prompt: PromptLogprobs | None, targets: np.ndarray):
+        self.tokens, self.logprobs = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
+        self.top_ids, self.top_lps = np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs)
+        self.rows = rows
+        self.prompt = None if prompt is None else tuple(np.asarray(x) for x in prompt)
+        self.targets = targets
+        self.offsets = np.cumsum([0] + [n for _, n in rows])
+        # positions are read now: the scheduler advances the requests after this step
+        self.starts = [r.num_computed for r, _ in rows]
+
+    def token(self, i: int) -> tuple[int, float, list[tuple[int, float]]]:
+        k = self.rows[i][0].params.logprobs or 0
+        top = list(zip(self.top_ids[i, :k].tolist(), self.top_lps[i, :k].tolist(), strict=True)) if k else []
+        return int(self.tokens[i]), float(self.logprobs[i]), top
+
+    def prompt_logprobs(self, i: int) -> list[tuple[int, TokenLogprob]]:
+        """(prompt position, logprob of the prompt token there) for the row's new tokens."""
+        if self.prompt is None:
+            return []
+        target, ids, lps = self.prompt
+        k = self.rows[i][0].params.prompt_logprobs or 0
+        out = []
+        for t in range(self.offsets[i], self.offsets[i + 1]):
+            if self.targets[t] >= 0:
+                top = list(zip(ids[t, :k].tolist(), lps[t, :k].tolist(), strict=True))
+                pos = self.starts[i] + (t - self.offsets[i]) + 1
+                out.append((pos, TokenLogprob(int(self.targets[t]), float(target[t]), top)))
+        return out
 
 
 class Runner:
-    def __init__(self, cfg: ModelConfig, params, config: RunnerConfig, eos_ids: tuple[int, ...] = (), lora_slots=None):
+    def __init__(self, cfg: ModelConfig, params, config: EngineConfig, max_model_len: int,
+                 eos_ids: tuple[int, ...], lora_slots: LoraSlots, kv_dtype: str = "float32"):
         self.cfg = cfg
         self.params = params
         self.config = config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_kv_blocks
         self.eos_ids = eos_ids
-        self.kv = init_kv_cache(cfg, config.num_blocks, config.block_size, jnp.dtype(config.kv_dtype))
-        self.row_buckets = tuple(sorted(set(config.row_buckets) | {_pow2(config.max_num_seqs)}))
-        self.token_buckets = tuple(sorted(set(config.token_buckets) | {_pow2(config.max_num_batched_tokens)}))
-        self.max_blocks_per_seq = math.ceil(config.max_model_len / config.block_size)
+        self.lora_slots = lora_slots
+        self.kv_dtype = jnp.dtype(kv_dtype)
+        self.kv = init_kv_cache(cfg, self.num_blocks, self.block_size, self.kv_dtype)
+        self.row_buckets = tuple(sorted(set(config.decode_row_buckets) | {_pow2(config.max_num_seqs)}))
+        self.token_buckets = tuple(sorted(set(config.prefill_token_buckets) | {_pow2(config.max_num_batched_tokens)}))
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.compiled: set[StepShape] = set()
-        self.lora_slots = lora_slots  # LoraSlots: its .state is read at every step
+        layer_params = sum(i * o for i, o in module_shapes(cfg).values())
+        self.flops_per_token = 2 * cfg.num_layers * layer_params
+        self.flops_per_key = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ATTENTION_MEMORY_FACTOR
 
-    def _lora(self, shape: StepShape):
-        """Batches without adapter rows run the plain graph (no LoRA work at all)."""
-        return self.lora_slots.state if shape.lora and self.lora_slots is not None else None
+    def reset_kv(self) -> None:
+        """A fresh, empty KV state (after a failed step consumed the donated one)."""
+        self.kv = init_kv_cache(self.cfg, self.num_blocks, self.block_size, self.kv_dtype)
 
     # ---- shapes ------------------------------------------------------------------------
 
-    def shape_for(self, rows: list[tuple[Request, int]]) -> StepShape:
+    def shape_for(self, rows: Rows) -> StepShape:
         n_rows = len(rows)
         total = sum(n for _, n in rows)
-        decode = all(n == 1 for _, n in rows)
         S = _bucket(n_rows, self.row_buckets)
-        if decode:
+        if all(n == 1 for _, n in rows):
             T, Q = S, 1
         else:
             T = _bucket(total, self.token_buckets)
@@ -163,24 +197,39 @@ class Runner:
             filtering=any(p.needs_filtering for p in params),
             top_logprobs=any((p.logprobs or 0) > 0 for p in params),
         )
-        prompt_lp = any(p.prompt_logprobs is not None and r.in_prefill for (r, _), p in zip(rows, params, strict=True))
-        lora = any(r.adapter_slot for r, _ in rows)
+        prompt_lp = any(r.params.prompt_logprobs is not None and r.in_prefill for r, _ in rows)
+        adapters = len({r.adapter_slot for r, _ in rows if r.adapter_slot})
+        lora = min(_pow2(adapters), self.lora_slots.n_slots) if adapters else 0
         return StepShape(T, S, Q, M, flags, prompt_lp, lora)
 
     def resolve(self, shape: StepShape) -> StepShape:
+        """The shape to run: itself, or with live capture off the smallest compiled one that fits."""
         if shape in self.compiled or self.config.allow_live_capture:
             return shape
         fitting = [s for s in self.compiled if s.fits(shape)]
         if not fitting:
             raise GraphCaptureDisabled(
                 f"no compiled step bucket fits tokens={shape.tokens} rows={shape.rows} "
-                f"query={shape.query} blocks={shape.blocks}, and live graph capture is disabled"
-            )
-        return min(fitting, key=lambda s: (s.tokens * s.blocks, s.rows, s.query))
+                f"query={shape.query} blocks={shape.blocks}, and live graph capture is disabled")
+        return min(fitting, key=lambda s: (s.tokens * s.blocks, s.rows, s.query, s.lora))
+
+    def fits(self, rows: Rows) -> bool:
+        """Whether the rows can run as one step without compiling a step live capture forbids."""
+        try:
+            self.resolve(self.shape_for(rows))
+        except GraphCaptureDisabled:
+            return False
+        return True
+
+    def step_cost(self, rows: Rows) -> float:
+        """Estimated cost of running the rows as one step, padding included (see the cost model above)."""
+        s = self.shape_for(rows)
+        keys = s.rows * s.query * s.blocks * self.block_size
+        return (s.tokens + FIXED_STEP_TOKENS) * self.flops_per_token + keys * self.flops_per_key
 
     # ---- inputs ------------------------------------------------------------------------
 
-    def _sampling_arrays(self, rows: list[tuple[Request, int]], shape: StepShape) -> RowSampling:
+    def _sampling_arrays(self, rows: Rows, shape: StepShape) -> RowSampling:
         S, V = shape.rows, self.cfg.vocab_size
         f32 = lambda v: np.full(S, v, np.float32)  # noqa: E731
         temperature, top_p, min_p = f32(0.0), f32(1.0), f32(0.0)
@@ -222,99 +271,70 @@ class Runner:
             return []
         return sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos_ids)))
 
+    def _lora(self, rows: Rows, shape: StepShape):
+        """The slot state and the step's active slots; None (no LoRA work at all) without adapter rows."""
+        if not shape.lora:
+            return None
+        active = np.zeros(shape.lora, np.int32)
+        slots = sorted({r.adapter_slot for r, _ in rows if r.adapter_slot})
+        active[: len(slots)] = slots
+        return {**self.lora_slots.ensure_state(), "active": active}
+
     # ---- step --------------------------------------------------------------------------
 
-    def run(self, rows: list[tuple[Request, int]]) -> tuple[list[RowResult], dict[int, tuple]]:
-        """Runs one scheduled batch. Returns per-row results and, for rows that asked for prompt
-        logprobs, {row index: (target logprobs, top ids, top logprobs, target ids)}.
-
-        Attention pads every row to the longest new-token run, so decode rows sharing a step
-        with a long prefill chunk would each pay for the chunk's length: such a batch runs as
-        a decode step plus a prefill step instead (also the fallback when live capture is off)."""
-        n_rows = len(rows)
-        longest = max(n for _, n in rows)
-        mixed = longest > 1 and any(n == 1 for _, n in rows)
-        if mixed and n_rows * longest > 2 * sum(n for _, n in rows):
-            return self._run_groups(rows, self._split(rows))
+    def execute(self, batch: Batch) -> StepResult | StepFailure:
+        """Runs one planned batch; a failure fails its rows, never the process."""
+        rows = batch.rows
         try:
             shape = self.resolve(self.shape_for(rows))
-        except GraphCaptureDisabled:
-            if n_rows == 1:
-                raise
-            return self._run_groups(rows, [[i] for i in range(n_rows)] if not mixed else self._split(rows))
-        return self._run_shape(rows, shape)
+        except GraphCaptureDisabled as exc:
+            return StepFailure(exc)
+        try:
+            return self._run(rows, shape)
+        except Exception as exc:
+            log.exception("step failed")
+            kv_lost = self.kv.k.is_deleted()
+            if kv_lost:
+                self.reset_kv()
+            return StepFailure(RequestFailed(f"request failed: {type(exc).__name__}"), kv_lost)
 
-    @staticmethod
-    def _split(rows) -> list[list[int]]:
-        decode = [i for i, (_, n) in enumerate(rows) if n == 1]
-        prefill = [i for i, (_, n) in enumerate(rows) if n != 1]
-        return [g for g in (decode, prefill) if g]
-
-    def _run_groups(self, rows, groups: list[list[int]]):
-        results: list = [None] * len(rows)
-        prompt_out: dict[int, tuple] = {}
-        for group in groups:
-            sub = [rows[i] for i in group]
-            res, prompt = self.run(sub) if len(group) < len(rows) else self._run_shape(sub, self.resolve(self.shape_for(sub)))
-            for j, i in enumerate(group):
-                results[i] = res[j]
-                if j in prompt:
-                    prompt_out[i] = prompt[j]
-        return results, prompt_out
-
-    def _run_shape(self, rows, shape: StepShape):
-        work = [RowWork(r.all_ids[r.num_computed : r.num_computed + n], r.num_computed, r.block_ids, r.adapter_slot) for r, n in rows]
-        inputs = build_step_inputs(work, self.config.block_size, self.config.num_blocks, shape.tokens, shape.rows, shape.query, shape.blocks)
+    def _run(self, rows: Rows, shape: StepShape) -> StepResult:
+        work = [RowWork(r.all_ids[r.num_computed : r.num_computed + n], r.num_computed, r.block_ids, r.adapter_slot)
+                for r, n in rows]
+        inputs = build_step_inputs(work, self.block_size, self.num_blocks, shape.tokens, shape.rows, shape.query,
+                                   shape.blocks)
         last_index = np.zeros(shape.rows, np.int32)
         targets = np.full(shape.tokens, -1, np.int32)
         t = 0
         for i, (r, n) in enumerate(rows):
             last_index[i] = t + n - 1
             if shape.prompt_logprobs and r.params.prompt_logprobs is not None:
-                ids = r.all_ids
                 for j in range(n):
                     pos = r.num_computed + j
                     if pos + 1 < len(r.prompt_ids):
-                        targets[t + j] = ids[pos + 1]
+                        targets[t + j] = r.prompt_ids[pos + 1]
             t += n
         rs = self._sampling_arrays(rows, shape)
-        sampled, prompt, self.kv = model_step(self.params, self.kv, inputs, last_index, rs, targets,
-                                              self.cfg, shape.flags, shape.prompt_logprobs, self._lora(shape))
+        sampled, prompt, self.kv = model_step(self.params, self.kv, inputs, last_index, rs, targets, self.cfg,
+                                              shape.flags, shape.prompt_logprobs, self._lora(rows, shape))
         self.compiled.add(shape)
-        return self._results(rows, shape, sampled, prompt, targets)
+        return StepResult(rows, sampled, prompt, targets)
 
-    def _results(self, rows, shape, sampled: Sampled, prompt, targets):
-        tokens, lps = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
-        top_ids, top_lps = np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs)
-        results = []
-        for i, (r, _) in enumerate(rows):
-            k = r.params.logprobs or 0
-            top = list(zip(top_ids[i, :k].tolist(), top_lps[i, :k].tolist(), strict=True)) if k else []
-            results.append(RowResult(int(tokens[i]), float(lps[i]), top))
-        prompt_out = {}
-        if prompt is not None:
-            target, p_ids, p_lps = (np.asarray(x) for x in prompt)
-            t = 0
-            for i, (r, n) in enumerate(rows):
-                if r.params.prompt_logprobs is not None:
-                    sl = slice(t, t + n)
-                    prompt_out[i] = (target[sl], p_ids[sl], p_lps[sl], targets[sl])
-                t += n
-        return results, prompt_out
+    # ---- warmup ------------------------------------------------------------------------
 
     def warmup_shapes(self, context_tokens: int, lora: bool = False) -> list[StepShape]:
         """The configured buckets: decode (each row bucket) and single-row prefill (each token
         bucket), for every blocks-per-row bucket up to `context_tokens` of context; with `lora`,
-        also the decode buckets of batches that carry adapter rows."""
-        B = self.config.block_size
+        also the decode buckets of batches that carry one adapter."""
+        B = self.block_size
         top = min(_pow2(math.ceil(context_tokens / B)), _pow2(self.max_blocks_per_seq))
         block_buckets = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
         flags = SamplingFlags()
         shapes = [StepShape(s, s, 1, m, flags, False) for s in self.row_buckets for m in block_buckets]
         for t in self.token_buckets:
             shapes += [StepShape(t, 1, t, m, flags, False) for m in block_buckets if m * B >= t]
-        if lora and self.lora_slots is not None:
-            shapes += [StepShape(s, s, 1, m, flags, False, True) for s in self.row_buckets for m in block_buckets]
+        if lora:
+            shapes += [StepShape(s, s, 1, m, flags, False, 1) for s in self.row_buckets for m in block_buckets]
         return shapes
 
     def warm(self, shapes: list[StepShape]) -> None:
@@ -323,14 +343,15 @@ class Runner:
             if shape in self.compiled:
                 continue
             S, T = shape.rows, shape.tokens
-            pad_slot = self.config.num_blocks * self.config.block_size
+            pad_slot = self.num_blocks * self.block_size
             inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, pad_slot, np.int32),
                                 np.zeros(T, np.int32), np.full((S, shape.query), T, np.int32),
                                 np.zeros((S, shape.blocks), np.int32), np.zeros(S, np.int32))
             rs = self._sampling_arrays([], shape)
-            if shape.lora:
-                self.lora_slots.ensure_state()
+            lora = {**self.lora_slots.ensure_state(), "active": np.zeros(shape.lora, np.int32)} if shape.lora else None
             sampled, _, self.kv = model_step(self.params, self.kv, inputs, np.zeros(S, np.int32), rs,
-                                             np.full(T, -1, np.int32), self.cfg, shape.flags, shape.prompt_logprobs, self._lora(shape))
+                                             np.full(T, -1, np.int32), self.cfg, shape.flags, shape.prompt_logprobs,
+                                             lora)
             jax.block_until_ready(sampled.tokens)
             self.compiled.add(shape)
+

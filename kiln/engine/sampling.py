@@ -15,15 +15,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from kiln.errors import InvalidRequest
+
 MAX_TOP_LOGPROBS = 20
-
-
-class SamplingError(ValueError):
-    """A sampling parameter is out of range (a validation error: HTTP 400)."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclasses.dataclass
@@ -49,8 +43,10 @@ class SamplingParams:
     n: int = 1
 
     def validate(self, vocab_size: int) -> None:
+        """Raises InvalidRequest naming the first parameter out of range."""
+
         def bad(msg, param):
-            raise SamplingError(msg, param)
+            raise InvalidRequest(msg, param=param)
 
         if self.n < 1 or self.n > 128:
             bad("n must be between 1 and 128", "n")

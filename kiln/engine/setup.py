@@ -8,7 +8,9 @@ from pathlib import Path
 import jax
 
 from kiln.config import Settings
-from kiln.engine.engine import Engine, EngineConfig
+from kiln.engine.client import AsyncEngine
+from kiln.engine.config import EngineConfig
+from kiln.engine.metrics import EngineMetrics
 from kiln.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("kiln.engine")
@@ -28,26 +30,7 @@ def load_model_from_settings(settings: Settings, show_progress: bool = True) -> 
                       model_id=m.served_model_name or None, cache_root=settings.cache_dir())
 
 
-def engine_config(settings: Settings) -> EngineConfig:
-    e = settings.engine
-    return EngineConfig(
-        num_kv_blocks=e.num_kv_blocks,
-        block_size=e.block_size,
-        max_num_seqs=e.max_num_seqs,
-        max_num_batched_tokens=e.max_num_batched_tokens,
-        max_model_len=e.max_model_len,
-        enable_prefix_caching=e.enable_prefix_caching,
-        row_buckets=tuple(e.decode_row_buckets),
-        token_buckets=tuple(e.prefill_token_buckets),
-        allow_live_capture=settings.serving_profile.policy.live_graph_capture,
-        kv_events_endpoint=e.kv_events_endpoint,
-        kv_events_replay_endpoint=e.kv_events_replay_endpoint,
-        max_loras=settings.adapters.max_loras,
-        max_lora_rank=settings.adapters.max_lora_rank,
-    )
-
-
-def build_engine(settings: Settings, show_progress: bool = True) -> Engine:
+def build_engine(settings: Settings, show_progress: bool = True) -> AsyncEngine:
     configure_compilation_cache(settings.compilation_dir())
     model = load_model_from_settings(settings, show_progress)
-    return Engine(model, engine_config(settings))
+    return AsyncEngine(model, EngineConfig.from_settings(settings), EngineMetrics(model.model_id))

@@ -8,15 +8,18 @@ import time
 from tqdm import tqdm
 
 from kiln.config import Settings
+from kiln.engine.config import EngineConfig
+from kiln.engine.core import EngineCore
 from kiln.engine.runner import COUNTER
-from kiln.engine.setup import build_engine
+from kiln.engine.setup import configure_compilation_cache, load_model_from_settings
 
 
 def warmup(settings: Settings) -> int:
     start = time.monotonic()
-    engine = build_engine(settings)
+    configure_compilation_cache(settings.compilation_dir())
+    core = EngineCore(load_model_from_settings(settings), EngineConfig.from_settings(settings))
     try:
-        runner = engine.runner
+        runner = core.runner
         shapes = runner.warmup_shapes(settings.engine.warmup_context_tokens, lora=True)
         built, hits = COUNTER.builds, COUNTER.cache_hits
         for shape in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
@@ -28,5 +31,5 @@ def warmup(settings: Settings) -> int:
             f"-> {settings.compilation_dir()}"
         )
     finally:
-        engine.shutdown()
+        core.close()
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kiln.models.errors import ModelLoadError
+from kiln.errors import ModelLoadError
 
 # Architectures the decoder covers, and what distinguishes each one.
 ARCHITECTURES: dict[str, dict[str, Any]] = {

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.lora import lora_delta, slot_onehot
+from kiln.models.lora import active_lora, lora_delta
 
 Params = dict
 
@@ -68,10 +68,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
-def _proj(x, layer, lora_layer, name, token_slot_onehot, lora_scale):
+def _proj(x, layer, lora_layer, name, token_weight):
     out = x @ layer[name]
     if lora_layer is not None and name in lora_layer:
-        out = out + lora_delta(x, lora_layer[name], token_slot_onehot, lora_scale).astype(out.dtype)
+        out = out + lora_delta(x, lora_layer[name], token_weight).astype(out.dtype)
     return out
 
 
@@ -151,16 +151,14 @@ def forward_hidden(
     offsets = inputs.slots % block_size
 
     if lora is not None:
-        token_slot = inputs.adapter_slots[inputs.token_rows]
-        onehot = slot_onehot(token_slot, lora["scale"].shape[0], h.dtype)
-        lora_scale, lora_layers = lora["scale"].astype(h.dtype), lora["layers"]
+        token_weight, lora_layers = active_lora(lora, inputs.adapter_slots[inputs.token_rows], h.dtype)
     else:
-        onehot = lora_scale = lora_layers = None
+        token_weight = lora_layers = None
 
     def layer_fn(carry, xs):
         h, k_all, v_all, idx = carry
         layer, lora_layer = xs
-        proj = lambda x, name: _proj(x, layer, lora_layer, name, onehot, lora_scale)  # noqa: E731
+        proj = lambda x, name: _proj(x, layer, lora_layer, name, token_weight)  # noqa: E731
         x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
         q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
         if cfg.attention_bias:

@@ -14,8 +14,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from kiln.errors import ModelLoadError
 from kiln.models.config import ModelConfig
-from kiln.models.errors import ModelLoadError
 from kiln.models.weights import build_params
 
 ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

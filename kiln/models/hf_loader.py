@@ -9,8 +9,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from kiln.errors import ModelLoadError
 from kiln.models.config import ModelConfig
-from kiln.models.errors import ModelLoadError
 from kiln.models.weights import build_params
 
 

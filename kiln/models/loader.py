@@ -21,8 +21,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from kiln.errors import ModelLoadError
 from kiln.models.config import ModelConfig
-from kiln.models.errors import ModelLoadError
 from kiln.models.gguf_loader import GGUFModel
 from kiln.models.hf_loader import load_hf_dir
 from kiln.models.tokenizer import KilnTokenizer

@@ -1,10 +1,12 @@
-"""LoRA in stacked adapter slots, applied per row (BGMV without a gather of weights).
+"""LoRA in stacked adapter slots, applied per row with a cost that follows the batch's adapters.
 
 A LoRA state holds n loadable slots: {"scale": [n], "layers": {module: {"a": [L, n, in, r],
-"b": [L, n, r, out]}}}. Rows name a slot 1..n; slot 0 means "no adapter" and has no storage
-(its one-hot row is all zeros). Each token projects through every slot's A (cheap: r is
-small), keeps only its own slot's result via the one-hot mask, and one matmul with all B's
-stacked yields the delta.
+"b": [L, n, r, out]}}}. Rows name a slot 1..n; slot 0 means "no adapter" and has no storage.
+A step may add "active": [G] (the distinct slots its rows use, 0-padded): only those G slots'
+weights are gathered and applied, so the LoRA cost grows with the adapters in the batch, not
+with n. Without "active", every slot is active. Each token projects through its batch's
+active A's (cheap: r is small), keeps its own via a one-hot mask, and one matmul with the
+stacked B's yields the delta.
 """
 
 from __future__ import annotations
@@ -29,17 +31,27 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def slot_onehot(token_slots: jax.Array, n_slots: int, dtype) -> jax.Array:
-    """[T] slots (0 = none, 1..n) -> [T, n] mask; slot 0 maps to an all-zero row."""
-    return jax.nn.one_hot(token_slots - 1, n_slots, dtype=dtype)
+def active_lora(lora: dict, token_slots: jax.Array, dtype) -> tuple[jax.Array, dict]:
+    """The step's view of a LoRA state: per-token weights [T, G] (one-hot times the slot's scale)
+    and the active slots' layer weights {module: {"a": [L, G, in, r], "b": [L, G, r, out]}}.
+
+    token_slots: [T] slot of each token (0 = none)."""
+    n = lora["scale"].shape[0]
+    active = lora.get("active")
+    if active is None:
+        active = jnp.arange(1, n + 1, dtype=jnp.int32)
+    index = jnp.maximum(active - 1, 0)
+    scale = jnp.where(active > 0, lora["scale"][index], 0.0)
+    token_weight = ((token_slots[:, None] == active[None, :]) * scale[None, :]).astype(dtype)
+    layers = {m: {k: jnp.take(w, index, axis=1) for k, w in parts.items()} for m, parts in lora["layers"].items()}
+    return token_weight, layers
 
 
-def lora_delta(x: jax.Array, weights: dict, token_slot_onehot: jax.Array, slot_scale: jax.Array) -> jax.Array:
-    """x: [T, in]; weights a: [n, in, r], b: [n, r, out]; one-hot: [T, n]; scale: [n] -> [T, out]."""
-    xa = jnp.einsum("ti,nir->tnr", x, weights["a"].astype(x.dtype))
-    xa = xa * (token_slot_onehot * slot_scale)[:, :, None]
-    n, r, out = weights["b"].shape
-    return xa.reshape(x.shape[0], n * r) @ weights["b"].reshape(n * r, out).astype(x.dtype)
+def lora_delta(x: jax.Array, weights: dict, token_weight: jax.Array) -> jax.Array:
+    """x: [T, in]; weights a: [G, in, r], b: [G, r, out]; token_weight: [T, G] -> [T, out]."""
+    xa = jnp.einsum("ti,gir->tgr", x, weights["a"].astype(x.dtype)) * token_weight[:, :, None]
+    g, r, out = weights["b"].shape
+    return xa.reshape(x.shape[0], g * r) @ weights["b"].reshape(g * r, out).astype(x.dtype)
 
 
 def empty_lora_state(cfg: ModelConfig, n_slots: int, rank: int, modules=TARGET_MODULES, dtype=jnp.float32) -> dict:

@@ -11,17 +11,13 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from kiln.models.errors import ModelLoadError
+from kiln.errors import ModelLoadError, TemplateError
 
 
 def _token_str(value: Any) -> str | None:
     if isinstance(value, dict):  # AddedToken serialised form
         return value.get("content")
     return value
-
-
-class TemplateError(ValueError):
-    """A chat template raised (raise_exception) or could not render."""
 
 
 def _raise_exception(message: str):

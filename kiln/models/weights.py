@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from kiln.errors import ModelLoadError
 from kiln.models.config import ModelConfig
-from kiln.models.errors import ModelLoadError
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

@@ -1,22 +1,20 @@
-"""OpenAI semantics over the engine: request -> prompts + SamplingParams, deltas -> responses."""
+"""OpenAI semantics: request bodies -> prompts + SamplingParams, and how a choice is formatted.
+
+Chat and completions differ only here: in how prompts are made and how a choice (whole,
+or as a streamed delta) is written. Everything else is shared (see responses.py).
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, ClassVar
 
 from kiln.engine.output import Delta, TokenLogprob
-from kiln.engine.sampling import SamplingError, SamplingParams
-from kiln.errors import InvalidRequest, RequestFailed
-from kiln.models.tokenizer import KilnTokenizer, TemplateError
-from kiln.server.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
-    message_dicts,
-)
+from kiln.engine.sampling import SamplingParams
+from kiln.errors import InvalidRequest
+from kiln.models.tokenizer import KilnTokenizer
+from kiln.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -49,12 +47,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
 
 
 def render_chat(tok: KilnTokenizer, req, messages) -> list[int]:
-    try:
-        text = tok.apply_chat_template(message_dicts(messages), add_generation_prompt=req.add_generation_prompt,
-                                       tools=req.tools, **(req.chat_template_kwargs or {}))
-    except TemplateError as exc:
-        raise InvalidRequest(str(exc), param="messages") from exc
-    # the template already placed BOS and special tokens
+    """Prompt ids of a chat body (the template places BOS and special tokens itself)."""
+    text = tok.apply_chat_template(message_dicts(messages), add_generation_prompt=req.add_generation_prompt,
+                                   tools=req.tools, **(req.chat_template_kwargs or {}))
     return tok.encode(text, add_special_tokens=False)
 
 
@@ -63,6 +58,7 @@ def completion_prompts(tok: KilnTokenizer, prompt) -> list[list[int]]:
         return [tok.encode(prompt)]
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
+
     def ids(x):
         return isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -73,95 +69,6 @@ def completion_prompts(tok: KilnTokenizer, prompt) -> list[list[int]]:
     if all(ids(p) for p in prompt):
         return [list(p) for p in prompt]
     raise InvalidRequest("prompt must be a string, a list of strings, or token ids", param="prompt")
-
-
-def check_sampling(engine, prompt_ids: list[int], params: SamplingParams) -> None:
-    try:
-        engine.validate(prompt_ids, params)
-    except SamplingError as exc:
-        raise InvalidRequest(str(exc), param=exc.param) from exc
-
-
-def _token_text(tok: KilnTokenizer, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
-
-
-def chat_logprobs(tok: KilnTokenizer, items: list[TokenLogprob]) -> dict:
-    def entry(tid, lp):
-        text = _token_text(tok, tid)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in items]}
-
-
-def completion_logprobs(tok: KilnTokenizer, items: list[TokenLogprob], offset0: int = 0) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    offset = offset0
-    for t in items:
-        text = _token_text(tok, t.token_id)
-        tokens.append(text)
-        token_lps.append(t.logprob)
-        tops.append({_token_text(tok, i): lp for i, lp in t.top} if t.top else None)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def usage(finals: list[Delta], prompt_lens: list[int]) -> dict:
-    """Prompt tokens count once per prompt (not per choice), as OpenAI and vLLM report them."""
-    prompt = sum(prompt_lens)
-    completion = sum(d.usage["completion_tokens"] for d in finals if d.usage)
-    cached = sum(d.usage["cached_tokens"] for d in finals if d.usage)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def raise_if_failed(delta: Delta) -> None:
-    if delta.finish_reason == "error":
-        from kiln.engine.runner import GraphCaptureDisabled
-        from kiln.errors import AdmissionRejected
-
-        if isinstance(delta.error, GraphCaptureDisabled):
-            raise AdmissionRejected(str(delta.error), "graph_capture_disabled")
-        raise RequestFailed(str(delta.error or "request failed"))
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-async def merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """Interleaves several engine streams (one per prompt), tagging each delta with its prompt."""
-    import asyncio
-
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i, s):
-        try:
-            async for d in s:
-                await queue.put((i, d))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            i, d = await queue.get()
-            if d is done:
-                remaining -= 1
-            else:
-                yield i, d
-    finally:
-        for t in tasks:
-            t.cancel()
-        for s in streams:
-            await s.aclose()
-
-
-def now() -> int:
-    return int(time.time())
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
@@ -185,7 +92,105 @@ def completion_checks(req: CompletionRequest) -> None:
         raise InvalidRequest("echo is not supported with stream", param="echo")
 
 
-def sse(payload: Any) -> bytes:
-    import msgspec
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
 
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+def now() -> int:
+    return int(time.time())
+
+
+def _token_text(tok: KilnTokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+class ChoiceAccumulator:
+    """One choice of a non-streamed response, gathered from its deltas."""
+
+    def __init__(self):
+        self.text = ""
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.final: Delta | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.logprobs += delta.logprobs or []
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finished:
+            self.final = delta
+
+
+class ChatFormat:
+    object: ClassVar[str] = "chat.completion"
+    chunk_object: ClassVar[str] = "chat.completion.chunk"
+    id_prefix: ClassVar[str] = "chatcmpl"
+
+    def __init__(self, tok: KilnTokenizer, logprobs: bool):
+        self.tok, self.with_logprobs = tok, logprobs
+
+    def _logprobs(self, items: list[TokenLogprob]) -> dict:
+        def entry(tid, lp):
+            text = _token_text(self.tok, tid)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in items]}
+
+    def choice(self, index: int, acc: ChoiceAccumulator) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": acc.text},
+                "logprobs": self._logprobs(acc.logprobs) if self.with_logprobs else None,
+                "finish_reason": acc.final.finish_reason, "stop_reason": acc.final.stop_reason}
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        choice = {"index": index, "delta": {"content": delta.text} if delta.text else {},
+                  "logprobs": self._logprobs(delta.logprobs) if delta.logprobs else None,
+                  "finish_reason": delta.finish_reason}
+        return choice if choice["delta"] or choice["finish_reason"] or choice["logprobs"] else None
+
+
+class CompletionFormat:
+    object: ClassVar[str] = "text_completion"
+    chunk_object: ClassVar[str] = "text_completion"
+    id_prefix: ClassVar[str] = "cmpl"
+
+    def __init__(self, tok: KilnTokenizer, logprobs: bool, echo_prompts: list[list[int]] | None = None, n: int = 1):
+        self.tok, self.with_logprobs = tok, logprobs
+        self.echo_prompts, self.n = echo_prompts, n  # with echo, each choice starts with its prompt
+
+    def _logprobs(self, items: list[TokenLogprob]) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for t in items:
+            text = _token_text(self.tok, t.token_id)
+            tokens.append(text)
+            token_lps.append(t.logprob)
+            tops.append({_token_text(self.tok, i): lp for i, lp in t.top} if t.top else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def choice(self, index: int, acc: ChoiceAccumulator) -> dict[str, Any]:
+        text, items = acc.text, acc.logprobs
+        if self.echo_prompts is not None:
+            prompt = self.echo_prompts[index // self.n]
+            text = self.tok.decode(prompt) + text
+            # the prompt's first token has no logprob
+            prompt_lps = acc.prompt_logprobs or [None] * len(prompt)
+            items = [lp or TokenLogprob(t, None, []) for t, lp in zip(prompt, prompt_lps, strict=True)] + items
+        return {"index": index, "text": text, "logprobs": self._logprobs(items) if self.with_logprobs else None,
+                "finish_reason": acc.final.finish_reason, "stop_reason": acc.final.stop_reason}
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        if not delta.text and not delta.finished:
+            return None
+        return {"index": index, "text": delta.text,
+                "logprobs": self._logprobs(delta.logprobs) if delta.logprobs else None,
+                "finish_reason": delta.finish_reason}

@@ -1,0 +1,258 @@
+"""AsyncEngine: the client side of the engine. It owns the engine thread, the inbox and
+the per-request streams; the EngineCore it drives is touched by that thread only.
+
+Callers on any thread submit, abort and schedule boundary calls through the inbox; the
+asyncio side only enqueues and awaits (deltas reach each event loop in one
+`call_soon_threadsafe` per engine step). Readers on other threads see only the snapshot
+the engine thread publishes after every iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from kiln.engine.config import EngineConfig
+from kiln.engine.core import EngineCore
+from kiln.engine.lora_slots import AdapterWeights
+from kiln.engine.metrics import EngineMetrics
+from kiln.engine.output import Delta
+from kiln.engine.sampling import SamplingParams
+from kiln.models.loader import LoadedModel
+
+log = logging.getLogger("kiln.engine")
+
+Sink = Callable[[Delta], None]
+
+
+class RequestStream:
+    """The deltas of one submitted request (all its n choices), read by one event loop.
+
+    Iterate it to the final delta of every choice; closing it early (the client went away)
+    aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, n: int, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.request_id = request_id
+        self.loop = loop
+        self.remaining = n
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.remaining == 0:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        if delta.finished:
+            self.remaining -= 1
+        return delta
+
+    def close(self) -> None:
+        if self.remaining and not self._closed:
+            self.engine.abort(self.request_id)
+        self._closed = True
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class _Mailbox:
+    """Deltas bound for the streams of one event loop, handed over once per engine step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[tuple[RequestStream, Delta]] = []
+
+    def flush(self) -> bool:
+        """Hands the pending deltas to the loop; False if the loop is gone."""
+        batch, self.pending = self.pending, []
+        try:
+            self.loop.call_soon_threadsafe(_deliver, batch)
+            return True
+        except RuntimeError:  # the caller's event loop is closed
+            return False
+
+
+def _deliver(batch: list[tuple[RequestStream, Delta]]) -> None:
+    for stream, delta in batch:
+        stream._queue.put_nowait(delta)
+
+
+class AsyncEngine:
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, metrics: EngineMetrics | None = None):
+        self.core = EngineCore(model, config or EngineConfig(), metrics)
+        self.model = model
+        self.config = self.core.config
+        self.max_model_len = self.core.max_model_len
+        self.snapshot: dict[str, Any] = self.core.snapshot()
+        if metrics is not None:
+            metrics.attach(lambda: {**self.snapshot, "waiting": self.num_waiting()})
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_adds = 0  # requests submitted, not yet seen by the engine thread
+        self._pending_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._sinks: dict[str, Sink | tuple[_Mailbox, RequestStream]] = {}  # engine thread only
+        self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> _Mailbox; engine thread
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    # ---- any thread --------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               adapter: AdapterWeights | None = None, cache_salt: str | None = None) -> RequestStream:
+        """Validates the request now (raising InvalidRequest) and returns its stream. Call from
+        the event loop that will read the stream."""
+        requests = self.core.make_requests(request_id, prompt_ids, params, adapter, cache_salt)
+        stream = RequestStream(self, request_id, params.n, asyncio.get_running_loop())
+        self._enqueue_adds(requests, stream)
+        return stream
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink,
+                    adapter: AdapterWeights | None = None, cache_salt: str | None = None) -> list[str]:
+        """Like submit, for callers without an event loop: `sink` is called in the engine thread
+        with every delta (keep it short). Returns the ids of the n choices' requests."""
+        requests = self.core.make_requests(request_id, prompt_ids, params, adapter, cache_salt)
+        self._enqueue_adds(requests, sink)
+        return [r.request_id for r in requests]
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       **kwargs) -> AsyncIterator[Delta]:
+        """Streams deltas; leaving the loop early (client gone) aborts the request."""
+        stream = self.submit(request_id, prompt_ids, params, **kwargs)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request (and its siblings); blocks are freed at the next iteration boundary."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def at_boundary(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Runs fn in the engine thread between two steps (weight transitions, resets);
+        the future carries its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, future))
+        self._wake.set()
+        return future
+
+    def place_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
+        """Loads an adapter version into a slot at the next boundary (result: the slot, or
+        None while every slot serves live requests: it then loads on first use)."""
+        return self.at_boundary(lambda: self.core.lora_slots.place(adapter))
+
+    def retire_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
+        """Unload/replace: new requests cannot select this version; requests already on it
+        finish with it, and its slot frees when the last one ends."""
+        return self.at_boundary(lambda: self.core.lora_slots.retire(adapter))
+
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued in the scheduler or not yet picked up."""
+        return self.snapshot["waiting"] + self._pending_adds
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.core.close()
+
+    def _enqueue_adds(self, requests, sink) -> None:
+        with self._pending_lock:
+            self._pending_adds += len(requests)
+        self._inbox.put(("add", requests, sink))
+        self._wake.set()
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                self._drain_inbox()
+                if not self.core.has_work():
+                    self.snapshot = self.core.snapshot()
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                steps = self.core.steps
+                outputs = self.core.step()
+                self.snapshot = self.core.snapshot()  # before the outputs: whoever saw a delta sees its step
+                self._dispatch(outputs)
+                if self.core.steps == steps:  # nothing could run (e.g. every adapter slot is busy)
+                    self._wake.wait(0.001)
+                    self._wake.clear()
+            except Exception:  # the loop must survive anything one iteration does
+                log.exception("engine iteration failed")
+                time.sleep(0.01)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            kind = item[0]
+            if kind == "add":
+                _, requests, sink = item
+                if isinstance(sink, RequestStream):
+                    mailbox = self._mailboxes.get(sink.loop)
+                    if mailbox is None:
+                        mailbox = self._mailboxes[sink.loop] = _Mailbox(sink.loop)
+                    sink = (mailbox, sink)
+                for req in requests:
+                    self._sinks[req.request_id] = sink
+                    self.core.add_request(req)
+                with self._pending_lock:
+                    self._pending_adds -= len(requests)
+            elif kind == "abort":
+                self._dispatch(self.core.abort(item[1]))
+            elif kind == "call":
+                _, fn, future = item
+                try:
+                    result = fn()
+                except Exception as exc:  # a boundary task must not kill the loop
+                    log.exception("iteration-boundary task failed")
+                    self.snapshot = self.core.snapshot()
+                    future.set_exception(exc)
+                else:
+                    self.snapshot = self.core.snapshot()  # the caller sees the state its call left
+                    future.set_result(result)
+
+    def _dispatch(self, outputs: list[Delta]) -> None:
+        """Hands each delta to its caller; a caller that has gone away gets its request aborted."""
+        touched: dict[_Mailbox, list[str]] = {}
+        for delta in outputs:
+            sink = self._sinks.pop(delta.request_id) if delta.finished else self._sinks.get(delta.request_id)
+            if sink is None:
+                continue
+            if isinstance(sink, tuple):
+                mailbox, stream = sink
+                mailbox.pending.append((stream, delta))
+                touched.setdefault(mailbox, []).append(delta.request_id)
+                continue
+            try:
+                sink(delta)
+            except Exception:
+                log.warning("caller of %s is gone; aborting it", delta.request_id)
+                if not delta.finished:
+                    self._inbox.put(("abort", delta.request_id))
+        for mailbox, request_ids in touched.items():
+            if not mailbox.flush():
+                self._mailboxes.pop(mailbox.loop, None)
+                for rid in request_ids:
+                    self._inbox.put(("abort", rid))

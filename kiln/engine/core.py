@@ -1,0 +1,176 @@
+"""EngineCore: the synchronous engine. One `step()` is schedule -> execute -> update.
+
+It holds the block pool, the scheduler, the runner, the LoRA slots and accelerator
+ownership, and is driven by one thread at a time: the async client's engine thread when
+serving, or a caller's own loop (benchmarks, trainers' rollouts, tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+from kiln.engine.block_pool import BlockPool
+from kiln.engine.config import EngineConfig
+from kiln.engine.lora_slots import AdapterWeights, LoraSlots
+from kiln.engine.metrics import EngineMetrics
+from kiln.engine.output import Delta
+from kiln.engine.ownership import Ownership
+from kiln.engine.request import Request
+from kiln.engine.runner import Runner, StepResult
+from kiln.engine.sampling import SamplingParams
+from kiln.engine.scheduler import Scheduler, StepFailure, StepPlan
+from kiln.errors import InvalidRequest
+from kiln.models.loader import LoadedModel
+
+log = logging.getLogger("kiln.engine")
+
+
+class EngineCore:
+    def __init__(self, model: LoadedModel, config: EngineConfig, metrics: EngineMetrics | None = None):
+        self.model = model
+        self.config = config
+        self.metrics = metrics
+        cfg = model.config
+        capacity = (config.num_kv_blocks - 1) * config.block_size
+        self.max_model_len = min(cfg.max_position_embeddings, capacity, config.max_model_len or capacity)
+        tok_eos = model.tokenizer.eos_token_id
+        self.eos_ids = tuple(cfg.eos_token_ids) or ((tok_eos,) if tok_eos is not None else ())
+        self.publisher = None
+        self._events: list = []
+        if config.kv_events_endpoint:
+            from kiln.engine.kv_events import KVEventPublisher
+
+            self.publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint or None)
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                              on_stored=self._on_stored if self.publisher else None,
+                              on_removed=self._on_removed if self.publisher else None)
+        self.ownership = Ownership()
+        self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype)
+        self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, model.dtype)
+        self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,
+                                   tokenizer=model.tokenizer, eos_ids=self.eos_ids, step_cost=self.runner.step_cost,
+                                   fits=self.runner.fits, on_finish=self._on_finish)
+        self.steps = 0
+        self._seeds = random.Random(config.seed)  # seeds for requests that bring none
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The one check of a request the engine is asked to serve; raises InvalidRequest."""
+        vocab = self.model.config.vocab_size
+        params.validate(vocab)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest("prompt token ids must be within the vocabulary", param="prompt")
+        budget = self.max_model_len - len(prompt_ids)
+        if budget < 1 or (params.max_tokens is not None and params.max_tokens > budget):
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt_ids) + (params.max_tokens or 0)} tokens ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens or 0} for the completion). Please reduce the length of the prompt or completion.",
+                param="max_tokens")
+
+    def make_requests(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      adapter: AdapterWeights | None = None, cache_salt: str | None = None) -> list[Request]:
+        """Validates, then fans n > 1 out into siblings that share the prompt's blocks.
+
+        A request on `adapter` keeps that version's weights until it finishes, even if the
+        adapter is replaced or unloaded meanwhile."""
+        self.validate(prompt_ids, params)
+        base_seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        group = request_id if params.n > 1 else None
+        return [Request(f"{request_id}-{i}" if group else request_id, list(prompt_ids), params,
+                        seed=(base_seed + i) % (1 << 64), adapter=adapter, cache_salt=cache_salt, group_id=group,
+                        index=i) for i in range(params.n)]
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> list[Delta]:
+        """Ends a request (and its siblings) now; returns their final deltas."""
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[Delta]:
+        plan = self.scheduler.schedule()
+        results = self.execute(plan)
+        return self.update_from_output(plan, results)
+
+    def execute(self, plan: StepPlan) -> list[StepResult | StepFailure | None]:
+        """Runs each planned batch as one inference step under accelerator ownership (writers
+        waiting get the accelerator between steps). After a failure that lost the KV state,
+        the remaining batches are not run (None)."""
+        results: list[StepResult | StepFailure | None] = []
+        for batch in plan.batches:
+            if any(isinstance(r, StepFailure) and r.kv_lost for r in results):
+                results.append(None)
+                continue
+            with self.ownership.inference():
+                results.append(self.runner.execute(batch))
+            self.steps += 1
+        return results
+
+    def update_from_output(self, plan: StepPlan, results: list[StepResult | StepFailure | None]) -> list[Delta]:
+        outputs = self.scheduler.update_from_output(plan, results)
+        if self._events:
+            self.publisher.publish(self._events)
+            self._events = []
+        return outputs
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """Live state for readers on other threads (taken by the engine thread, between steps)."""
+        sched, pool, slots = self.scheduler, self.pool, self.lora_slots
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+            "kv_usage": pool.usage(),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_free": pool.num_free,
+            "prefix_queries": pool.stats.prefix_queries,
+            "prefix_hits": pool.stats.prefix_hits,
+            "lora_slots_used": sum(s is not None for s in slots.slots),
+            "lora_slots_total": slots.n_slots,
+            "lora_loads": slots.loads,
+            "lora_evictions": slots.evictions,
+            "resident_adapters": slots.resident(),
+            "waiting_for_adapter_slot": sched.waiting_for_adapter_slot(),
+            "running_adapters": sorted({r.adapter_name for r in sched.running if r.adapter_name}),
+            "waiting_adapters": sorted({r.adapter_name for r in sched.waiting if r.adapter_name}),
+            "writer_operations": self.ownership.writes,
+            "steps": self.steps,
+            "compiled_steps": len(self.runner.compiled),
+            "prompt_tokens": sched.stats.prompt_tokens,
+            "generation_tokens": sched.stats.generation_tokens,
+            "preemptions": sched.stats.preemptions,
+            "finished": sched.stats.finished,
+        }
+
+    def close(self) -> None:
+        if self.publisher:
+            self.publisher.close()
+
+    # ---- hooks -------------------------------------------------------------------------------
+
+    def _on_finish(self, req: Request, final: Delta) -> None:
+        if self.metrics is not None:
+            self.metrics.record_finished(final)
+
+    def _on_stored(self, hashes, parent, tokens, lora_name):
+        from kiln.engine.kv_events import BlockStored
+
+        self._events.append(BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                                        block_size=self.config.block_size, lora_id=None, medium="GPU",
+                                        lora_name=lora_name))
+
+    def _on_removed(self, hashes):
+        from kiln.engine.kv_events import BlockRemoved
+
+        self._events.append(BlockRemoved(block_hashes=hashes, medium="GPU"))

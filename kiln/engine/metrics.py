@@ -1,0 +1,100 @@
+"""Prometheus metrics: kiln:* names plus the vllm:* names KV-aware routers scrape.
+
+Gauges and counters are read from the engine's published snapshot at scrape time; request
+histograms are recorded by the engine when a request ends, whatever ended it (a client
+that disconnected is counted too).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kiln.engine.output import Delta
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                   80.0)
+PREFIXES = ("vllm", "kiln")
+
+
+class _SnapshotCollector:
+    """Reads the engine's live state at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], dict], model_name: str):
+        self.snapshot = snapshot
+        self.model_name = model_name
+
+    def _family(self, kind, name: str, doc: str, value: float):
+        family = kind(name, doc, labels=["model_name"])
+        family.add_metric([self.model_name], value)
+        return family
+
+    def collect(self):
+        s = self.snapshot()
+        # vLLM's adapter gauge: the labels carry the adapter names, the value is the scrape time
+        info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests",
+                                 labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        info.add_metric([str(s["lora_slots_total"]), ",".join(s["waiting_adapters"]),
+                         ",".join(s["running_adapters"])], time.time())
+        yield info
+        for name, doc, key in (("lora_slots_used", "LoRA slots holding an adapter", "lora_slots_used"),
+                               ("lora_slots_total", "LoRA slots on the accelerator", "lora_slots_total"),
+                               ("requests_waiting_for_adapter_slot", "Requests waiting for their adapter to get a slot",
+                                "waiting_for_adapter_slot")):
+            yield self._family(GaugeMetricFamily, f"kiln:{name}", doc, s[key])
+        yield self._family(CounterMetricFamily, "kiln:writer_operations",
+                           "Accelerator writer operations (adapter transitions, ...)", s["writer_operations"])
+        gauges = (("num_requests_running", "Requests in the running batch", "running"),
+                  ("num_requests_waiting", "Requests waiting to be scheduled", "waiting"),
+                  ("kv_cache_usage_perc", "KV-cache block usage (1 = full)", "kv_usage"))
+        counters = (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_queries"),
+                    ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_hits"),
+                    ("prompt_tokens", "Prompt tokens processed", "prompt_tokens"),
+                    ("generation_tokens", "Tokens generated", "generation_tokens"),
+                    ("num_preemptions", "Requests preempted for recompute", "preemptions"))
+        for prefix in PREFIXES:
+            for name, doc, key in gauges:
+                yield self._family(GaugeMetricFamily, f"{prefix}:{name}", doc, s[key])
+            for name, doc, key in counters:
+                yield self._family(CounterMetricFamily, f"{prefix}:{name}", doc, s[key])
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._histograms = []
+        for prefix in PREFIXES:
+            def histogram(name, doc, prefix=prefix):
+                return Histogram(f"{prefix}:{name}", doc, ["model_name"], buckets=LATENCY_BUCKETS,
+                                 registry=self.registry).labels(model_name)
+
+            self._histograms.append({
+                "ttft_s": histogram("time_to_first_token_seconds", "Time to first token"),
+                "itl": histogram("inter_token_latency_seconds", "Time between output tokens"),
+                "e2e_s": histogram("e2e_request_latency_seconds", "End-to-end request latency"),
+                "queued_s": histogram("request_queue_time_seconds", "Time waiting before the first step"),
+                "success": Counter(f"{prefix}:request_success", "Finished requests", ["model_name", "finished_reason"],
+                                   registry=self.registry),
+            })
+
+    def attach(self, snapshot: Callable[[], dict]) -> None:
+        """Gauges and counters come from `snapshot()` (the engine's published state) at scrape time."""
+        self.registry.register(_SnapshotCollector(snapshot, self.model_name))
+
+    def record_finished(self, final: Delta) -> None:
+        """Called by the engine for every request's final delta."""
+        phases, tokens = final.metrics or {}, (final.usage or {}).get("completion_tokens", 0)
+        for h in self._histograms:
+            h["success"].labels(self.model_name, final.finish_reason).inc()
+            for key in ("ttft_s", "e2e_s", "queued_s"):
+                if phases.get(key) is not None:
+                    h[key].observe(phases[key])
+            if phases.get("decode_s") is not None and tokens > 1:
+                h["itl"].observe(phases["decode_s"] / (tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

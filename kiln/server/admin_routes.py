@@ -1,0 +1,96 @@
+"""Operator routes: health, configuration, metrics, and the adapter API (Kiln's and vLLM's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from litestar import Request, Response, delete, get, post
+
+from kiln import __version__
+from kiln.profiles import ServingProfile
+from kiln.server.schemas import AdapterLoadRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
+from kiln.server.state import server_state
+
+OPEN_ROUTES = {"/health", "/v1/health", "/metrics"}  # answered without an API key
+
+
+def _health(request: Request) -> Response:
+    st = server_state(request)
+    admission = st.profile.policy.inference_admission
+    engine_ok = st.engine.alive()
+    if st.profile.profile is ServingProfile.MAINTENANCE:
+        status = "maintenance"
+    elif not engine_ok:
+        status = "unhealthy"
+    elif st.prewarm == "pending":
+        status = "starting"
+    else:
+        status = "ok"
+    body = {
+        "status": status,
+        "model": st.model_id,
+        "serving_profile": st.profile.to_json(),
+        "backend_runtime": {"healthy": engine_ok, "platform": jax.default_backend(),
+                            "devices": [str(d) for d in jax.devices()], "route": st.backend_route},
+        "checks": {"inference_admission": admission, "engine_loop": engine_ok, "model_loaded": True,
+                   "prewarm": st.prewarm},
+    }
+    return Response(body, status_code=200 if status == "ok" else 503)
+
+
+@get("/health", sync_to_thread=False)
+def health(request: Request) -> Response:
+    return _health(request)
+
+
+@get("/v1/health", sync_to_thread=False)
+def health_v1(request: Request) -> Response:
+    return _health(request)
+
+
+@get("/v1/config", sync_to_thread=False)
+def config(request: Request) -> dict[str, Any]:
+    st = server_state(request)
+    model = {"id": st.model_id, "weights_digest": st.engine.model.weights_digest,
+             "max_model_len": st.engine.max_model_len}
+    return {**st.settings.to_json(), "model": model, "version": __version__}
+
+
+@get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")
+def metrics(request: Request) -> bytes:
+    return server_state(request).metrics.render()
+
+
+@get("/v1/adapters", sync_to_thread=True)
+def list_adapters(request: Request) -> dict[str, Any]:
+    st = server_state(request)
+    return {"object": "list", "data": st.adapters.describe_all(), "slots": st.engine.snapshot["resident_adapters"],
+            "max_loras": st.engine.config.max_loras, "max_lora_rank": st.engine.config.max_lora_rank}
+
+
+@post("/v1/adapters", status_code=200, sync_to_thread=True)
+def load_adapter(request: Request, data: AdapterLoadRequest) -> dict[str, Any]:
+    return server_state(request).adapters.load(data.name, data.path, replace=data.replace).describe()
+
+
+@delete("/v1/adapters/{name:str}", status_code=200, sync_to_thread=True)
+def unload_adapter(request: Request, name: str) -> dict[str, Any]:
+    entry = server_state(request).adapters.unload(name)
+    return {"name": entry.name, "object": "adapter", "unloaded": True}
+
+
+@post("/v1/load_lora_adapter", status_code=200, sync_to_thread=True, media_type="text/plain")
+def load_lora_adapter(request: Request, data: LoadLoraAdapterRequest) -> str:
+    server_state(request).adapters.load(data.lora_name, data.lora_path, replace=data.load_inplace)
+    return f"Success: LoRA adapter '{data.lora_name}' added successfully."
+
+
+@post("/v1/unload_lora_adapter", status_code=200, sync_to_thread=True, media_type="text/plain")
+def unload_lora_adapter(request: Request, data: UnloadLoraAdapterRequest) -> str:
+    server_state(request).adapters.unload(data.lora_name)
+    return f"Success: LoRA adapter '{data.lora_name}' removed successfully."
+
+
+ROUTES = [health, health_v1, config, metrics, list_adapters, load_adapter, unload_adapter, load_lora_adapter,
+          unload_lora_adapter]

@@ -1,0 +1,77 @@
+"""Serving and lifecycle: `serve(settings)` loads the model, starts the engine, prewarms (unless
+the serving profile is maintenance), loads configured adapters and runs uvicorn; SIGTERM
+drains in-flight requests before exit."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from kiln.config import Settings
+from kiln.errors import KilnError, ModelLoadError
+from kiln.profiles import ServingProfile, log_startup
+from kiln.server.app import create_app
+from kiln.server.state import ServerState
+
+log = logging.getLogger("kiln.server")
+
+
+def prewarm(state: ServerState) -> None:
+    """Compiles (or loads from the persistent cache) the smallest decode and prefill buckets."""
+    if state.profile.profile is ServingProfile.MAINTENANCE:
+        state.prewarm = "skipped"
+        log.info("prewarm skipped: serving profile is maintenance")
+        return
+    runner = state.engine.core.runner
+    shapes = [s for s in runner.warmup_shapes(runner.block_size) if s.blocks == 1]
+    state.engine.at_boundary(lambda: runner.warm(shapes)).result()  # the runner belongs to the engine thread
+    state.prewarm = "done"
+    log.info("prewarm: %d step buckets ready", len(shapes))
+
+
+def preload_adapters(state: ServerState) -> bool:
+    """Loads `adapters.load` entries ("name" from the store, or "name=path") before serving."""
+    for entry in state.settings.adapters.load:
+        name, _, path = entry.partition("=")
+        try:
+            state.adapters.load(name.strip(), path.strip() or None)
+        except KilnError as exc:
+            print(f"kiln: error: cannot load adapter {entry!r} (adapters.load): {exc}", file=sys.stderr)
+            return False
+    return True
+
+
+def serve(settings: Settings) -> int:
+    from kiln.adapters.registry import AdapterRegistry
+    from kiln.adapters.store import AdapterStore
+    from kiln.engine.setup import build_engine
+
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_startup(settings.serving_profile, log)
+    try:
+        engine = build_engine(settings)
+    except ModelLoadError as exc:
+        print(f"kiln: error: cannot load the model: {exc}", file=sys.stderr)
+        return 1
+    registry = AdapterRegistry(engine, AdapterStore(settings.adapter_store()),
+                               settings.serving_profile.policy.adapter_weight_transitions)
+    state = ServerState(settings, engine, engine.core.metrics, registry)
+    prewarm(state)
+    if not preload_adapters(state):
+        engine.shutdown()
+        return 1
+    config = uvicorn.Config(create_app(state), host=settings.server.host, port=settings.server.port,
+                            log_level=settings.server.log_level, timeout_graceful_shutdown=30, access_log=False)
+    log.info("serving %s on http://%s:%d", state.model_id, settings.server.host, settings.server.port)
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; a Python handler lets us
+    # finish our own shutdown and exit 0 instead of dying by the signal
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        uvicorn.Server(config).run()  # on SIGTERM: stop accepting, drain in-flight requests, exit
+    finally:
+        engine.shutdown()
+    return 0
