@@ -16,7 +16,7 @@ from kiln.errors import ModelLoadError
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.hf_loader import load_hf_dir
-from kiln.models.loader import cache_dir, load_model
+from kiln.models.loader import cache_dir, layer_param, load_model
 
 IDS = [5, 77, 200, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]
 
@@ -72,7 +72,7 @@ def test_quantized_gguf_dequantizes_and_unpermutes(hf_model, tmp_path, kiln_cach
     model = load_model(path, show_progress=False)
     w = hf_model.model.layers[1].self_attn.q_proj.weight.detach().numpy()
     expected = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
-    np.testing.assert_array_equal(np.asarray(model.params["layers"]["q_proj"][1]), expected.T)
+    np.testing.assert_array_equal(np.asarray(layer_param(model.params, "q_proj", 1)), expected.T)
     assert np.abs(expected - w).max() > 0  # really quantized
 
 

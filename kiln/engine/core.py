@@ -154,6 +154,7 @@ class EngineCore:
         }
 
     def close(self) -> None:
+        self.runner.close()
         if self.publisher:
             self.publisher.close()
 

@@ -1,20 +1,28 @@
 """Runner: executes one planned batch as one jitted step, and owns the KV state.
 
-It pads the batch into a shape bucket and calls the step; it never splits or reorders
-what the scheduler planned. Each bucket tuple (tokens T, rows S, query length Q, blocks
-per row M, sampling flags, prompt logprobs, LoRA groups) is one compiled executable:
-Kiln's graph capture. When live capture is forbidden (the serving profile), a batch runs
-in the smallest already-compiled bucket that fits it, or fails with GraphCaptureDisabled;
-`fits` tells the scheduler beforehand. A failed step that took the donated KV state with
-it is recovered here (`reset_kv`); the scheduler then recomputes the running requests.
+It pads the batch into a shape bucket and calls that bucket's executable; it never splits or
+reorders what the scheduler planned. Each bucket (tokens T, rows S, query length Q, blocks per
+row M, sampling flags and array widths, prompt logprobs, LoRA groups) is one executable
+compiled ahead of time: Kiln's graph capture.
+
+Capture never stalls a step that can run padded: a batch whose bucket is not compiled yet
+runs in the cheapest compiled bucket that fits it while its own bucket compiles in the
+background, and only a batch that nothing fits waits for a compile. When the serving
+profile forbids live capture, nothing new compiles: a batch runs in a compiled bucket that
+fits or fails with GraphCaptureDisabled (`fits` tells the scheduler beforehand).
+
+A failed step that took the donated KV state with it is recovered here (`reset_kv`); the
+scheduler then recomputes the running requests.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import math
 import threading
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -52,11 +60,12 @@ class StepShape(NamedTuple):
     flags: SamplingFlags
     prompt_logprobs: bool
     lora: int = 0  # adapter groups (distinct adapters) the step applies; 0: none
+    widths: tuple[int, int, int, int] = (1, 1, 1, 1)  # logit bias, banned ids, output and prompt history
 
     def fits(self, other: StepShape) -> bool:
         """True if a batch of shape `other` can run padded to this shape."""
         same = (self.flags, self.prompt_logprobs) == (other.flags, other.prompt_logprobs)
-        return same and all(a >= b for a, b in zip(self[:4], other[:4], strict=True)) and (
+        return same and all(a >= b for a, b in zip(self[:4] + self.widths, other[:4] + other.widths, strict=True)) and (
             self.lora >= other.lora and (self.lora > 0) == (other.lora > 0))
 
 
@@ -94,13 +103,16 @@ _trace_lock = threading.Lock()
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "flags", "with_prompt_logprobs"), donate_argnames=("kv",))
-def model_step(params, kv: KVCache, inputs: StepInputs, last_index, rs: RowSampling, prompt_targets,
-               cfg: ModelConfig, flags: SamplingFlags, with_prompt_logprobs: bool, lora=None):
+def model_step(params, kv: KVCache, inputs: StepInputs, last_index, rs: RowSampling, prompt_targets, lora, *,
+               cfg: ModelConfig, flags: SamplingFlags, with_prompt_logprobs: bool):
     """Forward + on-device sampling; only sampled ids and requested logprobs leave the device."""
     with _trace_lock:
         COUNTER.traces += 1  # runs at trace time only
     hidden, kv = forward_hidden(params, kv, inputs, cfg, lora)
-    sampled = sample(logits(params, hidden[last_index]), rs, flags)
+    with jax.named_scope("lm_head"):
+        row_logits = logits(params, hidden[last_index])
+    with jax.named_scope("sampling"):
+        sampled = sample(row_logits, rs, flags)
     prompt = None
     if with_prompt_logprobs:
         lp = jax.nn.log_softmax(logits(params, hidden), axis=-1)
@@ -108,6 +120,11 @@ def model_step(params, kv: KVCache, inputs: StepInputs, last_index, rs: RowSampl
         top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
         prompt = PromptLogprobs(target, top_ids.astype(jnp.int32), top_lp)
     return sampled, prompt, kv
+
+
+def _abstract(x):
+    """What a compile needs to know of an array: shape, dtype and placement."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -119,6 +136,15 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 def _pow2(n: int, lo: int = 1) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def block_bucket(n: int) -> int:
+    """Blocks per row, rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: two buckets per octave,
+    so padding is at most a third of the attention a decode row pays for."""
+    b = 1
+    while b < n:
+        b = 2 if b == 1 else b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+    return b
 
 
 class StepResult:
@@ -170,14 +196,24 @@ class Runner:
         self.row_buckets = tuple(sorted(set(config.decode_row_buckets) | {_pow2(config.max_num_seqs)}))
         self.token_buckets = tuple(sorted(set(config.prefill_token_buckets) | {_pow2(config.max_num_batched_tokens)}))
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        self.compiled: set[StepShape] = set()
+        self.executables: dict[StepShape, Callable] = {}  # engine thread only
+        self._capturing: dict[StepShape, concurrent.futures.Future] = {}  # compiling in the background
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-capture")
+        self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
         self.flops_per_token = 2 * cfg.num_layers * layer_params
         self.flops_per_key = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ATTENTION_MEMORY_FACTOR
 
+    @property
+    def compiled(self) -> set[StepShape]:
+        return set(self.executables)
+
     def reset_kv(self) -> None:
         """A fresh, empty KV state (after a failed step consumed the donated one)."""
         self.kv = init_kv_cache(self.cfg, self.num_blocks, self.block_size, self.kv_dtype)
+
+    def close(self) -> None:
+        self._compiler.shutdown(wait=False, cancel_futures=True)
 
     # ---- shapes ------------------------------------------------------------------------
 
@@ -190,7 +226,7 @@ class Runner:
         else:
             T = _bucket(total, self.token_buckets)
             Q = min(_pow2(max(n for _, n in rows)), T)
-        M = min(_pow2(max(len(r.block_ids) for r, _ in rows)), _pow2(self.max_blocks_per_seq))
+        M = min(block_bucket(max(len(r.block_ids) for r, _ in rows)), block_bucket(self.max_blocks_per_seq))
         params = [r.params for r, _ in rows]
         flags = SamplingFlags(
             penalties=any(p.needs_penalties for p in params),
@@ -200,18 +236,32 @@ class Runner:
         prompt_lp = any(r.params.prompt_logprobs is not None and r.in_prefill for r, _ in rows)
         adapters = len({r.adapter_slot for r, _ in rows if r.adapter_slot})
         lora = min(_pow2(adapters), self.lora_slots.n_slots) if adapters else 0
-        return StepShape(T, S, Q, M, flags, prompt_lp, lora)
+        widths = (_pow2(max(len(r.params.logit_bias or ()) for r, _ in rows)),
+                  _pow2(max(len(self._banned(r)) for r, _ in rows)),
+                  _pow2(max(len(r.output_ids) for r, _ in rows), 8) if flags.penalties else 1,
+                  _pow2(max(len(r.prompt_ids) for r, _ in rows), 8) if flags.penalties else 1)
+        return StepShape(T, S, Q, M, flags, prompt_lp, lora, widths)
 
     def resolve(self, shape: StepShape) -> StepShape:
-        """The shape to run: itself, or with live capture off the smallest compiled one that fits."""
-        if shape in self.compiled or self.config.allow_live_capture:
+        """The bucket to run a batch of this shape in, now: its own when compiled; else the
+        cheapest compiled one that fits (capturing its own in the background, if allowed);
+        else its own, compiled now. Raises GraphCaptureDisabled when nothing fits and capture
+        is not allowed."""
+        self._install_captured()
+        if shape in self.executables:
             return shape
-        fitting = [s for s in self.compiled if s.fits(shape)]
-        if not fitting:
+        fitting = [s for s in self.executables if s.fits(shape)]
+        if fitting:
+            if self.config.allow_live_capture and shape not in self._capturing:
+                self._capturing[shape] = self._compiler.submit(self._compile, shape, self._lora_abstract(shape))
+            return min(fitting, key=self._shape_cost)
+        if not self.config.allow_live_capture:
             raise GraphCaptureDisabled(
                 f"no compiled step bucket fits tokens={shape.tokens} rows={shape.rows} "
                 f"query={shape.query} blocks={shape.blocks}, and live graph capture is disabled")
-        return min(fitting, key=lambda s: (s.tokens * s.blocks, s.rows, s.query, s.lora))
+        pending = self._capturing.pop(shape, None)
+        self.executables[shape] = pending.result() if pending else self._compile(shape, self._lora_abstract(shape))
+        return shape
 
     def fits(self, rows: Rows) -> bool:
         """Whether the rows can run as one step without compiling a step live capture forbids."""
@@ -223,11 +273,79 @@ class Runner:
 
     def step_cost(self, rows: Rows) -> float:
         """Estimated cost of running the rows as one step, padding included (see the cost model above)."""
-        s = self.shape_for(rows)
+        return self._shape_cost(self.shape_for(rows))
+
+    def _shape_cost(self, s: StepShape) -> float:
         keys = s.rows * s.query * s.blocks * self.block_size
         return (s.tokens + FIXED_STEP_TOKENS) * self.flops_per_token + keys * self.flops_per_key
 
+    # ---- compiling -----------------------------------------------------------------------
+
+    def _lora_abstract(self, shape: StepShape) -> dict | None:
+        """The LoRA argument as a compile sees it (engine thread: the slot state is its own)."""
+        if not shape.lora:
+            return None
+        return {**jax.tree.map(_abstract, self.lora_slots.ensure_state()), "active": np.zeros(shape.lora, np.int32)}
+
+    def _compile(self, shape: StepShape, lora: dict | None) -> Callable:
+        """The executable of one bucket (any thread; the persistent compilation cache applies)."""
+        params, kv = self._abstract
+        inputs, last_index, rs, targets = self._padding_inputs(shape)
+        lowered = model_step.lower(params, kv, inputs, last_index, rs, targets, lora, cfg=self.cfg,
+                                   flags=shape.flags, with_prompt_logprobs=shape.prompt_logprobs)
+        return lowered.compile()
+
+    def _install_captured(self) -> None:
+        for shape, future in list(self._capturing.items()):
+            if future.done():
+                del self._capturing[shape]
+                try:
+                    self.executables[shape] = future.result()
+                except Exception:  # the bucket stays uncaptured; batches keep running padded
+                    log.exception("compiling step bucket %s failed", shape)
+
+    def warm(self, shapes: list[StepShape], workers: int = 1) -> None:
+        """Compiles the given buckets now, `workers` at a time (or loads them from the persistent
+        compilation cache)."""
+        todo = [(s, self._lora_abstract(s)) for s in dict.fromkeys(shapes) if s not in self.executables]
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kiln-warm") as pool:
+            for shape, executable in zip(todo, pool.map(lambda job: self._compile(*job), todo), strict=True):
+                self.executables[shape[0]] = executable
+
+    def warmup_shapes(self, context_tokens: int, lora: bool = False) -> list[StepShape]:
+        """The configured buckets: decode (each row bucket) and single-row prefill (each token
+        bucket), for every blocks-per-row bucket up to `context_tokens` of context; with `lora`,
+        also the decode buckets of batches that carry one adapter."""
+        top = min(block_bucket(math.ceil(context_tokens / self.block_size)), block_bucket(self.max_blocks_per_seq))
+        block_buckets = sorted({block_bucket(m) for m in range(1, top + 1)})
+        flags = SamplingFlags()
+        shapes = [StepShape(s, s, 1, m, flags, False) for s in self.row_buckets for m in block_buckets]
+        for t in self.token_buckets:
+            shapes += [StepShape(t, 1, t, m, flags, False) for m in block_buckets if m * self.block_size >= t]
+        if lora:
+            shapes += [StepShape(s, s, 1, m, flags, False, 1) for s in self.row_buckets for m in block_buckets]
+        return shapes
+
+    def fallback_shapes(self, context_tokens: int) -> list[StepShape]:
+        """Buckets that every plain decode batch and single-prompt prefill up to `context_tokens`
+        can run padded in while their own buckets compile: one decode bucket per row bucket and
+        one prefill bucket per token bucket, each with room for the whole context."""
+        blocks = min(block_bucket(math.ceil(context_tokens / self.block_size)), block_bucket(self.max_blocks_per_seq))
+        flags = SamplingFlags()
+        return ([StepShape(s, s, 1, blocks, flags, False) for s in self.row_buckets]
+                + [StepShape(t, 1, t, max(blocks, block_bucket(math.ceil(t / self.block_size))), flags, False)
+                   for t in self.token_buckets])
+
     # ---- inputs ------------------------------------------------------------------------
+
+    def _padding_inputs(self, shape: StepShape) -> tuple[StepInputs, np.ndarray, RowSampling, np.ndarray]:
+        """Inputs of an all-padding batch of this shape (what a compile sees)."""
+        S, T = shape.rows, shape.tokens
+        pad_slot = self.num_blocks * self.block_size
+        inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, pad_slot, np.int32),
+                            np.zeros(T, np.int32), np.full((S, shape.query), T, np.int32),
+                            np.zeros((S, shape.blocks), np.int32), np.zeros(S, np.int32))
+        return inputs, np.zeros(S, np.int32), self._sampling_arrays([], shape), np.full(T, -1, np.int32)
 
     def _sampling_arrays(self, rows: Rows, shape: StepShape) -> RowSampling:
         S, V = shape.rows, self.cfg.vocab_size
@@ -239,15 +357,9 @@ class Runner:
         step = np.zeros(S, np.int32)
         bias = [sorted((r.params.logit_bias or {}).items()) for r, _ in rows]
         banned = [self._banned(r) for r, _ in rows]
-        kb = _pow2(max((len(b) for b in bias), default=1))
-        kn = _pow2(max((len(b) for b in banned), default=1))
+        kb, kn, p_out, p_in = shape.widths
         bias_ids, bias_values = np.full((S, kb), V, np.int32), np.zeros((S, kb), np.float32)
         banned_ids = np.full((S, kn), V, np.int32)
-        if shape.flags.penalties:
-            p_out = _pow2(max((len(r.output_ids) for r, _ in rows), default=0), 8)
-            p_in = _pow2(max((len(r.prompt_ids) for r, _ in rows), default=0), 8)
-        else:
-            p_out = p_in = 1
         output_ids, prompt_ids = np.full((S, p_out), V, np.int32), np.full((S, p_in), V, np.int32)
         for i, (r, _) in enumerate(rows):
             p = r.params
@@ -315,43 +427,8 @@ class Runner:
                         targets[t + j] = r.prompt_ids[pos + 1]
             t += n
         rs = self._sampling_arrays(rows, shape)
-        sampled, prompt, self.kv = model_step(self.params, self.kv, inputs, last_index, rs, targets, self.cfg,
-                                              shape.flags, shape.prompt_logprobs, self._lora(rows, shape))
-        self.compiled.add(shape)
+        step = self.executables[shape]
+        sampled, prompt, self.kv = step(self.params, self.kv, inputs, last_index, rs, targets, self._lora(rows, shape))
         return StepResult(rows, sampled, prompt, targets)
 
-    # ---- warmup ------------------------------------------------------------------------
-
-    def warmup_shapes(self, context_tokens: int, lora: bool = False) -> list[StepShape]:
-        """The configured buckets: decode (each row bucket) and single-row prefill (each token
-        bucket), for every blocks-per-row bucket up to `context_tokens` of context; with `lora`,
-        also the decode buckets of batches that carry one adapter."""
-        B = self.block_size
-        top = min(_pow2(math.ceil(context_tokens / B)), _pow2(self.max_blocks_per_seq))
-        block_buckets = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
-        flags = SamplingFlags()
-        shapes = [StepShape(s, s, 1, m, flags, False) for s in self.row_buckets for m in block_buckets]
-        for t in self.token_buckets:
-            shapes += [StepShape(t, 1, t, m, flags, False) for m in block_buckets if m * B >= t]
-        if lora:
-            shapes += [StepShape(s, s, 1, m, flags, False, 1) for s in self.row_buckets for m in block_buckets]
-        return shapes
-
-    def warm(self, shapes: list[StepShape]) -> None:
-        """Compiles the given buckets by running them on padding (writes nothing to the cache)."""
-        for shape in shapes:
-            if shape in self.compiled:
-                continue
-            S, T = shape.rows, shape.tokens
-            pad_slot = self.num_blocks * self.block_size
-            inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, pad_slot, np.int32),
-                                np.zeros(T, np.int32), np.full((S, shape.query), T, np.int32),
-                                np.zeros((S, shape.blocks), np.int32), np.zeros(S, np.int32))
-            rs = self._sampling_arrays([], shape)
-            lora = {**self.lora_slots.ensure_state(), "active": np.zeros(shape.lora, np.int32)} if shape.lora else None
-            sampled, _, self.kv = model_step(self.params, self.kv, inputs, np.zeros(S, np.int32), rs,
-                                             np.full(T, -1, np.int32), self.cfg, shape.flags, shape.prompt_logprobs,
-                                             lora)
-            jax.block_until_ready(sampled.tokens)
-            self.compiled.add(shape)
 

@@ -159,27 +159,39 @@ def forward_hidden(
         h, k_all, v_all, idx = carry
         layer, lora_layer = xs
         proj = lambda x, name: _proj(x, layer, lora_layer, name, token_weight)  # noqa: E731
-        x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
-        if cfg.attention_bias:
-            q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
-        q, k, v = q.reshape(T, H, D), k.reshape(T, KH, D), v.reshape(T, KH, D)
-        if cfg.qk_norm:
-            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-        q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
-        k_all = k_all.at[idx, blocks, offsets].set(k.astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[idx, blocks, offsets].set(v.astype(v_all.dtype), mode="drop")
-        attn = _attention(q, k_all, v_all, idx, inputs, plan, cfg).astype(h.dtype)
-        h = h + proj(attn.reshape(T, H * D), "o_proj")
-        x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-        gated = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")
-        h = h + proj(gated, "down_proj")
+        with jax.named_scope("qkv"):
+            x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
+            if cfg.attention_bias:
+                q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+            q, k, v = q.reshape(T, H, D), k.reshape(T, KH, D), v.reshape(T, KH, D)
+            if cfg.qk_norm:
+                q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+        with jax.named_scope("kv_write"):
+            k_all = k_all.at[idx, blocks, offsets].set(k.astype(k_all.dtype), mode="drop")
+            v_all = v_all.at[idx, blocks, offsets].set(v.astype(v_all.dtype), mode="drop")
+        with jax.named_scope("attention"):
+            attn = _attention(q, k_all, v_all, idx, inputs, plan, cfg).astype(h.dtype)
+        with jax.named_scope("o_proj"):
+            h = h + proj(attn.reshape(T, H * D), "o_proj")
+        with jax.named_scope("mlp"):
+            x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+            gated = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")
+            h = h + proj(gated, "down_proj")
         return (h, k_all, v_all, idx + 1), None
 
-    (h, k_all, v_all, _), _ = jax.lax.scan(
-        layer_fn, (h, kv.k, kv.v, jnp.int32(0)), (params["layers"], lora_layers), unroll=unroll
-    )
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):  # one array per layer: unrolled, no per-layer weight slicing
+        carry = (h, kv.k, kv.v, 0)
+        for i, layer in enumerate(layers):
+            lora_layer = None if lora_layers is None else jax.tree.map(lambda w, i=i: w[i], lora_layers)
+            carry, _ = layer_fn(carry, (layer, lora_layer))
+        h, k_all, v_all, _ = carry
+    else:
+        (h, k_all, v_all, _), _ = jax.lax.scan(layer_fn, (h, kv.k, kv.v, jnp.int32(0)), (layers, lora_layers),
+                                               unroll=unroll)
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), KVCache(k_all, v_all)
 
 

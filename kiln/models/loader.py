@@ -114,6 +114,31 @@ def convert_gguf(path: Path, show_progress: bool = True, cache_root: Path | None
     return target, digest
 
 
+def default_layer_loop(backend: str | None = None) -> str:
+    """How the decoder runs its layers on a backend.
+
+    "unrolled": each layer's weights are arrays of their own and the layer loop is unrolled.
+    XLA:CPU copies a layer's weights out of a stacked array inside a scan (a dynamic slice per
+    weight, every step), which costs about 15% of a 32-row decode step of the default model.
+    "scan": weights stacked on a layer axis under `lax.scan`; compile time stays flat in depth."""
+    return "unrolled" if (backend or jax.default_backend()) == "cpu" else "scan"
+
+
+def unstack_layers(params: dict) -> dict:
+    """Stacked layer params ({name: [L, ...]}) as one dict per layer (views, no copy on the host)."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = len(next(iter(layers.values())))
+    return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(n)]}
+
+
+def layer_param(params: dict, name: str, index: int):
+    """One layer's weight, whichever way the layers are held."""
+    layers = params["layers"]
+    return layers[index][name] if isinstance(layers, (list, tuple)) else layers[name][index]
+
+
 def load_model(
     path: str | Path | None = None,
     dtype: str = "float32",
@@ -121,8 +146,12 @@ def load_model(
     show_progress: bool = True,
     model_id: str | None = None,
     cache_root: Path | None = None,
+    layer_loop: str | None = None,
 ) -> LoadedModel:
-    """Loads params onto the accelerator (sharded over `mesh` when given) with tokenizer and metadata."""
+    """Loads params onto the accelerator (sharded over `mesh` when given) with tokenizer and metadata.
+
+    `layer_loop` ("unrolled" | "scan", default: per backend, see `default_layer_loop`) decides
+    whether layers are held stacked or one dict per layer; a mesh always uses stacked layers."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     if path is None:
@@ -148,5 +177,7 @@ def load_model(
 
         params = shard_params(params, cfg, mesh)
     else:
+        if (layer_loop or default_layer_loop()) == "unrolled":
+            params = unstack_layers(params)
         params = jax.device_put(params)
     return LoadedModel(model_id, cfg, params, tokenizer, generation, digest, source, dtype)

@@ -5,6 +5,7 @@ drains in-flight requests before exit."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
@@ -20,14 +21,17 @@ log = logging.getLogger("kiln.server")
 
 
 def prewarm(state: ServerState) -> None:
-    """Compiles (or loads from the persistent cache) the smallest decode and prefill buckets."""
+    """Compiles (or loads from the persistent cache) a decode bucket per row bucket and a prefill
+    bucket per token bucket, each with room for a full prefill chunk of context: every plain
+    batch up to that context can then run at once, padded, while its own bucket compiles."""
     if state.profile.profile is ServingProfile.MAINTENANCE:
         state.prewarm = "skipped"
         log.info("prewarm skipped: serving profile is maintenance")
         return
     runner = state.engine.core.runner
-    shapes = [s for s in runner.warmup_shapes(runner.block_size) if s.blocks == 1]
-    state.engine.at_boundary(lambda: runner.warm(shapes)).result()  # the runner belongs to the engine thread
+    shapes = runner.fallback_shapes(state.engine.config.max_num_batched_tokens)
+    # the runner belongs to the engine thread
+    state.engine.at_boundary(lambda: runner.warm(shapes, workers=os.cpu_count() or 1)).result()
     state.prewarm = "done"
     log.info("prewarm: %d step buckets ready", len(shapes))
 

@@ -1,0 +1,140 @@
+"""Shared pieces of the benchmarks: the chat workload, the bare decode step, the matmul peak,
+and transformers on the same weights."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kiln.engine.config import EngineConfig
+from kiln.engine.core import EngineCore
+from kiln.engine.runner import StepShape, model_step
+from kiln.engine.sampling import SamplingFlags, SamplingParams
+from kiln.models.batch import RowWork, build_step_inputs
+from kiln.models.config import ModelConfig
+from kiln.models.loader import default_model_path
+from kiln.models.lora import module_shapes
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a short poem about the sea.", "Explain how a bicycle works.",
+    "List three uses of copper.", "Why is the sky blue?", "Give me one tip for learning to cook.",
+    "What is a prime number?", "Name a famous painter and one of their works.",
+]
+
+
+def chat_prompts(tok, n: int) -> list[list[int]]:
+    """n short chat prompts (the default model's template), cycling through QUESTIONS."""
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]),
+                       add_special_tokens=False) for i in range(n)]
+
+
+def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each fn, timed round-robin (after one untimed call each) so that the
+    machine's noise hits them all alike."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def step_flops(cfg: ModelConfig, rows: int) -> float:
+    """Matmul FLOPs of one decode step of `rows` rows: every projection plus the LM head."""
+    per_layer = sum(i * o for i, o in module_shapes(cfg).values())
+    return 2.0 * rows * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
+
+
+def matmul_chain(cfg: ModelConfig, rows: int) -> Callable[[], None]:
+    """A plain jitted chain of the step's matmuls (same shapes, one weight per layer and projection,
+    streamed as the step streams them): the reference peak the step is held against."""
+    key = jax.random.PRNGKey(0)
+    shapes = module_shapes(cfg)
+    weights = [{m: 0.02 * jax.random.normal(jax.random.fold_in(key, 10 * i + j), s)
+                for j, (m, s) in enumerate(shapes.items())} for i in range(cfg.num_layers)]
+    head = 0.02 * jax.random.normal(key, (cfg.vocab_size, cfg.hidden_size))
+    x = jax.random.normal(key, (rows, cfg.hidden_size))
+
+    @jax.jit
+    def chain(weights, head, h):
+        for w in weights:
+            q, k, v = h @ w["q_proj"], h @ w["k_proj"], h @ w["v_proj"]
+            h = h + (q + 0.0 * (k.sum() + v.sum())) @ w["o_proj"]
+            h = h + (jax.nn.silu(h @ w["gate_proj"]) * (h @ w["up_proj"])) @ w["down_proj"]
+        return jnp.einsum("sh,vh->sv", h, head)
+
+    return lambda: chain(weights, head, x).block_until_ready()
+
+
+def decoding_core(model, rows: int, context: int, **config) -> EngineCore:
+    """An EngineCore with `rows` requests each decoding at about `context` tokens of context."""
+    core = EngineCore(model, EngineConfig(**{"num_kv_blocks": 2048, "max_num_seqs": max(rows, 1),
+                                             "decode_row_buckets": (1, 2, 4, 8, 16, 32, 64), **config}))
+    prompts = chat_prompts(model.tokenizer, rows)
+    greedy = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        for req in core.make_requests(f"r{i}", (p * (context // len(p) + 1))[: context - 4], greedy):
+            core.add_request(req)
+    while any(r.in_prefill or not r.output_ids for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    while min(r.num_tokens for r in core.scheduler.running) < context:
+        core.step()
+    return core
+
+
+def decode_step_args(core: EngineCore) -> tuple[StepShape, tuple]:
+    """The padded inputs of one decode step of the core's running rows: model_step's arguments
+    after the params and the KV state."""
+    runner = core.runner
+    rows = [(r, 1) for r in core.scheduler.running]
+    shape = runner.shape_for(rows)
+    # each row recomputes its last token: same shapes and blocks as its next decode step
+    work = [RowWork([r.all_ids[r.num_computed - 1]], r.num_computed - 1, r.block_ids) for r, _ in rows]
+    inputs = build_step_inputs(work, runner.block_size, runner.num_blocks, shape.tokens, shape.rows, 1, shape.blocks)
+    return shape, (inputs, np.arange(shape.rows, dtype=np.int32), runner._sampling_arrays(rows, shape),
+                   np.full(shape.tokens, -1, np.int32), None)
+
+
+def bare_step(core: EngineCore) -> tuple[Callable[[], None], StepShape]:
+    """The jitted decode step of the core's running rows with its inputs built once: device time only."""
+    runner = core.runner
+    shape, args = decode_step_args(core)
+
+    def run():
+        sampled, _, runner.kv = model_step(runner.params, runner.kv, *args, cfg=runner.cfg, flags=SamplingFlags(),
+                                           with_prompt_logprobs=False)
+        np.asarray(sampled.tokens)
+
+    return run, shape
+
+
+def load_transformers():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> Callable[[], None]:
+    """transformers' batched greedy generate (left-padded, exactly new_tokens each)."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run():
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                        do_sample=False, pad_token_id=0)
+
+    return run

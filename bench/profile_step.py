@@ -1,0 +1,99 @@
+"""Where a 32-row decode step of the default model spends its time.
+
+Times, in one run and at the same rows and context:
+  - the bare jitted step (inputs prepared once: device time only);
+  - the engine's whole step (EngineCore.step: schedule, inputs, the jitted step, detokenize, update);
+  - a plain jitted chain of the step's matmuls (same shapes): the matmul peak the step is held to.
+Then traces the bare step with jax.profiler (a Perfetto trace) and attributes XLA's thunk time
+to the model's named scopes (qkv, attention, o_proj, mlp, lm_head, sampling, ...).
+
+    python bench/profile_step.py [--rows 32] [--context 64] [--trace-dir /tmp/kiln-trace]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import shutil
+
+import jax
+from common import bare_step, decode_step_args, decoding_core, matmul_chain, step_flops, timed
+
+from kiln.engine.runner import model_step
+from kiln.engine.sampling import SamplingFlags
+from kiln.models.loader import load_model
+
+SCOPES = ("sampling", "lm_head", "attention", "kv_write", "qkv", "o_proj", "mlp")
+
+
+def scope_of(op_name: str) -> str:
+    return next((s for s in SCOPES if f"/{s}/" in op_name or op_name.endswith(f"/{s}")), "other")
+
+
+def breakdown(hlo_text: str, run, trace_dir: str, steps: int = 5) -> tuple[dict[str, float], str]:
+    """Thread-milliseconds per step by scope (threads overlap: the sum exceeds the wall time)."""
+    op_scope = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name=\"([^\"]*)\"", line)
+        if m:
+            op_scope[m.group(1)] = scope_of(m.group(2))
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    for _ in range(steps):
+        run()
+    jax.profiler.stop_trace()
+    path = sorted(glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True))[-1]
+    data = json.load(gzip.open(path))
+    totals: collections.Counter = collections.Counter()
+    for e in data["traceEvents"] if isinstance(data, dict) else data:
+        op = (e.get("args") or {}).get("hlo_op")
+        if e.get("ph") == "X" and op and not e["name"].startswith("end:"):
+            totals[op_scope.get(op, "other")] += e["dur"] / steps / 1e3
+    return dict(totals), path
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--context", type=int, default=64, help="tokens of context per row when timed")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--trace-dir", default="/tmp/kiln-trace")
+    args = ap.parse_args()
+
+    model = load_model(show_progress=False)
+    cfg = model.config
+    core = decoding_core(model, args.rows, args.context)
+    run, shape = bare_step(core)
+    t = timed({"bare": run, "engine": core.step, "chain": matmul_chain(cfg, args.rows)}, args.repeats)
+    bare, engine = t["bare"], t["engine"]
+    flops = step_flops(cfg, args.rows)
+    peak = flops / t["chain"]
+    hlo = model_step.lower(core.runner.params, core.runner.kv, *decode_step_args(core)[1], cfg=cfg,
+                           flags=SamplingFlags(), with_prompt_logprobs=False).compile().as_text()
+    scopes, trace = breakdown(hlo, run, args.trace_dir)
+    core.close()
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}; "
+          f"{args.rows} rows at ~{args.context} tokens of context; step bucket rows={shape.rows} blocks={shape.blocks}")
+    print(f"{'':32} {'ms':>8} {'tok/s':>8}")
+    print(f"{'bare jitted step':32} {bare * 1e3:8.1f} {args.rows / bare:8.1f}")
+    print(f"{'engine step (host included)':32} {engine * 1e3:8.1f} {args.rows / engine:8.1f}")
+    print(f"{'matmul chain (same shapes)':32} {flops / peak * 1e3:8.1f}")
+    print(f"step FLOPs {flops / 1e9:.2f} G; matmul peak {peak / 1e9:.1f} GFLOP/s; bare step at "
+          f"{flops / bare / 1e9:.1f} GFLOP/s = {flops / bare / peak:.0%} of the matmul peak (target >= 70%)")
+    print(f"engine step = {bare / engine:.0%} of the bare step's throughput (host overhead "
+          f"{(engine - bare) * 1e3:.1f} ms)")
+    total = sum(scopes.values())
+    print("XLA thread time per step by scope (both threads; shares of the total):")
+    for name, ms in sorted(scopes.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:10} {ms:7.1f} ms  {ms / total:6.1%}")
+    print(f"Perfetto trace: {trace}")
+
+
+
+if __name__ == "__main__":
+    main()
