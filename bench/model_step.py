@@ -1,10 +1,11 @@
 """Decode throughput of Kiln's jitted step vs transformers' generate (and llama.cpp if installed).
 
-Same weights (the default SmolLM2-135M GGUF, dequantized to float32), same prompts, greedy,
-one run, printed as a table. Kiln's column times prefill + N decode steps exactly as
-generate does; the 'step only' column times the decode steps alone.
+Same weights (the default SmolLM2-135M GGUF, dequantized), same prompts, greedy, one run,
+printed as a table. Kiln's column times prefill + N decode steps exactly as generate does;
+the 'decode' columns time the decode steps alone. `--layer-loop` compares the two ways the
+decoder can run its layers (see kiln.models.loader.default_layer_loop).
 
-    python bench/model_step.py [--new-tokens 32] [--batches 1,8,32]
+    python bench/model_step.py [--new-tokens 32] [--batches 1,8,32] [--layer-loop unrolled|scan] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -15,50 +16,33 @@ import time
 
 import jax
 import numpy as np
+from common import chat_prompts, hf_generate, load_transformers
 
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.generate import greedy_step
 from kiln.models.loader import default_model_path, load_model
 
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain how a bicycle works.",
-    "What is the capital of France?",
-    "List three uses of copper.",
-]
 BLOCK = 16
 
 
-def kiln_generate(model, prompts, new_tokens, unroll):
+def kiln_generate(model, prompts, new_tokens):
     """Returns (total seconds, decode-only seconds) for prefill + new_tokens greedy tokens."""
     cfg, n = model.config, len(prompts)
     per_row = math.ceil((max(map(len, prompts)) + new_tokens) / BLOCK)
-    kv = init_kv_cache(cfg, n * per_row, BLOCK)
+    kv = init_kv_cache(cfg, n * per_row, BLOCK, model.params["embed"].dtype)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(n)]
     t0 = time.perf_counter()
     inputs = build_step_inputs([RowWork(p, 0, tables[i]) for i, p in enumerate(prompts)], BLOCK, n * per_row)
-    nxt, kv = greedy_step(model.params, kv, inputs, cfg, None, unroll)
+    nxt, kv = greedy_step(model.params, kv, inputs, cfg)
     last = np.asarray(nxt)
     t1 = time.perf_counter()
     for step in range(new_tokens - 1):
         rows = [RowWork([int(last[i])], len(prompts[i]) + step, tables[i]) for i in range(n)]
-        nxt, kv = greedy_step(model.params, kv, build_step_inputs(rows, BLOCK, n * per_row), cfg, None, unroll)
+        nxt, kv = greedy_step(model.params, kv, build_step_inputs(rows, BLOCK, n * per_row), cfg)
         last = np.asarray(nxt)
     t2 = time.perf_counter()
     return t2 - t0, t2 - t1
-
-
-def hf_generate(hf, prompts, new_tokens):
-    import torch
-
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return time.perf_counter() - t0
 
 
 def llama_cpp_generate(llm, prompt_ids, new_tokens):
@@ -76,25 +60,18 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--unroll", default="1", help="layer scan unroll factor (1 = scan, 'full' = unrolled)")
+    ap.add_argument("--layer-loop", choices=("unrolled", "scan"), default=None, help="default: per backend")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
-    unroll = True if args.unroll == "full" else int(args.unroll)
     batches = [int(b) for b in args.batches.split(",")]
+    new = args.new_tokens
 
-    model = load_model(show_progress=False)
-    tok = model.tokenizer
-    chat = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; model {model.model_id} float32; {args.new_tokens} new tokens")
-
-    hf = None
-    if not args.skip_hf:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        path = default_model_path()
-        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-        print(f"transformers on torch {torch.__version__}, {torch.get_num_threads()} threads")
+    model = load_model(show_progress=False, layer_loop=args.layer_loop, dtype=args.dtype)
+    loop = "unrolled" if isinstance(model.params["layers"], list) else "scan"
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}, layers {loop}; "
+          f"{new} new tokens")
+    hf = None if args.skip_hf else load_transformers()
     llm = None
     try:
         from llama_cpp import Llama
@@ -105,35 +82,35 @@ def main():
 
     rows = []
     for b in batches:
-        prompts = [chat[i % len(chat)] for i in range(b)]
-        kiln_generate(model, prompts, args.new_tokens, unroll)  # compile these shapes
-        total, decode = min(kiln_generate(model, prompts, args.new_tokens, unroll) for _ in range(2))
-        kiln_tps = b * args.new_tokens / total
-        step_tps = b * (args.new_tokens - 1) / decode
-        hf_tps = hf_step_tps = None
+        prompts = chat_prompts(model.tokenizer, b)
+        kiln_generate(model, prompts, new)  # compile these shapes
+        total, decode = min(kiln_generate(model, prompts, new) for _ in range(2))
+        hf_tps = hf_step_tps = cpp_tps = None
         if hf is not None:
-            hf_generate(hf, prompts[:1], 2)
-            hf_total = min(hf_generate(hf, prompts, args.new_tokens) for _ in range(2))
-            hf_first = min(hf_generate(hf, prompts, 1) for _ in range(2))  # prefill + first token
-            hf_tps = b * args.new_tokens / hf_total
-            hf_step_tps = b * (args.new_tokens - 1) / (hf_total - hf_first)
-        cpp_tps = None
+            hf_generate(hf, prompts[:1], 2)()
+            hf_total = min(_seconds(hf_generate(hf, prompts, new)) for _ in range(2))
+            hf_first = min(_seconds(hf_generate(hf, prompts, 1)) for _ in range(2))  # prefill + first token
+            hf_tps, hf_step_tps = b * new / hf_total, b * (new - 1) / (hf_total - hf_first)
         if llm is not None and b == 1:
-            cpp_tps = args.new_tokens / min(llama_cpp_generate(llm, prompts[0], args.new_tokens) for _ in range(2))
-        rows.append((b, kiln_tps, hf_tps, step_tps, hf_step_tps, cpp_tps))
+            cpp_tps = new / min(llama_cpp_generate(llm, prompts[0], new) for _ in range(2))
+        rows.append((b, b * new / total, hf_tps, b * (new - 1) / decode, hf_step_tps, cpp_tps))
 
-    header = (
-        f"{'batch':>5} | {'kiln tok/s':>10} | {'hf tok/s':>9} | {'ratio':>6} | "
-        f"{'kiln decode':>11} | {'hf decode':>9} | {'ratio':>6} | {'llama.cpp Q4_1':>14}"
-    )
-    print(header)
-    print("-" * len(header))
+    header = (f"{'batch':>5} | {'kiln tok/s':>10} | {'hf tok/s':>9} | {'ratio':>6} | "
+              f"{'kiln decode':>11} | {'hf decode':>9} | {'ratio':>6} | {'llama.cpp Q4_1':>14}")
+    print(f"{header}\n{'-' * len(header)}")
     fmt = lambda x: f"{x:.1f}" if x else "n/a"  # noqa: E731
     ratio = lambda a, b: f"{a / b:.2f}x" if b else "n/a"  # noqa: E731
     for b, k, h, ks, hs, c in rows:
         cpp = fmt(c) if llm is not None else "not installed"
-        print(f"{b:>5} | {k:>10.1f} | {fmt(h):>9} | {ratio(k, h):>6} | {ks:>11.1f} | {fmt(hs):>9} | {ratio(ks, hs):>6} | {cpp:>14}")
+        print(f"{b:>5} | {k:>10.1f} | {fmt(h):>9} | {ratio(k, h):>6} | {ks:>11.1f} | {fmt(hs):>9} | "
+              f"{ratio(ks, hs):>6} | {cpp:>14}")
     print("tok/s: prefill + all new tokens (what a user waits for); decode: the per-token steps after the first token")
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ class _SnapshotCollector:
             yield self._family(GaugeMetricFamily, f"kiln:{name}", doc, s[key])
         yield self._family(CounterMetricFamily, "kiln:writer_operations",
                            "Accelerator writer operations (adapter transitions, ...)", s["writer_operations"])
+        yield self._family(GaugeMetricFamily, "kiln:compiled_step_buckets",
+                           "Step shape buckets compiled (or loaded from the compilation cache)", s["compiled_steps"])
+        yield self._family(CounterMetricFamily, "kiln:engine_steps", "Jitted steps executed", s["steps"])
         gauges = (("num_requests_running", "Requests in the running batch", "running"),
                   ("num_requests_waiting", "Requests waiting to be scheduled", "waiting"),
                   ("kv_cache_usage_perc", "KV-cache block usage (1 = full)", "kv_usage"))

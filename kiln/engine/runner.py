@@ -5,9 +5,9 @@ reorders what the scheduler planned. Each bucket (tokens T, rows S, query length
 row M, sampling flags and array widths, prompt logprobs, LoRA groups) is one executable
 compiled ahead of time: Kiln's graph capture.
 
-Capture never stalls a step that can run padded: a batch whose bucket is not compiled yet
-runs in the cheapest compiled bucket that fits it while its own bucket compiles in the
-background, and only a batch that nothing fits waits for a compile. When the serving
+Capture does not stall a batch that can run cheaply padded: one whose bucket is not compiled
+yet runs in a compiled bucket that fits it at little extra cost while its own compiles in the
+background; any other waits for its bucket to compile. When the serving
 profile forbids live capture, nothing new compiles: a batch runs in a compiled bucket that
 fits or fails with GraphCaptureDisabled (`fits` tells the scheduler beforehand).
 
@@ -44,12 +44,16 @@ from kiln.models.lora import module_shapes
 
 log = logging.getLogger("kiln.engine")
 
-# Step cost model (relative units): a step pays a fixed cost (streaming the weights once),
-# a per-token cost (the matmuls) and a per attended key cost. Measured on XLA:CPU, a step's
-# fixed cost is about that of 16 tokens, and attention, being memory-bound, costs about 8x
-# its FLOPs relative to the matmuls.
-FIXED_STEP_TOKENS = 16
-ATTENTION_MEMORY_FACTOR = 8
+# Step cost model, in FLOP-equivalents, calibrated on XLA:CPU with the default model: a step pays
+# a fixed cost (streaming every weight once) worth about 48 tokens of matmuls, each token's
+# matmuls, each row's read of its context's K/V (memory-bound: a byte costs about 32 matmul
+# FLOPs) and the query-key products.
+FIXED_STEP_TOKENS = 48
+KV_BYTE_FLOPS = 32
+# A batch runs padded in a bigger compiled bucket while its own compiles in the background only
+# if that costs at most this much more; otherwise it waits for its own bucket (on a small CPU a
+# background compile also slows the steps it overlaps).
+CHEAP_PADDING = 1.25
 
 
 class StepShape(NamedTuple):
@@ -202,7 +206,9 @@ class Runner:
         self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
         self.flops_per_token = 2 * cfg.num_layers * layer_params
-        self.flops_per_key = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * ATTENTION_MEMORY_FACTOR
+        kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
+        self.flops_per_key_read = kv_bytes * KV_BYTE_FLOPS
+        self.flops_per_query_key = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
 
     @property
     def compiled(self) -> set[StepShape]:
@@ -243,22 +249,25 @@ class Runner:
         return StepShape(T, S, Q, M, flags, prompt_lp, lora, widths)
 
     def resolve(self, shape: StepShape) -> StepShape:
-        """The bucket to run a batch of this shape in, now: its own when compiled; else the
-        cheapest compiled one that fits (capturing its own in the background, if allowed);
-        else its own, compiled now. Raises GraphCaptureDisabled when nothing fits and capture
-        is not allowed."""
+        """The bucket to run a batch of this shape in, now: its own when compiled; else a compiled
+        one that fits at little extra cost (capturing its own in the background); else its own,
+        compiled now. With live capture off: the cheapest compiled one that fits, or
+        GraphCaptureDisabled."""
         self._install_captured()
         if shape in self.executables:
             return shape
         fitting = [s for s in self.executables if s.fits(shape)]
-        if fitting:
-            if self.config.allow_live_capture and shape not in self._capturing:
-                self._capturing[shape] = self._compiler.submit(self._compile, shape, self._lora_abstract(shape))
-            return min(fitting, key=self._shape_cost)
+        best = min(fitting, key=self._shape_cost, default=None)
         if not self.config.allow_live_capture:
-            raise GraphCaptureDisabled(
-                f"no compiled step bucket fits tokens={shape.tokens} rows={shape.rows} "
-                f"query={shape.query} blocks={shape.blocks}, and live graph capture is disabled")
+            if best is None:
+                raise GraphCaptureDisabled(
+                    f"no compiled step bucket fits tokens={shape.tokens} rows={shape.rows} "
+                    f"query={shape.query} blocks={shape.blocks}, and live graph capture is disabled")
+            return best
+        if best is not None and self._shape_cost(best) <= CHEAP_PADDING * self._shape_cost(shape):
+            if shape not in self._capturing:
+                self._capturing[shape] = self._compiler.submit(self._compile, shape, self._lora_abstract(shape))
+            return best
         pending = self._capturing.pop(shape, None)
         self.executables[shape] = pending.result() if pending else self._compile(shape, self._lora_abstract(shape))
         return shape
@@ -276,8 +285,9 @@ class Runner:
         return self._shape_cost(self.shape_for(rows))
 
     def _shape_cost(self, s: StepShape) -> float:
-        keys = s.rows * s.query * s.blocks * self.block_size
-        return (s.tokens + FIXED_STEP_TOKENS) * self.flops_per_token + keys * self.flops_per_key
+        keys = s.rows * s.blocks * self.block_size
+        return ((s.tokens + FIXED_STEP_TOKENS) * self.flops_per_token + keys * self.flops_per_key_read
+                + keys * s.query * self.flops_per_query_key)
 
     # ---- compiling -----------------------------------------------------------------------
 
