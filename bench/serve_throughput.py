@@ -80,10 +80,10 @@ async def served_round(url: str, contents: list[str], new_tokens: int) -> dict:
             "ttft": statistics.median(s["ttft"] for s in streams)}
 
 
-def start_server(max_rows: int, dtype: str) -> tuple[subprocess.Popen, str]:
+def start_server(max_rows: int, dtype: str, log_level: str = "warning") -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "KILN_SERVER_PORT": str(port), "KILN_ENGINE_MAX_NUM_SEQS": str(max_rows),
-           "KILN_SERVER_LOG_LEVEL": "warning", "KILN_MODEL_DTYPE": dtype}
+           "KILN_SERVER_LOG_LEVEL": log_level, "KILN_MODEL_DTYPE": dtype}
     proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -100,18 +100,20 @@ def start_server(max_rows: int, dtype: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not become healthy")
 
 
-def compiled_buckets(url: str) -> float:
+def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
-    return float(re.search(r"^kiln:compiled_step_buckets\{[^}]*\} (\S+)$", text, re.M).group(1))
+    return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
 
 
-def warm_up(url: str, c: int, new_tokens: int, limit: int = 4) -> int:
-    """Untimed rounds (new questions each) until one compiles no step bucket; returns how many ran."""
+def warm_up(url: str, c: int, new_tokens: int, limit: int = 5) -> int:
+    """Untimed rounds (new questions each) until one neither compiles a step bucket nor runs a
+    step padded while its bucket compiles; returns how many ran."""
     for n in range(1, limit + 1):
-        before = compiled_buckets(url)
+        before = metric(url, "kiln:compiled_step_buckets"), metric(url, "kiln:padded_steps_total")
         asyncio.run(served_round(url, questions(n, c), new_tokens))
-        time.sleep(1.0)  # a bucket still compiling in the background lands
-        if compiled_buckets(url) == before:
+        while metric(url, "kiln:capturing_step_buckets") > 0:  # let background compiles land
+            time.sleep(0.5)
+        if (metric(url, "kiln:compiled_step_buckets"), metric(url, "kiln:padded_steps_total")) == before:
             return n
     return limit
 
@@ -142,6 +144,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="Kiln's weights and KV (transformers stays float32)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--server-log-level", default="warning", help="info shows every step bucket the server compiles")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     new = args.new_tokens
@@ -170,7 +173,7 @@ def main():
         del core, run
     print(f"  bare step measured at {context} tokens of context", flush=True)
 
-    proc, url = start_server(max(levels), args.dtype)
+    proc, url = start_server(max(levels), args.dtype, args.server_log_level)
     served, cold = {}, {}
     try:
         for c in levels:

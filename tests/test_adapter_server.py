@@ -26,7 +26,8 @@ def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("peft")
     return {
         "sql": (root / "sql", make_peft_adapter(hf, root / "sql", rank=4, alpha=8.0, seed=11)),
-        "chat": (root / "chat", make_peft_adapter(hf, root / "chat", rank=8, alpha=8.0, seed=12, modules=["q_proj", "v_proj"])),
+        "chat": (root / "chat",
+                 make_peft_adapter(hf, root / "chat", rank=8, alpha=8.0, seed=12, modules=["q_proj", "v_proj"])),
         "math": (root / "math", make_peft_adapter(hf, root / "math", rank=2, alpha=4.0, seed=13)),
         "huge": (root / "huge", make_peft_adapter(hf, root / "huge", rank=32, alpha=32.0, seed=14)),
     }
@@ -56,7 +57,8 @@ def test_load_select_list_unload_and_reload_from_the_store(server, client, adapt
     loaded = r.json()
     assert loaded["name"] == "sql" and loaded["rank"] == 4 and loaded["manifest_digest"].startswith("sha256:")
     cards = {m.id: m for m in client.models.list().data}
-    assert cards["sql"].model_extra["parent"] == MODEL and cards["sql"].model_extra["root"] == f"peft:{adapters['sql'][0]}"
+    assert cards["sql"].model_extra["parent"] == MODEL
+    assert cards["sql"].model_extra["root"] == f"peft:{adapters['sql'][0]}"
     assert cards[MODEL].model_extra["parent"] is None
 
     out = greedy(client, "sql")
@@ -97,7 +99,8 @@ def test_vllm_load_and_unload_endpoints(server, client, adapters):
     r = httpx.post(url + "load_lora_adapter", json=body, timeout=60)
     assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
     first = greedy(client, "chat").choices[0].text
-    r = httpx.post(url + "load_lora_adapter", json={**body, "lora_path": str(adapters["math"][0]), "load_inplace": True}, timeout=60)
+    replace = {**body, "lora_path": str(adapters["math"][0]), "load_inplace": True}
+    r = httpx.post(url + "load_lora_adapter", json=replace, timeout=60)
     assert r.status_code == 200
     assert greedy(client, "chat").choices[0].text != first  # replaced in place
     r = httpx.post(url + "unload_lora_adapter", json={"lora_name": "chat"})
@@ -137,7 +140,8 @@ def test_rank_above_the_slots_is_refused(server, adapters):
 
 def test_transitions_during_streaming_traffic_drop_no_request(server, client, adapters):
     url = server.url + "/v1/"
-    assert httpx.post(url + "adapters", json={"name": "sql", "path": str(adapters["sql"][0])}, timeout=60).status_code == 200
+    r = httpx.post(url + "adapters", json={"name": "sql", "path": str(adapters["sql"][0])}, timeout=60)
+    assert r.status_code == 200
     errors, done = [], []
     stop = threading.Event()
 
@@ -145,8 +149,9 @@ def test_transitions_during_streaming_traffic_drop_no_request(server, client, ad
         c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         while not stop.is_set():
             try:
-                chunks = list(c.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
-                                                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+                stream = c.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                chunks = list(stream)
                 finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
                 assert finish == ["length"] and chunks[-1].usage.completion_tokens == 20
                 done.append(model)
@@ -187,8 +192,9 @@ def locked_server(tiny_model, kiln_cache, tmp_path_factory, adapters):
     AdapterStore(store).save(Manifest(name="math", base_model=BaseModelRef(MODEL, tiny_model.weights_digest),
                                       rank=info["rank"], alpha=info["alpha"], target_modules=info["target_modules"],
                                       weights_digest="", provenance=provenance("test")), weights)
-    srv = ServerProcess(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL, KILN_ADAPTERS_STORE=str(store),
-                        KILN_SERVER_API_KEYS="s3cret", KILN_SERVER_SERVING_PROFILE="maintenance", KILN_ADAPTERS_LOAD="math")
+    srv = ServerProcess(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL,
+                        KILN_ADAPTERS_STORE=str(store), KILN_SERVER_API_KEYS="s3cret",
+                        KILN_SERVER_SERVING_PROFILE="maintenance", KILN_ADAPTERS_LOAD="math")
     yield srv
     srv.stop_cleanly()
 

@@ -125,10 +125,12 @@ def test_peft_export_round_trip_loads_in_peft(registry, peft_dirs, hf_tiny, tmp_
 
     entry = registry.load("a2", str(peft_dirs["a2"][0]))
     m = entry.artifact.manifest
-    out = peft_io.write_peft(tmp_path / "export", load_weights(entry.artifact), m.rank, m.alpha, m.use_rslora, m.base_model.id)
+    out = peft_io.write_peft(tmp_path / "export", load_weights(entry.artifact), m.rank, m.alpha, m.use_rslora,
+                             m.base_model.id)
     reloaded = PeftModel.from_pretrained(make_hf_model("llama", vocab_size=260, seed=3), str(out)).eval()
     ids = [5, 9, 33, 71, 2, 200, 13]
-    np.testing.assert_allclose(reference_logits(reloaded, ids), reference_logits(peft_dirs["a2"][1], ids), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(reference_logits(reloaded, ids), reference_logits(peft_dirs["a2"][1], ids),
+                               atol=1e-5, rtol=0)
     config = json.loads((out / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (2, 16.0, True)
 
@@ -364,7 +366,8 @@ from kiln.adapters.store import AdapterStore
 store = AdapterStore(sys.argv[1], keep_versions=100)
 for i in range(1, 1000):
     rng = np.random.RandomState(i)
-    weights = {"q_proj": {"a": rng.randn(4, 1024, 512).astype(np.float32), "b": rng.randn(4, 512, 1024).astype(np.float32)}}
+    weights = {"q_proj": {"a": rng.randn(4, 1024, 512).astype(np.float32),
+                          "b": rng.randn(4, 512, 1024).astype(np.float32)}}
     store.save(Manifest(name="job", base_model=BaseModelRef("m", sys.argv[2]), rank=512, alpha=1.0,
                         target_modules=["q_proj"], weights_digest="", provenance=provenance("test")), weights)
     print("saved", i, flush=True)
@@ -396,7 +399,8 @@ def test_kill_9_during_save_keeps_the_previous_artifact(tmp_path, tiny_model):
     latest = store.latest("job")
     assert int(latest.version) == int(caught) - 1  # the previous, complete version is current
     rng = np.random.RandomState(int(latest.version))
-    expected = {"q_proj": {"a": rng.randn(4, 1024, 512).astype(np.float32), "b": rng.randn(4, 512, 1024).astype(np.float32)}}
+    expected = {"q_proj": {"a": rng.randn(4, 1024, 512).astype(np.float32),
+                           "b": rng.randn(4, 512, 1024).astype(np.float32)}}
     assert latest.manifest.weights_digest == weights_digest(expected)
     assert weights_digest(load_weights(latest)) == latest.manifest.weights_digest
     assert store.names() == ["job"]
@@ -422,7 +426,8 @@ def test_registry_after_restart_serves_the_store(tiny_model, peft_dirs, tmp_path
         entry = reg.load("a0")
         assert entry.artifact.manifest_digest == digest and entry.source == "store"
         prompt = [7, 44, 101, 9]
-        assert generate(second, [(prompt, GREEDY, entry.weights)])[0][0] == reference_greedy(peft_dirs["a0"][1], prompt, 10)
+        expected = reference_greedy(peft_dirs["a0"][1], prompt, 10)
+        assert generate(second, [(prompt, GREEDY, entry.weights)])[0][0] == expected
     finally:
         second.shutdown()
 
@@ -439,7 +444,8 @@ def test_cli_imports_lists_and_exports_peft(tiny_model, peft_dirs, tmp_path, kil
            "KILN_ADAPTERS_STORE": str(tmp_path / "store")}
 
     def kiln(*args):
-        proc = subprocess.run([sys.executable, "-m", "kiln", "adapters", *args], env=env, capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-m", "kiln", "adapters", *args], env=env, capture_output=True,
+                              text=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         return proc.stdout
 

@@ -76,7 +76,8 @@ def test_prompt_logits_close_to_transformers(kiln_model, reference):
     _, hf = reference
     ids = chat_ids(kiln_model.tokenizer, PROMPTS[0])
     kv = init_kv_cache(kiln_model.config, 4, 16)
-    logits, _ = jit_forward(kiln_model.params, kv, build_step_inputs([RowWork(ids, 0, [3, 1, 2])], 16, 4), kiln_model.config)
+    step = build_step_inputs([RowWork(ids, 0, [3, 1, 2])], 16, 4)
+    logits, _ = jit_forward(kiln_model.params, kv, step, kiln_model.config)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(np.asarray(logits) - ref).max() < 1e-3
@@ -98,7 +99,8 @@ def test_tokenizer_and_chat_template_equal_transformers(kiln_model, reference):
         assert ours.decode(ours.encode(text)) == tok.decode(tok.encode(text))
     conversations = [
         [{"role": "user", "content": "hi"}],
-        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}],
     ]
     for messages in conversations:
         for gen in (True, False):

@@ -112,7 +112,8 @@ def test_seeded_sampling_is_independent_of_the_batch(engine):
     params = [seeded] + [SamplingParams(max_tokens=7, temperature=0.7, ignore_eos=True)] * 5
     mixed = run(engine, [prompt, *others], params)
     assert mixed[0][0] == alone
-    (other_seed, _, _), = run(engine, [prompt], SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True))
+    reseeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=99, ignore_eos=True)
+    (other_seed, _, _), = run(engine, [prompt], reseeded)
     assert other_seed != alone
 
 
@@ -147,7 +148,8 @@ def test_logprobs_and_prompt_logprobs_match_the_model(engine, tiny_model):
     first = asyncio.run(first_delta())
     full = prompt + ids
     kv = init_kv_cache(tiny_model.config, 4, 16)
-    logits, _ = jit_forward(tiny_model.params, kv, build_step_inputs([RowWork(full, 0, [1, 2])], 16, 4), tiny_model.config)
+    step = build_step_inputs([RowWork(full, 0, [1, 2])], 16, 4)
+    logits, _ = jit_forward(tiny_model.params, kv, step, tiny_model.config)
     lp = np.asarray(logits) - np.log(np.exp(np.asarray(logits, np.float64)).sum(-1, keepdims=True))
     tok = first.logprobs[0]
     assert tok.token_id == ids[0]
@@ -181,7 +183,8 @@ def test_stop_strings_are_held_back_and_cut(engine, tiny_model):
 
 def test_logit_bias_min_tokens_and_stop_token_ids(engine):
     prompt = prompts_of(1, seed=14)[0]
-    forced = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={65: 100.0}, stop_token_ids=[65], min_tokens=3, ignore_eos=True)
+    forced = SamplingParams(max_tokens=10, temperature=0.0, logit_bias={65: 100.0}, stop_token_ids=[65], min_tokens=3,
+                            ignore_eos=True)
     (ids, _, last), = run(engine, [prompt], forced)
     assert 65 not in ids[:3] and ids[3] == 65 and len(ids) == 4
     assert last.finish_reason == "stop" and last.stop_reason == 65

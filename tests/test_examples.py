@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _config(*args):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    proc = subprocess.run([sys.executable, "-m", "kiln", "config", "--json", *args], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "kiln", "config", "--json", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -29,8 +29,8 @@ def server(tiny_model, kiln_cache):
 
 async def stream_one(client: httpx.AsyncClient, i: int, hang_up_after: int | None) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"client {i}: tell me something"}],
-            "max_tokens": MAX_TOKENS if hang_up_after is None else HANG_UP_MAX_TOKENS, "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "max_tokens": MAX_TOKENS if hang_up_after is None else HANG_UP_MAX_TOKENS, "temperature": 0.8, "seed": i,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     events, chunks, finish, usage = 0, 0, None, None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()

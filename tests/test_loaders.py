@@ -55,7 +55,8 @@ def test_gguf_and_hf_dir_give_identical_logits(hf_model, hf_dir, tmp_path, kiln_
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(converted / name, hf_dir / name)
     from_hf = load_model(hf_dir, show_progress=False)
-    np.testing.assert_array_equal(logits_of(from_gguf.config, from_gguf.params), logits_of(from_hf.config, from_hf.params))
+    np.testing.assert_array_equal(logits_of(from_gguf.config, from_gguf.params),
+                                  logits_of(from_hf.config, from_hf.params))
     with torch.no_grad():
         ref = hf_model(torch.tensor([IDS])).logits[0].numpy()
     np.testing.assert_allclose(logits_of(from_gguf.config, from_gguf.params), ref, atol=1e-4, rtol=0)
@@ -63,7 +64,8 @@ def test_gguf_and_hf_dir_give_identical_logits(hf_model, hf_dir, tmp_path, kiln_
     tok = from_gguf.tokenizer
     assert tok.encode("hi <|im_start|>x") == [ord("h"), ord("i"), tok.tokenizer.token_to_id("Ġ"), 257, ord("x")]
     assert tok.eos_token == SPECIALS[2] and tok.bos_token == SPECIALS[0]
-    assert tok.apply_chat_template([{"role": "user", "content": "yo"}]) == "<|im_start|>user\nyo<|im_end|>\n<|im_start|>assistant\n"
+    expected = "<|im_start|>user\nyo<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template([{"role": "user", "content": "yo"}]) == expected
     assert from_gguf.weights_digest != from_hf.weights_digest
 
 
@@ -71,7 +73,8 @@ def test_quantized_gguf_dequantizes_and_unpermutes(hf_model, tmp_path, kiln_cach
     path = write_gguf(hf_model, tmp_path / "q8.gguf", quant=gguf.GGMLQuantizationType.Q8_0)
     model = load_model(path, show_progress=False)
     w = hf_model.model.layers[1].self_attn.q_proj.weight.detach().numpy()
-    expected = gguf.quants.dequantize(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    expected = gguf.quants.dequantize(gguf.quants.quantize(w, q8_0), q8_0)
     np.testing.assert_array_equal(np.asarray(layer_param(model.params, "q_proj", 1)), expected.T)
     assert np.abs(expected - w).max() > 0  # really quantized
 
@@ -156,7 +159,8 @@ def test_unsupported_gguf_quantization_leaves_nothing_cached(hf_model, tmp_path,
     before = set((kiln_cache / "converted").iterdir()) if (kiln_cache / "converted").exists() else set()
     with pytest.raises(ModelLoadError, match="unsupported GGUF quantization Q8_1") as e:
         load_model(path, show_progress=False)
-    assert e.value.file == str(path) and e.value.tensor in ("output.weight", "token_embd.weight") or e.value.tensor.startswith("blk.")
+    assert (e.value.file == str(path) and e.value.tensor in ("output.weight", "token_embd.weight")
+            or e.value.tensor.startswith("blk."))
     assert set((kiln_cache / "converted").iterdir()) == before  # no half-written cache entry
 
 

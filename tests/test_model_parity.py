@@ -56,7 +56,8 @@ def test_token_by_token_decode_through_paged_cache(tiny):
     logits, kv = jit_forward(params, kv, build_step_inputs([RowWork(list(ids[:5]), 0, table)], BLOCK, 8), cfg)
     np.testing.assert_allclose(np.asarray(logits), ref[:5], atol=TOL, rtol=0)
     for pos in range(5, len(ids)):
-        step = build_step_inputs([RowWork([int(ids[pos])], pos, table)], BLOCK, 8, num_tokens=4, num_rows=2, max_blocks=3)
+        step = build_step_inputs([RowWork([int(ids[pos])], pos, table)], BLOCK, 8, num_tokens=4, num_rows=2,
+                                 max_blocks=3)
         logits, kv = jit_forward(params, kv, step, cfg)
         np.testing.assert_allclose(np.asarray(logits)[0], ref[pos], atol=TOL, rtol=0, err_msg=f"position {pos}")
 

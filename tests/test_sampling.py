@@ -18,7 +18,8 @@ def rows(S, **over):
         min_p=np.zeros(S, np.float32), presence=np.zeros(S, np.float32), frequency=np.zeros(S, np.float32),
         repetition=np.ones(S, np.float32), seed=np.zeros((S, 2), np.uint32), step=np.zeros(S, np.int32),
         bias_ids=np.full((S, 1), V, np.int32), bias_values=np.zeros((S, 1), np.float32),
-        banned_ids=np.full((S, 1), V, np.int32), output_ids=np.full((S, 4), V, np.int32), prompt_ids=np.full((S, 4), V, np.int32),
+        banned_ids=np.full((S, 1), V, np.int32), output_ids=np.full((S, 4), V, np.int32),
+        prompt_ids=np.full((S, 4), V, np.int32),
     )
     base.update({k: np.asarray(v) for k, v in over.items()})
     return RowSampling(**base)
@@ -80,7 +81,8 @@ def test_bias_banned_and_penalties():
     "kwargs,param",
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
      ({"logprobs": 21}, "logprobs"), ({"logit_bias": {999: 1.0}}, "logit_bias"), ({"n": 0}, "n"),
-     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"), ({"repetition_penalty": 0}, "repetition_penalty")],
+     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),
+     ({"repetition_penalty": 0}, "repetition_penalty")],
 )
 def test_parameter_validation(kwargs, param):
     with pytest.raises(InvalidRequest) as e:

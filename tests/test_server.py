@@ -27,7 +27,8 @@ CHAT = [{"role": "user", "content": "hello there"}]
 
 
 def test_chat_completion(client):
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.model == MODEL
     assert choice.finish_reason == "length" and isinstance(choice.message.content, str)
@@ -116,7 +117,8 @@ def test_bad_requests_do_not_disturb_a_running_stream(client, server):
     t = threading.Thread(target=good)
     t.start()
     for _ in range(10):
-        httpx.post(server.url + "/v1/completions", content=b'{"prompt": {"bad": 1}}', headers={"content-type": "application/json"})
+        httpx.post(server.url + "/v1/completions", content=b'{"prompt": {"bad": 1}}',
+                   headers={"content-type": "application/json"})
     t.join(60)
     assert result["finish"] == "length"
 
@@ -148,7 +150,8 @@ def test_models_tokenize_render_detokenize(server, client):
     assert rendered["prompt_token_ids"] == tokenized["tokens"]
     usage = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1).usage
     assert usage.prompt_tokens == rendered["count"]
-    assert httpx.post(server.url + "/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"].startswith("<|im_start|>user")
+    detokenized = httpx.post(server.url + "/detokenize", json={"tokens": tokenized["tokens"]}).json()
+    assert detokenized["prompt"].startswith("<|im_start|>user")
     assert httpx.post(server.url + "/render", json={"prompt": [1, 2, 3]}).json()["prompt_token_ids"] == [1, 2, 3]
 
 

@@ -8,11 +8,17 @@ from kiln.errors import TemplateError
 from kiln.models.loader import convert_gguf, default_model_path
 from kiln.models.tokenizer import IncrementalDetokenizer, KilnTokenizer
 
-TOOLS_TEMPLATE = """{%- if tools %}{{ bos_token }}Tools: {{ tools | tojson }}
-{% endif %}{% for m in messages %}{% if m.role == 'system' and not loop.first %}{{ raise_exception('system must come first') }}{% endif %}[{{ m.role }}] {{ m.content }}{{ eos_token }}
-{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}{{ strftime_now('%Y') | length }}"""
+TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ bos_token }}Tools: {{ tools | tojson }}\n"
+    "{% endif %}{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('system must come first') }}{% endif %}[{{ m.role }}] {{ m.content }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}{{ strftime_now('%Y') | length }}"
+)
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Wetter für Orte", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Wetter für Orte",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}}]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +38,8 @@ def hf_tok():
 def test_custom_template_with_tools_equals_transformers(tok, hf_tok):
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Wie ist das Wetter?"}]
     ours = KilnTokenizer(tok.tokenizer, {**tok.config, "chat_template": TOOLS_TEMPLATE})
-    expected = hf_tok.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    expected = hf_tok.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tools=TOOLS, tokenize=False,
+                                          add_generation_prompt=True)
     assert ours.apply_chat_template(messages, tools=TOOLS) == expected
     assert "Wetter für Orte" in expected  # tojson keeps unicode, as transformers does
 
@@ -44,7 +51,8 @@ def test_template_raise_exception_is_a_template_error(tok):
 
 
 def test_template_sandbox_blocks_python_internals(tok):
-    evil = KilnTokenizer(tok.tokenizer, {**tok.config, "chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
+    template = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    evil = KilnTokenizer(tok.tokenizer, {**tok.config, "chat_template": template})
     with pytest.raises(TemplateError):
         evil.apply_chat_template([{"role": "user", "content": "x"}])
 
@@ -56,7 +64,10 @@ def _stream(tok, ids):
     return deltas
 
 
-@pytest.mark.parametrize("text", ["Hello, world!", "emoji 🎉🧪 split across byte tokens", "中文 日本語 한국어", "naïve café — 1.5°C", "a\n\n  b\tc"])
+@pytest.mark.parametrize(
+    "text",
+    ["Hello, world!", "emoji 🎉🧪 split across byte tokens", "中文 日本語 한국어", "naïve café — 1.5°C", "a\n\n  b\tc"],
+)
 def test_incremental_detokenizer_equals_full_decode(tok, text):
     ids = tok.encode(text)
     deltas = _stream(tok, ids)

@@ -35,9 +35,11 @@ def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
     env = _env(tmp_path, tiny_model.source)
     runs = []
     for _ in range(2):
-        proc = subprocess.run([sys.executable, "-m", "kiln", "warmup"], env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([sys.executable, "-m", "kiln", "warmup"], env=env, capture_output=True, text=True,
+                              timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        m = re.search(r"warmup: (\d+) step buckets ready .*\((\d+) executables compiled, (\d+) loaded from cache\)", proc.stdout)
+        m = re.search(r"warmup: (\d+) step buckets ready .*\((\d+) executables compiled, (\d+) loaded from cache\)",
+                      proc.stdout)
         assert m, proc.stdout + proc.stderr[-2000:]
         runs.append(tuple(int(x) for x in m.groups()))
     (buckets, compiled1, _), (buckets2, compiled2, loaded2) = runs

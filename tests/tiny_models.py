@@ -28,7 +28,8 @@ VARIANTS = {
     "llama3-rope": (
         "LlamaConfig",
         "LlamaForCausalLM",
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 32}},
     ),
     "llama-yarn": (
         "LlamaConfig",
@@ -66,7 +67,8 @@ def save_hf_model(model, path: Path, max_shard_size: str | None = None) -> Path:
 
 def byte_vocab() -> list[str]:
     """GPT-2's printable stand-ins for the 256 bytes (the byte-level BPE alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     chars, n = {}, 0
     for b in range(256):
         if b in printable:

@@ -36,7 +36,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             if args.json:
                 print(json.dumps(rows, indent=2))
             for r in [] if args.json else rows:
-                print(f"{r['name']}  v{r['version']}  rank {r['rank']}  base {r['base_model']}  {r['manifest_digest'][:19]}  {r['path']}")
+                print(f"{r['name']}  v{r['version']}  rank {r['rank']}  base {r['base_model']}  "
+                      f"{r['manifest_digest'][:19]}  {r['path']}")
             return 0
         if args.adapters_command == "import":
             from kiln.engine.setup import load_model_from_settings

@@ -26,7 +26,8 @@ def hash_block(parent: int | None, tokens: Sequence[int], extra: tuple = ()) -> 
     return int.from_bytes(h.digest()[:8], "big")
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, extra: tuple = (), start: int = 0, parent: int | None = None) -> list[int]:
+def block_hashes(tokens: Sequence[int], block_size: int, extra: tuple = (), start: int = 0,
+                 parent: int | None = None) -> list[int]:
     """Hashes of the full blocks of `tokens` from block index `start` on, chained from `parent`."""
     out = []
     for b in range(start, len(tokens) // block_size):
@@ -155,7 +156,8 @@ class BlockPool:
             if run and (not fresh or i == len(block_ids) - 1):
                 if self.on_stored:
                     run_parent = parent if run_start == 0 else hashes[run_start - 1]
-                    self.on_stored(list(run), run_parent, list(tokens[run_start * B : (run_start + len(run)) * B]), lora_name)
+                    run_tokens = list(tokens[run_start * B : (run_start + len(run)) * B])
+                    self.on_stored(list(run), run_parent, run_tokens, lora_name)
                 run = []
 
     def reset_prefix_cache(self) -> bool:

@@ -49,7 +49,11 @@ class _SnapshotCollector:
                            "Accelerator writer operations (adapter transitions, ...)", s["writer_operations"])
         yield self._family(GaugeMetricFamily, "kiln:compiled_step_buckets",
                            "Step shape buckets compiled (or loaded from the compilation cache)", s["compiled_steps"])
+        yield self._family(GaugeMetricFamily, "kiln:capturing_step_buckets",
+                           "Step shape buckets compiling in the background", s["capturing_steps"])
         yield self._family(CounterMetricFamily, "kiln:engine_steps", "Jitted steps executed", s["steps"])
+        yield self._family(CounterMetricFamily, "kiln:padded_steps",
+                           "Steps run padded in a bigger compiled bucket while their own compiled", s["padded_steps"])
         gauges = (("num_requests_running", "Requests in the running batch", "running"),
                   ("num_requests_waiting", "Requests waiting to be scheduled", "waiting"),
                   ("kv_cache_usage_perc", "KV-cache block usage (1 = full)", "kv_usage"))

@@ -45,7 +45,8 @@ class OutputState:
 
     def __init__(self, req: Request, tokenizer: KilnTokenizer, eos_ids: tuple[int, ...], max_model_len: int):
         self.req = req
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_ids, skip_special_tokens=req.params.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_ids,
+                                            skip_special_tokens=req.params.skip_special_tokens)
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
         self.text = ""  # all text decoded so far
@@ -71,7 +72,8 @@ class OutputState:
                     idx, stop = hit
                     self.text = self.text[: idx + (len(stop) if p.include_stop_str_in_output else 0)]
                     finish, stop_reason = "stop", stop
-        if finish is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or self.req.num_tokens >= self.max_model_len):
+        at_limit = (p.max_tokens is not None and n_out >= p.max_tokens) or self.req.num_tokens >= self.max_model_len
+        if finish is None and at_limit:
             finish = "length"
         if finish is not None:
             if finish == "length":

@@ -22,6 +22,7 @@ import functools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -54,6 +55,11 @@ KV_BYTE_FLOPS = 32
 # if that costs at most this much more; otherwise it waits for its own bucket (on a small CPU a
 # background compile also slows the steps it overlaps).
 CHEAP_PADDING = 1.25
+# Prefill and mixed steps pad each row's new tokens to at least 32 query positions and its context
+# to at least 4 blocks: their matmuls over all T tokens dominate, so the padding costs little, and
+# far fewer distinct steps need compiling (several seconds each on a CPU).
+PREFILL_MIN_QUERY = 32
+PREFILL_MIN_BLOCKS = 4
 
 
 class StepShape(NamedTuple):
@@ -131,6 +137,12 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
+def _describe(s: StepShape) -> str:
+    extra = [name for name, on in (*s.flags._asdict().items(), ("prompt_logprobs", s.prompt_logprobs)) if on]
+    extra += [f"lora={s.lora}"] * bool(s.lora) + [f"widths={s.widths}"] * (s.widths != (1, 1, 1, 1))
+    return f"T={s.tokens} S={s.rows} Q={s.query} M={s.blocks}" + "".join(f" {e}" for e in extra)
+
+
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if b >= n:
@@ -204,6 +216,7 @@ class Runner:
         self._capturing: dict[StepShape, concurrent.futures.Future] = {}  # compiling in the background
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-capture")
         self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
+        self.padded_steps = 0  # steps run in a bigger compiled bucket while theirs compiled
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
         self.flops_per_token = 2 * cfg.num_layers * layer_params
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
@@ -213,6 +226,11 @@ class Runner:
     @property
     def compiled(self) -> set[StepShape]:
         return set(self.executables)
+
+    @property
+    def capturing(self) -> int:
+        """Buckets still compiling in the background."""
+        return sum(not f.done() for f in self._capturing.values())
 
     def reset_kv(self) -> None:
         """A fresh, empty KV state (after a failed step consumed the donated one)."""
@@ -227,12 +245,13 @@ class Runner:
         n_rows = len(rows)
         total = sum(n for _, n in rows)
         S = _bucket(n_rows, self.row_buckets)
-        if all(n == 1 for _, n in rows):
+        decode = all(n == 1 for _, n in rows)
+        if decode:
             T, Q = S, 1
         else:
             T = _bucket(total, self.token_buckets)
-            Q = min(_pow2(max(n for _, n in rows)), T)
-        M = min(block_bucket(max(len(r.block_ids) for r, _ in rows)), block_bucket(self.max_blocks_per_seq))
+            Q = min(max(_pow2(max(n for _, n in rows)), PREFILL_MIN_QUERY), T)
+        M = self._blocks(max(len(r.block_ids) for r, _ in rows), prefill=not decode)
         params = [r.params for r, _ in rows]
         flags = SamplingFlags(
             penalties=any(p.needs_penalties for p in params),
@@ -247,6 +266,11 @@ class Runner:
                   _pow2(max(len(r.output_ids) for r, _ in rows), 8) if flags.penalties else 1,
                   _pow2(max(len(r.prompt_ids) for r, _ in rows), 8) if flags.penalties else 1)
         return StepShape(T, S, Q, M, flags, prompt_lp, lora, widths)
+
+    def _blocks(self, blocks: int, prefill: bool) -> int:
+        """The blocks-per-row bucket of a step whose longest row holds `blocks` blocks."""
+        return min(block_bucket(max(blocks, PREFILL_MIN_BLOCKS if prefill else 1)),
+                   block_bucket(self.max_blocks_per_seq))
 
     def resolve(self, shape: StepShape) -> StepShape:
         """The bucket to run a batch of this shape in, now: its own when compiled; else a compiled
@@ -267,18 +291,22 @@ class Runner:
         if best is not None and self._shape_cost(best) <= CHEAP_PADDING * self._shape_cost(shape):
             if shape not in self._capturing:
                 self._capturing[shape] = self._compiler.submit(self._compile, shape, self._lora_abstract(shape))
+                log.info("capturing step bucket %s in the background; meanwhile its batches run in %s",
+                         _describe(shape), _describe(best))
+            self.padded_steps += 1
             return best
         pending = self._capturing.pop(shape, None)
+        t0 = time.perf_counter()
         self.executables[shape] = pending.result() if pending else self._compile(shape, self._lora_abstract(shape))
+        log.info("captured step bucket %s in %.1fs (the step waited)", _describe(shape), time.perf_counter() - t0)
         return shape
 
     def fits(self, rows: Rows) -> bool:
-        """Whether the rows can run as one step without compiling a step live capture forbids."""
-        try:
-            self.resolve(self.shape_for(rows))
-        except GraphCaptureDisabled:
-            return False
-        return True
+        """Whether the rows can run as one step: always with live capture, else in a compiled bucket."""
+        if self.config.allow_live_capture:
+            return True
+        shape = self.shape_for(rows)
+        return any(s.fits(shape) for s in self.executables)
 
     def step_cost(self, rows: Rows) -> float:
         """Estimated cost of running the rows as one step, padding included (see the cost model above)."""
@@ -331,7 +359,8 @@ class Runner:
         flags = SamplingFlags()
         shapes = [StepShape(s, s, 1, m, flags, False) for s in self.row_buckets for m in block_buckets]
         for t in self.token_buckets:
-            shapes += [StepShape(t, 1, t, m, flags, False) for m in block_buckets if m * self.block_size >= t]
+            prefill_blocks = {self._blocks(m, prefill=True) for m in block_buckets if m * self.block_size >= t}
+            shapes += [StepShape(t, 1, t, m, flags, False) for m in sorted(prefill_blocks)]
         if lora:
             shapes += [StepShape(s, s, 1, m, flags, False, 1) for s in self.row_buckets for m in block_buckets]
         return shapes
@@ -343,8 +372,8 @@ class Runner:
         blocks = min(block_bucket(math.ceil(context_tokens / self.block_size)), block_bucket(self.max_blocks_per_seq))
         flags = SamplingFlags()
         return ([StepShape(s, s, 1, blocks, flags, False) for s in self.row_buckets]
-                + [StepShape(t, 1, t, max(blocks, block_bucket(math.ceil(t / self.block_size))), flags, False)
-                   for t in self.token_buckets])
+                + [StepShape(t, 1, t, self._blocks(max(blocks, math.ceil(t / self.block_size)), prefill=True), flags,
+                             False) for t in self.token_buckets])
 
     # ---- inputs ------------------------------------------------------------------------
 

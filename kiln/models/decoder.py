@@ -78,11 +78,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(x.dtype)
 
 
+def _as_operand(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x cast to w's dtype; a single row against a 16-bit weight gets a zero second row, because
+    XLA:CPU multiplies one 16-bit row several times slower than two."""
+    if x.shape[0] == 1 and w.dtype.itemsize == 2:
+        x = jnp.pad(x, ((0, 1), (0, 0)))
+    return x.astype(w.dtype)
+
+
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w in w's dtype with float32 accumulation and result: activations stay float32 and a
     bfloat16 weight is read as is (XLA:CPU multiplies bfloat16 operands into float32 fast, while
     mixed or all-bfloat16 products take slow paths)."""
-    return jnp.matmul(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return jnp.matmul(_as_operand(x, w), w, preferred_element_type=jnp.float32)[: x.shape[0]]
 
 
 def _proj(x, layer, lora_layer, name, token_weight):
@@ -223,12 +231,13 @@ def forward_hidden(
 
 
 def logits(params: Params, hidden: jax.Array) -> jax.Array:
-    """Vocabulary logits in float32 for hidden states [..., hidden]."""
+    """Vocabulary logits in float32 for hidden states [T, hidden]."""
     head = params.get("lm_head")
-    if head is None:
-        embed = params["embed"]
-        return jnp.einsum("...h,vh->...v", hidden.astype(embed.dtype), embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,hv->...v", hidden.astype(head.dtype), head, preferred_element_type=jnp.float32)
+    if head is not None:
+        return matmul(hidden, head)
+    embed = params["embed"]
+    out = jnp.einsum("th,vh->tv", _as_operand(hidden, embed), embed, preferred_element_type=jnp.float32)
+    return out[: hidden.shape[0]]
 
 
 def forward(params, kv, inputs, cfg, lora=None, unroll=1):

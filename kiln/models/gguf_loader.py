@@ -44,8 +44,10 @@ _LAYER_NAMES = {
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp defines them.
-_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _pre_tokenizer(pre: str):
@@ -81,7 +83,8 @@ class GGUFModel:
             raise ModelLoadError(f"corrupt or unreadable GGUF file: {exc}", file=str(path)) from exc
         self.arch = self.meta("general.architecture")
         if self.arch not in ARCH_TO_HF:
-            raise ModelLoadError(f"unsupported GGUF architecture {self.arch!r}; supported: {sorted(ARCH_TO_HF)}", file=str(path))
+            raise ModelLoadError(f"unsupported GGUF architecture {self.arch!r}; supported: {sorted(ARCH_TO_HF)}",
+                                 file=str(path))
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.config = ModelConfig.from_hf(self.hf_config(), source=str(path))
 
@@ -104,7 +107,8 @@ class GGUFModel:
             "num_hidden_layers": int(self.meta(f"{a}.block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self.meta(f"{a}.attention.head_count_kv", heads)),
-            "head_dim": int(self.meta(f"{a}.attention.key_length", self.meta(f"{a}.rope.dimension_count", hidden // heads))),
+            "head_dim": int(self.meta(f"{a}.attention.key_length",
+                                      self.meta(f"{a}.rope.dimension_count", hidden // heads))),
             "rms_norm_eps": float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self.meta(f"{a}.rope.freq_base", 10000.0)),
             "max_position_embeddings": int(self.meta(f"{a}.context_length", 2048)),
@@ -119,7 +123,8 @@ class GGUFModel:
             if orig:
                 cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
         if "rope_freqs.weight" in {t.name for t in self.reader.tensors}:
-            raise ModelLoadError("GGUF rope_freqs (llama3 rope scaling) is not supported yet", file=str(self.path), tensor="rope_freqs.weight")
+            raise ModelLoadError("GGUF rope_freqs (llama3 rope scaling) is not supported yet", file=str(self.path),
+                                 tensor="rope_freqs.weight")
         return cfg
 
     def hf_names(self) -> dict[str, str]:
@@ -147,7 +152,8 @@ class GGUFModel:
                 w = dequantize(t.data, t.tensor_type)
             w = w.reshape(shape)
         except NotImplementedError as exc:
-            raise ModelLoadError(f"unsupported GGUF quantization {t.tensor_type.name}", file=str(self.path), tensor=gguf_name) from exc
+            raise ModelLoadError(f"unsupported GGUF quantization {t.tensor_type.name}", file=str(self.path),
+                                 tensor=gguf_name) from exc
         except ValueError as exc:
             raise ModelLoadError(f"cannot decode tensor: {exc}", file=str(self.path), tensor=gguf_name) from exc
         if self.arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -166,7 +172,8 @@ class GGUFModel:
     def tokenizer(self) -> Tokenizer:
         model = self.meta("tokenizer.ggml.model")
         if model != "gpt2":
-            raise ModelLoadError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)", file=str(self.path))
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)",
+                                 file=str(self.path))
         pre_name = self.meta("tokenizer.ggml.pre", "default")
         pre = _pre_tokenizer(pre_name)
         if pre is None:

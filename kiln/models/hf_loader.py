@@ -50,7 +50,8 @@ def _open(path: Path):
         raise ModelLoadError(f"corrupt safetensors file: {exc}", file=str(path)) from exc
 
 
-def load_hf_dir(model_dir: str | Path, dtype, show_progress: bool = True, label: str | None = None) -> tuple[ModelConfig, dict, dict]:
+def load_hf_dir(model_dir: str | Path, dtype, show_progress: bool = True,
+                label: str | None = None) -> tuple[ModelConfig, dict, dict]:
     """Returns (config, numpy params, generation_config)."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
@@ -70,7 +71,8 @@ def load_hf_dir(model_dir: str | Path, dtype, show_progress: bool = True, label:
     def source(name: str) -> str:
         return str(files.get(name, model_dir))
 
-    with tqdm(total=len(files), desc=f"loading {label or model_dir.name}", unit="tensor", disable=not show_progress, leave=False) as bar:
+    with tqdm(total=len(files), desc=f"loading {label or model_dir.name}", unit="tensor", disable=not show_progress,
+              leave=False) as bar:
         params = build_params(cfg, sorted(files), read, source, dtype, progress=bar.update)
     gen_path = model_dir / "generation_config.json"
     generation = read_json(gen_path) if gen_path.exists() else {}

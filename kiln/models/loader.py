@@ -74,7 +74,8 @@ def default_model_path() -> Path:
     for f in dist.files or []:
         if f.name == DEFAULT_MODEL_FILE:
             return Path(dist.locate_file(f))
-    raise ModelLoadError(f"{DEFAULT_MODEL_DIST} is installed but carries no {DEFAULT_MODEL_FILE}", file=DEFAULT_MODEL_FILE)
+    raise ModelLoadError(f"{DEFAULT_MODEL_DIST} is installed but carries no {DEFAULT_MODEL_FILE}",
+                         file=DEFAULT_MODEL_FILE)
 
 
 def file_digest(path: Path) -> str:
@@ -111,7 +112,8 @@ def convert_gguf(path: Path, show_progress: bool = True, cache_root: Path | None
         save_file(to_hf_tensors(gguf.config, params), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(gguf.config.to_hf(), indent=2))
         eos = gguf.config.eos_token_ids
-        gen = {"bos_token_id": gguf.config.bos_token_id, "eos_token_id": list(eos) if len(eos) > 1 else (eos[0] if eos else None)}
+        eos_id = list(eos) if len(eos) > 1 else (eos[0] if eos else None)
+        gen = {"bos_token_id": gguf.config.bos_token_id, "eos_token_id": eos_id}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         KilnTokenizer(tokenizer, gguf.tokenizer_config()).save(tmp)
         (tmp / "kiln_source.json").write_text(json.dumps({"gguf": str(path), "sha256": digest}, indent=2))

@@ -101,10 +101,11 @@ def set_slot(state: dict, slot: int, adapter: dict[str, dict[str, np.ndarray]], 
             r = adapter[module]["a"].shape[-1]
             if r > rank:
                 raise ValueError(f"adapter rank {r} exceeds slot rank {rank}")
-            if adapter[module]["a"].shape != (L, fan_in, r) or adapter[module]["b"].shape != (L, r, fan_out):
-                raise ValueError(f"{module}: adapter shapes {adapter[module]['a'].shape} / {adapter[module]['b'].shape} "
+            a_in, b_in = adapter[module]["a"], adapter[module]["b"]
+            if a_in.shape != (L, fan_in, r) or b_in.shape != (L, r, fan_out):
+                raise ValueError(f"{module}: adapter shapes {a_in.shape} / {b_in.shape} "
                                  f"do not fit the model ({L}, {fan_in}, r) / ({L}, r, {fan_out})")
-            a[:, :, :r], b[:, :r, :] = adapter[module]["a"], adapter[module]["b"]
+            a[:, :, :r], b[:, :r, :] = a_in, b_in
         padded[module] = {"a": a, "b": b}
     return _write_slot(state, jnp.int32(slot - 1), padded, jnp.float32(scale))
 

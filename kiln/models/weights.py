@@ -89,7 +89,8 @@ def build_params(
                 continue
             key, transpose = LAYER_TENSORS[suffix]
             if idx >= cfg.num_layers:
-                raise ModelLoadError(f"layer index {idx} >= num_hidden_layers {cfg.num_layers}", file=source(name), tensor=name)
+                raise ModelLoadError(f"layer index {idx} >= num_hidden_layers {cfg.num_layers}", file=source(name),
+                                     tensor=name)
             layers[key][idx] = _checked(read(name), shapes[key], transpose, name, source(name))
             seen.add((key, idx))
         elif name == "model.embed_tokens.weight":
@@ -132,7 +133,8 @@ def _hf_name(key: str, idx: int | None = None) -> str:
 
 def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """The inverse mapping: Kiln params -> HF-named tensors (for caching converted weights)."""
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"]), "model.norm.weight": np.asarray(params["final_norm"])}
+    out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
+           "model.norm.weight": np.asarray(params["final_norm"])}
     if params.get("lm_head") is not None:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
     for key, stacked in params["layers"].items():

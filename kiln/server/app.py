@@ -32,7 +32,8 @@ def _validation_error(_: Request, exc: ValidationException) -> Response:
 
 
 def _http_error(_: Request, exc: HTTPException) -> Response:
-    return _error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "internal_error")
+    type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return _error(exc.status_code, str(exc.detail), type_)
 
 
 def _unexpected_error(_: Request, exc: Exception) -> Response:
