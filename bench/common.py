@@ -17,6 +17,7 @@ from kiln.engine.runner import StepShape, model_step
 from kiln.engine.sampling import SamplingFlags, SamplingParams
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
+from kiln.models.decoder import matmul
 from kiln.models.loader import default_model_path
 from kiln.models.lora import module_shapes
 
@@ -53,23 +54,23 @@ def step_flops(cfg: ModelConfig, rows: int) -> float:
     return 2.0 * rows * (cfg.num_layers * per_layer + cfg.hidden_size * cfg.vocab_size)
 
 
-def matmul_chain(cfg: ModelConfig, rows: int) -> Callable[[], None]:
-    """A plain jitted chain of the step's matmuls (same shapes, one weight per layer and projection,
-    streamed as the step streams them): the reference peak the step is held against."""
+def matmul_chain(cfg: ModelConfig, rows: int, dtype=jnp.float32) -> Callable[[], None]:
+    """A plain jitted chain of the step's matmuls (same shapes and weight dtype, one weight per layer
+    and projection, streamed as the step streams them): the reference peak the step is held against."""
     key = jax.random.PRNGKey(0)
     shapes = module_shapes(cfg)
-    weights = [{m: 0.02 * jax.random.normal(jax.random.fold_in(key, 10 * i + j), s)
+    weights = [{m: (0.02 * jax.random.normal(jax.random.fold_in(key, 10 * i + j), s)).astype(dtype)
                 for j, (m, s) in enumerate(shapes.items())} for i in range(cfg.num_layers)]
-    head = 0.02 * jax.random.normal(key, (cfg.vocab_size, cfg.hidden_size))
+    head = (0.02 * jax.random.normal(key, (cfg.hidden_size, cfg.vocab_size))).astype(dtype)
     x = jax.random.normal(key, (rows, cfg.hidden_size))
 
     @jax.jit
     def chain(weights, head, h):
         for w in weights:
-            q, k, v = h @ w["q_proj"], h @ w["k_proj"], h @ w["v_proj"]
-            h = h + (q + 0.0 * (k.sum() + v.sum())) @ w["o_proj"]
-            h = h + (jax.nn.silu(h @ w["gate_proj"]) * (h @ w["up_proj"])) @ w["down_proj"]
-        return jnp.einsum("sh,vh->sv", h, head)
+            q, k, v = matmul(h, w["q_proj"]), matmul(h, w["k_proj"]), matmul(h, w["v_proj"])
+            h = h + matmul(q + 0.0 * (k.sum() + v.sum()), w["o_proj"])
+            h = h + matmul(jax.nn.silu(matmul(h, w["gate_proj"])) * matmul(h, w["up_proj"]), w["down_proj"])
+        return matmul(h, head)
 
     return lambda: chain(weights, head, x).block_until_ready()
 

@@ -62,13 +62,15 @@ def main():
     ap.add_argument("--context", type=int, default=64, help="tokens of context per row when timed")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--trace-dir", default="/tmp/kiln-trace")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
 
-    model = load_model(show_progress=False)
+    model = load_model(show_progress=False, dtype=args.dtype)
     cfg = model.config
     core = decoding_core(model, args.rows, args.context)
     run, shape = bare_step(core)
-    t = timed({"bare": run, "engine": core.step, "chain": matmul_chain(cfg, args.rows)}, args.repeats)
+    chain = matmul_chain(cfg, args.rows, model.params["embed"].dtype)
+    t = timed({"bare": run, "engine": core.step, "chain": chain}, args.repeats)
     bare, engine = t["bare"], t["engine"]
     flops = step_flops(cfg, args.rows)
     peak = flops / t["chain"]

@@ -164,7 +164,7 @@ def main():
         run, _ = bare_step(core)
         fns = {"step": run}
         if c == max(levels):
-            fns["chain"] = matmul_chain(model.config, c)
+            fns["chain"] = matmul_chain(model.config, c, model.params["embed"].dtype)
         t = timed(fns, 10)
         step[c] = c / t["step"]
         if "chain" in t:

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.lora import active_lora, lora_delta
+from kiln.models.lora import active_lora, active_weights, lora_delta
 
 Params = dict
 
@@ -185,10 +185,9 @@ def forward_hidden(
     blocks = inputs.slots // block_size  # out-of-range slots give block >= num_blocks: dropped
     offsets = inputs.slots % block_size
 
+    token_weight = lora_index = None
     if lora is not None:
-        token_weight, lora_layers = active_lora(lora, inputs.adapter_slots[inputs.token_rows], h.dtype)
-    else:
-        token_weight = lora_layers = None
+        token_weight, lora_index = active_lora(lora, inputs.adapter_slots[inputs.token_rows], h.dtype)
 
     def layer_fn(carry, xs):
         h, k_all, v_all, idx = carry
@@ -221,10 +220,11 @@ def forward_hidden(
     if isinstance(layers, (list, tuple)):  # one array per layer: unrolled, no per-layer weight slicing
         carry = (h, kv.k, kv.v, 0)
         for i, layer in enumerate(layers):
-            lora_layer = None if lora_layers is None else jax.tree.map(lambda w, i=i: w[i], lora_layers)
+            lora_layer = None if lora is None else active_weights(lora["layers"], lora_index, i)
             carry, _ = layer_fn(carry, (layer, lora_layer))
         h, k_all, v_all, _ = carry
     else:
+        lora_layers = None if lora is None else active_weights(lora["layers"], lora_index)
         (h, k_all, v_all, _), _ = jax.lax.scan(layer_fn, (h, kv.k, kv.v, jnp.int32(0)), (layers, lora_layers),
                                                unroll=unroll)
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), KVCache(k_all, v_all)

@@ -31,9 +31,9 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def active_lora(lora: dict, token_slots: jax.Array, dtype) -> tuple[jax.Array, dict]:
+def active_lora(lora: dict, token_slots: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """The step's view of a LoRA state: per-token weights [T, G] (one-hot times the slot's scale)
-    and the active slots' layer weights {module: {"a": [L, G, in, r], "b": [L, G, r, out]}}.
+    and the storage index [G] of the active slots (see `active_weights`).
 
     token_slots: [T] slot of each token (0 = none)."""
     n = lora["scale"].shape[0]
@@ -43,8 +43,15 @@ def active_lora(lora: dict, token_slots: jax.Array, dtype) -> tuple[jax.Array, d
     index = jnp.maximum(active - 1, 0)
     scale = jnp.where(active > 0, lora["scale"][index], 0.0)
     token_weight = ((token_slots[:, None] == active[None, :]) * scale[None, :]).astype(dtype)
-    layers = {m: {k: jnp.take(w, index, axis=1) for k, w in parts.items()} for m, parts in lora["layers"].items()}
-    return token_weight, layers
+    return token_weight, index
+
+
+def active_weights(layers: dict, index: jax.Array, layer: int | None = None) -> dict:
+    """The active slots' weights {module: {"a": [..., G, in, r], "b": [..., G, r, out]}}: of one
+    layer, or of all layers (stacked) when `layer` is None. Only those G slots are read."""
+    if layer is None:
+        return {m: {k: jnp.take(w, index, axis=1) for k, w in parts.items()} for m, parts in layers.items()}
+    return {m: {k: jnp.take(w[layer], index, axis=0) for k, w in parts.items()} for m, parts in layers.items()}
 
 
 def lora_delta(x: jax.Array, weights: dict, token_weight: jax.Array) -> jax.Array:

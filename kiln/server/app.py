@@ -58,6 +58,7 @@ def create_app(state: ServerState) -> Litestar:
         before_request=_authorize,
         request_max_body_size=state.settings.server.max_request_body_bytes,
         openapi_config=OpenAPIConfig(title="Kiln", version=__version__, path="/schema"),
+        logging_config=None,  # logging is configured once, from [server] log_level
         debug=False,
     )
     app.state.kiln = state
