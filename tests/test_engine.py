@@ -227,3 +227,25 @@ def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
         assert runner.compiled == compiled
     finally:
         eng.shutdown()
+
+
+def test_compiled_steps_beyond_the_mapping_budget_are_evicted_and_reloaded(tiny_model, monkeypatch):
+    """Each executable holds many memory mappings and a process has a fixed number: the runner
+    keeps a bounded number of buckets and recompiles (or reloads) an evicted one when needed."""
+    import kiln.engine.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "MAPPING_SHARE", 1e-9)  # as if the mapping limit were tiny: keep 8
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    try:
+        runner = eng.core.runner
+        shapes = runner.warmup_shapes(64)
+        assert len(shapes) > 8
+        eng.at_boundary(lambda: runner.warm(shapes)).result()
+        assert 0 < len(runner.executables) <= 8
+        prompts = prompts_of(3, seed=18)
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for p, (ids, _, _) in zip(prompts, run(eng, prompts, greedy), strict=True):
+            assert ids == greedy_generate(tiny_model.params, tiny_model.config, [p], 6)[0]
+        assert len(runner.executables) <= 8
+    finally:
+        eng.shutdown()

@@ -17,6 +17,7 @@ scheduler then recomputes the running requests.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import logging
@@ -60,6 +61,8 @@ CHEAP_PADDING = 1.25
 # far fewer distinct steps need compiling (several seconds each on a CPU).
 PREFILL_MIN_QUERY = 32
 PREFILL_MIN_BLOCKS = 4
+# The share of the process's memory-mapping limit (vm.max_map_count) that compiled steps may use.
+MAPPING_SHARE = 0.7
 
 
 class StepShape(NamedTuple):
@@ -137,6 +140,24 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
 
+def _read_max_mappings() -> int:
+    try:
+        return int(open("/proc/sys/vm/max_map_count").read())
+    except (OSError, ValueError):  # not Linux: no such limit known
+        return 1 << 30
+
+
+_MAX_MAPPINGS = _read_max_mappings()
+
+
+def _mapped_regions() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
 def _describe(s: StepShape) -> str:
     extra = [name for name, on in (*s.flags._asdict().items(), ("prompt_logprobs", s.prompt_logprobs)) if on]
     extra += [f"lora={s.lora}"] * bool(s.lora) + [f"widths={s.widths}"] * (s.widths != (1, 1, 1, 1))
@@ -212,7 +233,8 @@ class Runner:
         self.row_buckets = tuple(sorted(set(config.decode_row_buckets) | {_pow2(config.max_num_seqs)}))
         self.token_buckets = tuple(sorted(set(config.prefill_token_buckets) | {_pow2(config.max_num_batched_tokens)}))
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        self.executables: dict[StepShape, Callable] = {}  # engine thread only
+        self.executables: collections.OrderedDict[StepShape, Callable] = collections.OrderedDict()  # LRU first
+        self._map_samples: list[int] = []  # memory mappings the first executables added
         self._capturing: dict[StepShape, concurrent.futures.Future] = {}  # compiling in the background
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-capture")
         self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
@@ -297,7 +319,7 @@ class Runner:
             return best
         pending = self._capturing.pop(shape, None)
         t0 = time.perf_counter()
-        self.executables[shape] = pending.result() if pending else self._compile(shape, self._lora_abstract(shape))
+        self._install(shape, pending.result() if pending else self._compile(shape, self._lora_abstract(shape)))
         log.info("captured step bucket %s in %.1fs (the step waited)", _describe(shape), time.perf_counter() - t0)
         return shape
 
@@ -329,16 +351,37 @@ class Runner:
         """The executable of one bucket (any thread; the persistent compilation cache applies)."""
         params, kv = self._abstract
         inputs, last_index, rs, targets = self._padding_inputs(shape)
+        before = _mapped_regions()
         lowered = model_step.lower(params, kv, inputs, last_index, rs, targets, lora, cfg=self.cfg,
                                    flags=shape.flags, with_prompt_logprobs=shape.prompt_logprobs)
-        return lowered.compile()
+        executable = lowered.compile()
+        if len(self._map_samples) < 3:
+            self._map_samples.append(_mapped_regions() - before)
+        return executable
+
+    def compile_bucket(self, shape: StepShape) -> Callable:
+        """Compiles one bucket without keeping it (`kiln warmup`: the persistent cache keeps it)."""
+        return self._compile(shape, self._lora_abstract(shape))
+
+    def _install(self, shape: StepShape, executable: Callable) -> None:
+        """Keeps an executable, evicting the least recently used ones beyond what the process may
+        map: each executable holds hundreds of memory mappings (its compiled kernels) and the
+        kernel caps a process's mappings (vm.max_map_count); an evicted bucket is reloaded from
+        the persistent compilation cache when needed again."""
+        self.executables[shape] = executable
+        keep = max(8, int(MAPPING_SHARE * _MAX_MAPPINGS) // max(1, *self._map_samples))
+        if len(self.executables) > keep:
+            while len(self.executables) > keep * 3 // 4:  # evict a batch: clearing JAX's caches costs retraces
+                evicted, _ = self.executables.popitem(last=False)
+                log.info("evicted step bucket %s (at most %d are kept)", _describe(evicted), keep)
+            jax.clear_caches()  # JAX's own caches hold the evicted executables too
 
     def _install_captured(self) -> None:
         for shape, future in list(self._capturing.items()):
             if future.done():
                 del self._capturing[shape]
                 try:
-                    self.executables[shape] = future.result()
+                    self._install(shape, future.result())
                 except Exception:  # the bucket stays uncaptured; batches keep running padded
                     log.exception("compiling step bucket %s failed", shape)
 
@@ -347,8 +390,8 @@ class Runner:
         compilation cache)."""
         todo = [(s, self._lora_abstract(s)) for s in dict.fromkeys(shapes) if s not in self.executables]
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kiln-warm") as pool:
-            for shape, executable in zip(todo, pool.map(lambda job: self._compile(*job), todo), strict=True):
-                self.executables[shape[0]] = executable
+            for (shape, _), executable in zip(todo, pool.map(lambda job: self._compile(*job), todo), strict=True):
+                self._install(shape, executable)
 
     def warmup_shapes(self, context_tokens: int, lora: bool = False) -> list[StepShape]:
         """The configured buckets: decode (each row bucket) and single-row prefill (each token
@@ -467,6 +510,7 @@ class Runner:
             t += n
         rs = self._sampling_arrays(rows, shape)
         step = self.executables[shape]
+        self.executables.move_to_end(shape)
         sampled, prompt, self.kv = step(self.params, self.kv, inputs, last_index, rs, targets, self._lora(rows, shape))
         return StepResult(rows, sampled, prompt, targets)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 from tqdm import tqdm
 
 from kiln.config import Settings
@@ -22,8 +23,10 @@ def warmup(settings: Settings) -> int:
         runner = core.runner
         shapes = runner.warmup_shapes(settings.engine.warmup_context_tokens, lora=True)
         built, hits = COUNTER.builds, COUNTER.cache_hits
-        for shape in tqdm(shapes, desc="compiling step buckets", unit="bucket"):
-            runner.warm([shape])
+        for i, shape in enumerate(tqdm(shapes, desc="compiling step buckets", unit="bucket"), 1):
+            runner.compile_bucket(shape)  # lands in the persistent cache; not kept here
+            if i % 8 == 0:
+                jax.clear_caches()  # JAX's own caches would keep every executable (and its memory mappings)
         compiled = (COUNTER.builds - built) - (COUNTER.cache_hits - hits)
         print(
             f"warmup: {len(shapes)} step buckets ready in {time.monotonic() - start:.1f}s "
