@@ -1,4 +1,4 @@
-"""`kiln` command line: config, serve, warmup, adapters.
+"""`kiln` command line: config, serve, warmup, adapters, train.
 
 Every subcommand resolves settings through add_settings_arguments + settings_from_args, so
 `kiln config` shows exactly what `kiln serve` and `kiln warmup` would use.
@@ -110,6 +110,12 @@ def _cmd_adapters(args: argparse.Namespace) -> int:
     return cli.run(args, settings_from_args(args))
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from kiln.train import cli  # lazy: pulls in JAX
+
+    return cli.run(args, settings_from_args(args))
+
+
 def _apply_log_level(settings: Settings) -> None:
     logging.getLogger().setLevel(settings.server.log_level.upper())
 
@@ -135,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parser(sub, add_settings_arguments)
     sub.choices["adapters"].set_defaults(func=_cmd_adapters)
+
+    from kiln.train.cli import add_parser as add_train_parser
+
+    add_train_parser(sub, add_settings_arguments)
+    sub.choices["train"].set_defaults(func=_cmd_train)
     return parser
 
 

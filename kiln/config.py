@@ -56,6 +56,31 @@ def power_of_two(lo: int, hi: int) -> Check:
     return _rule(lambda v: lo <= v <= hi and v & (v - 1) == 0, f"expected a power of two from {lo} to {hi}")
 
 
+def positive(value: float) -> float:
+    if not value > 0:
+        raise ValueError("expected a number > 0")
+    return value
+
+
+def fraction(value: float) -> float:
+    if not 0 <= value < 1:
+        raise ValueError("expected a number from 0 up to (not including) 1")
+    return value
+
+
+def non_negative(value: float) -> float:
+    if not value >= 0:
+        raise ValueError("expected a number >= 0")
+    return value
+
+
+def lora_modules(value: list[str]) -> list[str]:
+    known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    if not value or any(m not in known for m in value) or len(set(value)) != len(value):
+        raise ValueError(f"expected distinct module names among {', '.join(known)}")
+    return value
+
+
 non_empty = _rule(lambda v: bool(v.strip()), "expected a non-empty string")
 ascending_buckets = _rule(
     lambda v: bool(v) and v[0] > 0 and all(a < b for a, b in zip(v, v[1:], strict=False)),
@@ -121,6 +146,26 @@ SCHEMA: tuple[Key, ...] = (
     Key("adapters", "store", "str", "", None, "adapter store (path or orbax URL); empty = <cache dir>/adapters"),
     Key("adapters", "load", "list[str]", [], None,
         "adapters loaded at startup: \"name\" (from the store) or \"name=path\""),
+    Key("train", "lora_rank", "int", 16, at_least(1), "LoRA rank of a new adapter"),
+    Key("train", "lora_alpha", "float", 32.0, positive, "LoRA alpha (the update is scaled by alpha / rank)"),
+    Key("train", "target_modules", "list[str]", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+        "down_proj"], lora_modules, "projections a new adapter adapts"),
+    Key("train", "learning_rate", "float", 2e-4, positive, "peak learning rate (OpenAI's multiplier scales it)"),
+    Key("train", "n_epochs", "int", 3, at_least(1), "passes over the training data"),
+    Key("train", "batch_size", "int", 8, at_least(1), "sequences per micro-batch"),
+    Key("train", "gradient_accumulation", "int", 1, at_least(1), "micro-batches per optimizer step"),
+    Key("train", "max_seq_len", "int", 1024, at_least(8), "tokens per sequence; longer examples are cut"),
+    Key("train", "warmup_ratio", "float", 0.03, fraction, "share of optimizer steps spent warming up"),
+    Key("train", "lr_schedule", "str", "cosine", one_of("cosine", "linear", "constant"), "decay after warmup"),
+    Key("train", "weight_decay", "float", 0.0, non_negative, "AdamW weight decay"),
+    Key("train", "max_grad_norm", "float", 1.0, non_negative, "gradient clipping by global norm; 0 = off"),
+    Key("train", "remat", "str", "auto", one_of("auto", "on", "off"),
+        "recompute layer activations in the backward pass; auto = when memory needs it"),
+    Key("train", "seed", "int", 0, None, "seed of LoRA initialisation and data order"),
+    Key("train", "checkpoint_every", "int", 50, at_least(1), "a job checkpoints every this many optimizer steps"),
+    Key("train", "memory_budget_bytes", "int", 0, at_least(0),
+        "memory a job may use on the CPU; 0 = the host's available memory (accelerators report their own)"),
+    Key("train", "data_dir", "str", "", None, "uploaded files, jobs and checkpoints; empty = <cache dir>/data"),
     Key("cache", "dir", "str", "", None, "cache directory; empty = $XDG_CACHE_HOME/kiln or ~/.cache/kiln"),
     Key("cache", "compilation_dir", "str", "", None, "JAX persistent compilation cache; empty = <cache dir>/jax"),
 )
@@ -247,6 +292,9 @@ class Settings:
 
     def compilation_dir(self) -> Path:
         return Path(self.cache.compilation_dir).expanduser() if self.cache.compilation_dir else self.cache_dir() / "jax"
+
+    def training_dir(self) -> Path:
+        return Path(self.train.data_dir).expanduser() if self.train.data_dir else self.cache_dir() / "data"
 
     def adapter_store(self) -> str:
         """A local path or any URL orbax accepts (gs://..., a shared filesystem)."""

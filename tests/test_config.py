@@ -109,7 +109,7 @@ def fails(kiln, *args: str, env: dict[str, str] | None = None) -> str:
 def test_defaults_have_source_default(kiln):
     doc = resolved(kiln)
     assert doc["config_file"] is None
-    assert list(doc["settings"]) == ["server", "model", "engine", "adapters", "cache"]
+    assert list(doc["settings"]) == ["server", "model", "engine", "adapters", "train", "cache"]
     assert doc["settings"]["server"]["port"] == {"value": 8000, "source": "default"}
     assert doc["settings"]["server"]["host"] == {"value": "127.0.0.1", "source": "default"}
     assert doc["settings"]["engine"]["decode_row_buckets"]["value"] == [1, 2, 4, 8, 16, 32]
@@ -201,7 +201,7 @@ def test_unknown_key_lists_accepted_keys(kiln, tmp_path):
 def test_unknown_section_lists_accepted_sections(kiln, tmp_path):
     path = write(tmp_path, "[sever]\nport = 1\n")
     err = fails(kiln, "--config", str(path))
-    assert "[sever]" in err and "accepted sections: server, model, engine, adapters, cache" in err
+    assert "[sever]" in err and "accepted sections: server, model, engine, adapters, train, cache" in err
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,8 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=False)
     provenance: Provenance
     use_rslora: bool = False
     training_inputs_digest: str | None = None
+    training_inputs: list[dict[str, Any]] | None = None  # each: purpose, sha256 (and file id for jobs)
+    training: dict[str, Any] | None = None  # job id, started_at, finished_at, steps, trained_tokens, final_metrics
     config: dict[str, Any] = msgspec.field(default_factory=dict)
     eval_results: dict[str, Any] | None = None
     has_optimizer_state: bool = False

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -30,6 +32,16 @@ from kiln.models.loader import LoadedModel
 log = logging.getLogger("kiln.engine")
 
 Sink = Callable[[Delta], None]
+
+
+@dataclasses.dataclass
+class Completion:
+    """One finished choice of `AsyncEngine.complete`."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] | None  # of the sampled tokens, when requested
+    finish_reason: str
 
 
 class RequestStream:
@@ -135,6 +147,48 @@ class AsyncEngine:
                 yield delta
         finally:
             stream.close()
+
+    def complete(self, prompts: list[list[int]], params: SamplingParams, adapter: AdapterWeights | None = None,
+                 timeout: float = 600.0) -> list[list[Completion]]:
+        """Generates for many prompts at once and waits: each prompt's n choices. For callers
+        without an event loop (notebooks, evals, rollouts); the prompts share steps like any
+        concurrent requests. A request failing in the engine raises its error."""
+        choices = [[None] * params.n for _ in prompts]
+        parts: dict[tuple[int, int], tuple[list, list, list]] = {}
+        errors, remaining, done = [], [len(prompts) * params.n], threading.Event()
+
+        def sink_for(p: int) -> Sink:
+            def sink(d: Delta) -> None:  # engine thread
+                ids, texts, lps = parts.setdefault((p, d.index), ([], [], []))
+                ids += d.token_ids
+                texts.append(d.text)
+                lps += [lp.logprob for lp in d.logprobs or []]
+                if d.finished:
+                    if d.error is not None:
+                        errors.append(d.error)
+                    choices[p][d.index] = Completion(ids, "".join(texts), lps if params.logprobs is not None else None,
+                                                     d.finish_reason)
+                    remaining[0] -= 1
+                    if remaining[0] == 0:
+                        done.set()
+
+            return sink
+
+        prefix, submitted = f"complete-{uuid.uuid4().hex[:12]}", []
+        try:
+            for p, prompt in enumerate(prompts):
+                self.add_request(f"{prefix}-{p}", prompt, params, sink_for(p), adapter)
+                submitted.append(f"{prefix}-{p}")
+            if not prompts or done.wait(timeout):
+                submitted = []
+        finally:
+            for request_id in submitted:  # refused or timed out: withdraw the others
+                self.abort(request_id)
+        if not done.is_set() and prompts:
+            raise TimeoutError(f"generation did not finish within {timeout} s")
+        if errors:
+            raise errors[0]
+        return choices
 
     def abort(self, request_id: str) -> None:
         """Cancels a request (and its siblings); blocks are freed at the next iteration boundary."""

@@ -1,7 +1,9 @@
 """The functional Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
-Everything here is a pure function of pytrees. Layer params are stacked on a leading
-layer axis and the layers run under `lax.scan`, so compile time stays flat in depth.
+Everything here is a pure function of pytrees. Layer params are either stacked on a leading
+layer axis, run under `lax.scan` (compile time flat in depth), or one dict per layer, run
+unrolled (see `loader.default_layer_loop`). `decoder_layer` is the one layer both serving
+(here, over the paged pool) and training (`kiln.train.forward`, dense) run.
 
 One step takes a flat batch of T tokens that belong to S rows (sequences). Each row
 brings new tokens (one for decode, a chunk for prefill) whose K/V are scattered into
@@ -11,6 +13,7 @@ masks keys by position, so prefill chunks and decode rows share one code path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -93,7 +96,8 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.matmul(_as_operand(x, w), w, preferred_element_type=jnp.float32)[: x.shape[0]]
 
 
-def _proj(x, layer, lora_layer, name, token_weight):
+def project(x, layer, lora_layer, name, token_weight):
+    """x @ layer[name], plus the LoRA delta of the active adapters (see `lora.lora_delta`)."""
     out = matmul(x, layer[name])
     if lora_layer is not None and name in lora_layer:
         out = out + lora_delta(x, lora_layer[name], token_weight)
@@ -164,6 +168,35 @@ def _attention(q, k_all, v_all, layer_idx, inputs: StepInputs, plan: _AttentionP
     return jnp.zeros((T, KH * G, D), q.dtype).at[plan.query_scatter].set(out.astype(q.dtype), mode="drop")
 
 
+def decoder_layer(h: jax.Array, layer: dict, proj: Callable, cos, sin, attend: Callable, cfg: ModelConfig):
+    """One pre-norm transformer layer over the float32 residual stream h [T, hidden].
+
+    proj(x, name) applies the layer's projection `name` (with any LoRA); attend(q, k, v), given
+    roped q [T, H, D] and k, v [T, KH, D], returns (attention output [T, H, D], aux). Serving
+    attends through the paged KV pool (aux: the updated pool), training attends densely.
+    Returns (h, aux)."""
+    T = h.shape[0]
+    H, KH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    with jax.named_scope("qkv"):
+        x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+        q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
+        if cfg.attention_bias:
+            q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
+        q, k, v = q.reshape(T, H, D), k.reshape(T, KH, D), v.reshape(T, KH, D)
+        if cfg.qk_norm:
+            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
+    attn, aux = attend(q, k, v)
+    with jax.named_scope("o_proj"):
+        h = h + proj(attn.astype(h.dtype).reshape(T, H * D), "o_proj")
+    with jax.named_scope("mlp"):
+        x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
+        gated = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")
+        h = h + proj(gated, "down_proj")
+    return h, aux
+
+
 def forward_hidden(
     params: Params,
     kv: KVCache,
@@ -174,8 +207,6 @@ def forward_hidden(
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder; returns final-normed hidden states [T, hidden] and the updated cache."""
     inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
-    T = inputs.tokens.shape[0]
-    H, KH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     block_size = kv.block_size
     kv_dtype = kv_float_dtype(kv, params)
     plan = _attention_plan(inputs, block_size, cfg)
@@ -192,28 +223,16 @@ def forward_hidden(
     def layer_fn(carry, xs):
         h, k_all, v_all, idx = carry
         layer, lora_layer = xs
-        proj = lambda x, name: _proj(x, layer, lora_layer, name, token_weight)  # noqa: E731
-        with jax.named_scope("qkv"):
-            x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
-            q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
-            if cfg.attention_bias:
-                q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
-            q, k, v = q.reshape(T, H, D), k.reshape(T, KH, D), v.reshape(T, KH, D)
-            if cfg.qk_norm:
-                q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
-            q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
-        with jax.named_scope("kv_write"):
-            k_all = _write_kv(k_all, idx, blocks, offsets, k, kv_dtype)
-            v_all = _write_kv(v_all, idx, blocks, offsets, v, kv_dtype)
-        with jax.named_scope("attention"):
-            attn = _attention(q, k_all, v_all, idx, inputs, plan, cfg, kv_dtype).astype(h.dtype)
-        with jax.named_scope("o_proj"):
-            h = h + proj(attn.reshape(T, H * D), "o_proj")
-        with jax.named_scope("mlp"):
-            x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-            gated = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")
-            h = h + proj(gated, "down_proj")
+
+        def paged_attention(q, k, v):
+            with jax.named_scope("kv_write"):
+                k_pool = _write_kv(k_all, idx, blocks, offsets, k, kv_dtype)
+                v_pool = _write_kv(v_all, idx, blocks, offsets, v, kv_dtype)
+            with jax.named_scope("attention"):
+                return _attention(q, k_pool, v_pool, idx, inputs, plan, cfg, kv_dtype), (k_pool, v_pool)
+
+        proj = lambda x, name: project(x, layer, lora_layer, name, token_weight)  # noqa: E731
+        h, (k_all, v_all) = decoder_layer(h, layer, proj, cos, sin, paged_attention, cfg)
         return (h, k_all, v_all, idx + 1), None
 
     layers = params["layers"]

@@ -1,0 +1,121 @@
+"""SFT training throughput: Kiln's SFT step against TRL's SFTTrainer with a PEFT LoRA, one run.
+
+Same model (the default, float32, the same dequantized weights), the same tokenized examples
+(Kiln's chat rendering; TRL gets them pre-tokenized with -100 labels on untrained tokens), the
+same batch size, sequence cap, LoRA rank, alpha and target modules, AdamW on both. Each side
+runs --warmup untimed steps (compilation, allocator warm-up), then --steps timed ones.
+Throughput counts real (non-padding) tokens: each side pads in its own way (Kiln to a length
+bucket, with rows of similar length batched together; TRL to the longest row of each batch).
+
+    python bench/train_sft.py [--batch-size 8] [--max-seq-len 128] [--steps 10] [--skip-trl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+from common import load_transformers
+
+from kiln.models.loader import load_model
+from kiln.models.lora import TARGET_MODULES
+from kiln.train.data import load_examples
+from kiln.train.sft import SFTConfig, SFTRun
+
+DATA = Path(__file__).parent.parent / "notebooks" / "data" / "contacts_train.jsonl"
+
+
+def kiln_sft(model, examples, args) -> dict:
+    config = SFTConfig(lora_rank=args.rank, lora_alpha=2.0 * args.rank, learning_rate=1e-4, n_epochs=100,
+                       batch_size=args.batch_size, max_seq_len=args.max_seq_len, warmup_ratio=0.0)
+    run = SFTRun(model.params, model.config, examples, config)
+    for _ in range(args.warmup):
+        run.train_micro_step()
+    tokens0, t0 = run.input_tokens, time.perf_counter()
+    for _ in range(args.steps):
+        run.train_micro_step()  # returns host floats: the step has finished
+    seconds = time.perf_counter() - t0
+    return {"tokens_per_second": (run.input_tokens - tokens0) / seconds, "seconds_per_step": seconds / args.steps,
+            "compiled_shapes": len(run.shapes)}
+
+
+def trl_sft(examples, args) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import SFTConfig as TRLConfig
+    from trl import SFTTrainer
+
+    torch.manual_seed(0)
+    hf = load_transformers()
+    rows = [{"input_ids": e.ids.tolist(),
+             "labels": [int(i) if t else -100 for i, t in zip(e.ids, e.trained, strict=True)]} for e in examples]
+    batch_tokens: list[int] = []
+
+    class Timer(TrainerCallback):
+        start = None
+        seconds = 0.0
+
+        def on_step_begin(self, a, state, control, **kw):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step > args.warmup:
+                self.seconds += time.perf_counter() - self.start
+
+    timer = Timer()
+    with tempfile.TemporaryDirectory() as out:
+        config = TRLConfig(output_dir=out, per_device_train_batch_size=args.batch_size, max_length=args.max_seq_len,
+                           max_steps=args.warmup + args.steps, learning_rate=1e-4, lr_scheduler_type="constant",
+                           logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
+                           dataloader_num_workers=0, num_train_epochs=100)
+        lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(TARGET_MODULES),
+                          lora_dropout=0.0, task_type="CAUSAL_LM")
+        trainer = SFTTrainer(model=hf, args=config, train_dataset=Dataset.from_list(rows), peft_config=lora,
+                             callbacks=[timer])
+        collate = trainer.data_collator
+
+        def counting(features):
+            batch = collate(features)
+            batch_tokens.append(int(batch["attention_mask"].sum()) if "attention_mask" in batch
+                                else sum(len(f["input_ids"]) for f in features))
+            return batch
+
+        trainer.data_collator = counting
+        trainer.train()
+    mean_tokens = sum(batch_tokens) / len(batch_tokens)
+    return {"tokens_per_second": mean_tokens * args.steps / timer.seconds,
+            "seconds_per_step": timer.seconds / args.steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--max-seq-len", type=int, default=128)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--skip-trl", action="store_true")
+    args = ap.parse_args()
+
+    model = load_model(dtype="float32", show_progress=False)
+    examples = load_examples(Path(args.data), model.tokenizer, args.max_seq_len)
+    print(f"{len(examples)} examples, batch {args.batch_size}, max_seq_len {args.max_seq_len}, LoRA rank {args.rank} "
+          f"on {', '.join(TARGET_MODULES)}; {args.warmup} untimed + {args.steps} timed steps")
+    kiln = kiln_sft(model, examples, args)
+    print(f"kiln  {kiln['tokens_per_second']:8.1f} tok/s  {kiln['seconds_per_step']:.2f} s/step  "
+          f"({kiln['compiled_shapes']} compiled shapes)")
+    if args.skip_trl:
+        return
+    del model
+    trl = trl_sft(examples, args)
+    print(f"trl   {trl['tokens_per_second']:8.1f} tok/s  {trl['seconds_per_step']:.2f} s/step")
+    print(f"kiln / trl: {kiln['tokens_per_second'] / trl['tokens_per_second']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The training forward: the decoder's own layer over dense causal batches, no KV pool.
+
+Serving runs `decoder.decoder_layer` over the paged pool; training runs the same function
+with dense causal attention over right-padded rows [B, S]. LoRA params are the trainable
+pytree {module: {"a": [L, in, r], "b": [L, r, out]}} (Kiln's adapter layout, the one the
+store and the serving slots use) applied to the frozen base params, which are the very arrays
+the server holds: nothing is copied.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kiln.models import rope
+from kiln.models.config import ModelConfig
+from kiln.models.decoder import decoder_layer, logits, project, rms_norm
+from kiln.models.lora import TARGET_MODULES, module_shapes
+
+_MASKED = -1e30  # finite, so a fully masked (padding) row gives uniform weights, never NaN
+
+
+def init_lora(cfg: ModelConfig, rank: int, modules=TARGET_MODULES, seed: int = 0) -> dict:
+    """Fresh LoRA params as PEFT initialises them: A ~ U(+-1/sqrt(in)) (Kaiming-uniform with
+    a = sqrt(5)), B = 0, so training starts from the base model exactly. float32."""
+    key = jax.random.PRNGKey(seed)
+    params = {}
+    for i, module in enumerate(modules):
+        fan_in, fan_out = module_shapes(cfg)[module]
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(jax.random.fold_in(key, i), (cfg.num_layers, fan_in, rank), jnp.float32, -bound, bound)
+        params[module] = {"a": a, "b": jnp.zeros((cfg.num_layers, rank, fan_out), jnp.float32)}
+    return params
+
+
+def lora_to_numpy(lora: dict) -> dict[str, dict[str, np.ndarray]]:
+    return {m: {k: np.asarray(v, np.float32) for k, v in parts.items()} for m, parts in lora.items()}
+
+
+def _dense_attention(q, k, v, visible, cfg: ModelConfig):
+    """q: [B*S, H, D]; k, v: [B*S, KH, D]; visible: [B, S, S] (query, key). Returns [B*S, H, D]."""
+    B, S = visible.shape[:2]
+    KH, D = cfg.num_kv_heads, cfg.head_dim
+    G = cfg.num_heads // KH
+    q = q.reshape(B, S, KH, G, D)
+    k, v = k.reshape(B, S, KH, D), v.reshape(B, S, KH, D)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * (D**-0.5)
+    scores = jnp.where(visible[:, None, None], scores, _MASKED)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B * S, KH * G, D)
+
+
+def forward_hidden(params: dict, lora: dict | None, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig,
+                   scale: float = 1.0, remat: bool = False) -> jax.Array:
+    """Final-normed hidden states [B*S, hidden] of right-padded rows tokens [B, S] (valid: [B, S]).
+
+    `remat` recomputes each layer's activations in the backward pass (`jax.checkpoint`):
+    activation memory of one layer instead of all of them."""
+    B, S = tokens.shape
+    T = B * S
+    h = params["embed"][tokens.reshape(T)].astype(jnp.float32)
+    inv_freq, rope_scale = rope.inv_freq_and_scale(cfg)
+    positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), B)
+    cos, sin = rope.cos_sin(positions, jnp.asarray(inv_freq), rope_scale)
+    q_pos, k_pos = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
+    causal = k_pos <= q_pos
+    if cfg.sliding_window:
+        causal &= k_pos > q_pos - cfg.sliding_window
+    visible = causal[None] & valid[:, None, :]
+    token_weight = jnp.full((T, 1), scale, jnp.float32)  # one adapter (G = 1) on every token
+
+    def attend(q, k, v):
+        with jax.named_scope("attention"):
+            return _dense_attention(q, k, v, visible, cfg), None
+
+    def layer_fn(h, layer, lora_layer):
+        lora_g1 = None if lora_layer is None else {m: {k: w[None] for k, w in p.items()} for m, p in lora_layer.items()}
+        proj = lambda x, name: project(x, layer, lora_g1, name, token_weight)  # noqa: E731
+        return decoder_layer(h, layer, proj, cos, sin, attend, cfg)[0]
+
+    if remat:
+        layer_fn = jax.checkpoint(layer_fn)
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        for i, layer in enumerate(layers):
+            lora_layer = None if lora is None else jax.tree.map(lambda w, i=i: w[i], lora)
+            h = layer_fn(h, layer, lora_layer)
+    else:
+        h, _ = jax.lax.scan(lambda h, xs: (layer_fn(h, *xs), None), h, (layers, lora))
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
+def forward_logits(params: dict, lora: dict | None, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig,
+                   scale: float = 1.0, remat: bool = False) -> jax.Array:
+    """float32 logits [B, S, vocab]."""
+    B, S = tokens.shape
+    hidden = forward_hidden(params, lora, tokens, valid, cfg, scale, remat)
+    return logits(params, hidden).reshape(B, S, -1)

@@ -1,0 +1,304 @@
+"""Supervised fine-tuning of a LoRA adapter on the frozen base weights.
+
+`SFTRun` holds a run's state (LoRA params, optimizer state, data position) and advances it one
+micro-batch at a time, so whoever drives it (the in-process `sft()` below, or a job between
+two serving steps) decides when each step happens. `sft()` runs a whole job in-process with a
+progress bar and saves the adapter to the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kiln.config import KEYS
+from kiln.models.config import ModelConfig
+from kiln.train import losses
+from kiln.train.data import Batch, Example, batches_per_epoch, epoch_batches, length_buckets, load_examples, make_batch
+from kiln.train.forward import forward_logits, init_lora, lora_to_numpy
+from kiln.train.optim import adamw, learning_rate_schedule
+
+
+def _default(name: str) -> Any:
+    value = KEYS[f"train.{name}"].default
+    return tuple(value) if isinstance(value, list) else value
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    lora_rank: int = _default("lora_rank")
+    lora_alpha: float = _default("lora_alpha")
+    target_modules: tuple[str, ...] = _default("target_modules")
+    learning_rate: float = _default("learning_rate")
+    n_epochs: int = _default("n_epochs")
+    batch_size: int = _default("batch_size")
+    gradient_accumulation: int = _default("gradient_accumulation")
+    max_seq_len: int = _default("max_seq_len")
+    warmup_ratio: float = _default("warmup_ratio")
+    lr_schedule: str = _default("lr_schedule")
+    weight_decay: float = _default("weight_decay")
+    max_grad_norm: float = _default("max_grad_norm")
+    remat: str = _default("remat")
+    seed: int = _default("seed")
+
+    @classmethod
+    def from_settings(cls, settings, **overrides) -> SFTConfig:
+        values = {f.name: getattr(settings.train, f.name) for f in dataclasses.fields(cls)}
+        values["target_modules"] = tuple(values["target_modules"])
+        return cls(**{**values, **overrides})
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / self.lora_rank
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "target_modules": list(self.target_modules)}
+
+
+def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: float, remat: bool):
+    """One micro-batch: loss, gradients w.r.t. the LoRA params only, optimizer update.
+    The LoRA params and optimizer state are donated (updated in place)."""
+
+    def loss_fn(lora, params, batch: Batch):
+        logits = forward_logits(params, lora, batch.tokens, batch.valid, cfg, scale, remat)
+        loss = losses.cross_entropy(logits, batch.targets, batch.mask)
+        return loss, losses.token_accuracy(logits, batch.targets, batch.mask)
+
+    def step(lora, opt_state, params, batch: Batch):
+        (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora, params, batch)
+        updates, opt_state = tx.update(grads, opt_state, lora)
+        metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
+        return optax.apply_updates(lora, updates), opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_eval_step(cfg: ModelConfig, scale: float):
+    """Token-summed loss, correct predictions and trained tokens of a batch."""
+
+    def step(lora, params, batch: Batch):
+        logits = forward_logits(params, lora, batch.tokens, batch.valid, cfg, scale)
+        nll = -losses.token_logprobs(logits, batch.targets)
+        correct = (jnp.argmax(logits, axis=-1) == batch.targets).astype(jnp.float32)
+        return jnp.sum(nll * batch.mask), jnp.sum(correct * batch.mask), jnp.sum(batch.mask)
+
+    return jax.jit(step)
+
+
+class SFTRun:
+    """One SFT run over `params` (the serving arrays, never copied)."""
+
+    def __init__(self, params: dict, cfg: ModelConfig, examples: list[Example], config: SFTConfig,
+                 valid_examples: list[Example] | None = None, remat: bool = False):
+        self.params, self.cfg, self.config = params, cfg, config
+        self.examples, self.valid_examples = examples, valid_examples or []
+        self.buckets = length_buckets(config.max_seq_len)
+        self.batches_per_epoch = batches_per_epoch(len(examples), config.batch_size)
+        self.total_micro_steps = self.batches_per_epoch * config.n_epochs
+        self.total_steps = math.ceil(self.total_micro_steps / config.gradient_accumulation)
+        self.schedule = learning_rate_schedule(config.learning_rate, self.total_steps, config.warmup_ratio,
+                                               config.lr_schedule)
+        tx = adamw(self.schedule, config.weight_decay, config.max_grad_norm, config.gradient_accumulation)
+        self.lora = init_lora(cfg, config.lora_rank, config.target_modules, config.seed)
+        self.opt_state = tx.init(self.lora)
+        self.remat = remat
+        self._train_step = make_train_step(cfg, tx, config.scale, remat)
+        self._eval_step = make_eval_step(cfg, config.scale)
+        self.micro_step = 0
+        self.trained_tokens = 0  # tokens in the loss
+        self.input_tokens = 0  # real (non-padding) tokens processed
+        self._epoch_iter = None
+        self._prepared: Batch | None = None
+        self._executables: dict[tuple[int, int], Any] = {}  # batch shape -> compiled train step
+        self._pending: list[dict] = []  # micro-batch metrics of the optimizer step in progress
+        self._step_started = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.micro_step >= self.total_micro_steps
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return self.micro_step // self.config.gradient_accumulation
+
+    @property
+    def epoch(self) -> int:
+        return self.micro_step // self.batches_per_epoch
+
+    def _next_batch(self) -> Batch:
+        if self.micro_step % self.batches_per_epoch == 0 or self._epoch_iter is None:
+            self._epoch_iter = epoch_batches(self.examples, self.config.batch_size, self.buckets,
+                                             self.config.seed + self.epoch)
+            for _ in range(self.micro_step % self.batches_per_epoch):  # resuming mid-epoch
+                next(self._epoch_iter)
+        return next(self._epoch_iter)
+
+    @property
+    def shapes(self) -> set[tuple[int, int]]:
+        """Distinct batch shapes met so far: one compiled train step each."""
+        return set(self._executables)
+
+    def prepare(self) -> None:
+        """Fetches the next batch and compiles its step if its shape is new. It touches no
+        device state, so a job runs it outside accelerator ownership: compiling never blocks
+        serving."""
+        if self._prepared is None:
+            self._prepared = self._next_batch()
+        shape = self._prepared.tokens.shape
+        if shape not in self._executables:
+            self._executables[shape] = self._train_step.lower(self.lora, self.opt_state, self.params,
+                                                              self._prepared).compile()
+
+    def train_micro_step(self) -> dict | None:
+        """Runs one micro-batch; returns the optimizer step's metrics when it completes one."""
+        if self.done:
+            raise RuntimeError("the run is complete")
+        self.prepare()
+        batch, self._prepared = self._prepared, None
+        step = self._executables[batch.tokens.shape]
+        self.lora, self.opt_state, metrics = step(self.lora, self.opt_state, self.params, batch)
+        self.micro_step += 1
+        self.trained_tokens += int(batch.mask.sum())
+        self.input_tokens += int(batch.valid.sum())
+        self._pending.append({**metrics, "tokens": int(batch.valid.sum())})
+        if self.micro_step % self.config.gradient_accumulation and not self.done:
+            return None
+        pending, self._pending = self._pending, []
+        now = time.perf_counter()
+        elapsed, self._step_started = now - self._step_started, now
+        return {
+            "step": self.step if not self.done else self.total_steps,
+            "epoch": self.epoch,
+            "train_loss": float(np.mean([float(m["loss"]) for m in pending])),
+            "train_mean_token_accuracy": float(np.mean([float(m["accuracy"]) for m in pending])),
+            "grad_norm": float(np.mean([float(m["grad_norm"]) for m in pending])),
+            "learning_rate": float(self.schedule(max(0, self.step - 1))),
+            "tokens_per_second": sum(m["tokens"] for m in pending) / max(elapsed, 1e-9),
+        }
+
+    def validate(self) -> dict:
+        """valid_loss and valid_mean_token_accuracy over the validation set (token means)."""
+        if not self.valid_examples:
+            return {}
+        loss = correct = count = 0.0
+        rows = self.config.batch_size
+        for start in range(0, len(self.valid_examples), rows):
+            batch = make_batch(self.valid_examples[start:start + rows], rows, self.buckets)
+            s, c, n = self._eval_step(self.lora, self.params, batch)
+            loss, correct, count = loss + float(s), correct + float(c), count + float(n)
+        count = max(count, 1.0)
+        return {"valid_loss": loss / count, "valid_mean_token_accuracy": correct / count}
+
+    def weights(self) -> dict[str, dict[str, np.ndarray]]:
+        return lora_to_numpy(self.lora)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: params, optimizer state, data position and counters (the
+        data order is a function of the seed and the epoch, so the position is the step)."""
+        return {"lora": self.lora, "opt_state": self.opt_state, "micro_step": np.int64(self.micro_step),
+                "trained_tokens": np.int64(self.trained_tokens), "input_tokens": np.int64(self.input_tokens),
+                "seed": np.int64(self.config.seed)}
+
+    def restore(self, state: dict) -> None:
+        if int(state["seed"]) != self.config.seed:
+            raise ValueError("the checkpoint belongs to a run with another seed")
+        self.lora, self.opt_state = state["lora"], state["opt_state"]
+        self.micro_step = int(state["micro_step"])
+        self.trained_tokens, self.input_tokens = int(state["trained_tokens"]), int(state["input_tokens"])
+        self._epoch_iter = self._prepared = None
+
+
+@dataclasses.dataclass
+class SFTResult:
+    history: list[dict]
+    artifact: Any  # kiln.adapters.store.Artifact, or None when not saved
+    run: SFTRun
+
+    @property
+    def compiled_shapes(self) -> int:
+        return len(self.run.shapes)
+
+
+def file_digest(data: bytes | str | Path) -> str:
+    raw = Path(data).read_bytes() if isinstance(data, Path) else data.encode() if isinstance(data, str) else data
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def _as_source(data):
+    """A path (str or Path) to a file is read as a file; other str values are the JSONL text."""
+    if isinstance(data, str) and "\n" not in data and Path(data).is_file():
+        return Path(data)
+    return data
+
+
+def sft(data, name: str | None = None, *, model=None, validation=None, config: SFTConfig | None = None,
+        store=None, progress: bool = True, save: bool = True, settings=None, **overrides) -> SFTResult:
+    """Trains a LoRA adapter with SFT in this process and saves it to the adapter store.
+
+    data / validation: a JSONL path, or its text or bytes. model: a LoadedModel, a path, or None
+    for the default model. config: an SFTConfig (default: the [train] settings); keyword
+    overrides replace its fields (e.g. n_epochs=1). Returns the metrics history (one entry per
+    optimizer step; validation metrics at each epoch's end) and the saved artifact."""
+    from tqdm.auto import tqdm
+
+    from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
+    from kiln.adapters.store import AdapterStore
+    from kiln.config import resolve_settings
+    from kiln.engine.setup import load_model_from_settings
+    from kiln.models.loader import LoadedModel, load_model
+
+    settings = settings or resolve_settings(None)
+    config = dataclasses.replace(config, **overrides) if config else SFTConfig.from_settings(settings, **overrides)
+    if model is None:
+        model = load_model_from_settings(settings, show_progress=progress)
+    elif not isinstance(model, LoadedModel):
+        model = load_model(model, dtype=settings.model.dtype, show_progress=progress, cache_root=settings.cache_dir())
+    name = name or "sft-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    data, validation = _as_source(data), _as_source(validation)
+    examples = load_examples(data, model.tokenizer, config.max_seq_len)
+    valid = (load_examples(validation, model.tokenizer, config.max_seq_len, "validation file")
+             if validation is not None else None)
+    run = SFTRun(model.params, model.config, examples, config, valid, remat=config.remat == "on")
+    started = datetime.datetime.now(datetime.UTC)
+    history: list[dict] = []
+    bar = tqdm(total=run.total_steps, desc=f"sft {name}", unit="step", disable=not progress)
+    while not run.done:
+        epoch = run.epoch
+        metrics = run.train_micro_step()
+        if metrics is None:
+            continue
+        if run.done or run.epoch != epoch:
+            metrics.update(run.validate())
+        history.append(metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train_loss']:.3f}")
+    bar.close()
+    artifact = None
+    if save:
+        store = store if isinstance(store, AdapterStore) else AdapterStore(store or settings.adapter_store())
+        inputs = [{"purpose": "training", "sha256": file_digest(data)}]
+        if validation is not None:
+            inputs.append({"purpose": "validation", "sha256": file_digest(validation)})
+        final = {k: v for k, v in history[-1].items() if k not in ("step", "epoch")}
+        manifest = Manifest(
+            name=name, base_model=BaseModelRef(model.model_id, model.weights_digest), rank=config.lora_rank,
+            alpha=config.lora_alpha, target_modules=list(config.target_modules), weights_digest="",
+            provenance=provenance("training:sft"), training_inputs_digest=inputs[0]["sha256"],
+            training_inputs=inputs, config={"method": "supervised", **config.to_json()},
+            training={"started_at": started.isoformat(timespec="seconds"),
+                      "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                      "steps": run.total_steps, "trained_tokens": run.trained_tokens, "final_metrics": final},
+        )
+        artifact = store.save(manifest, run.weights())
+    return SFTResult(history, artifact, run)

@@ -1,0 +1,31 @@
+"""The training notebooks run top to bottom (in a reduced form: few examples and steps)."""
+
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+
+
+def run_notebook(name: str, parameters: dict) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    cell.source += "\n# reduced for the test\n" + "\n".join(f"{k} = {v!r}" for k, v in parameters.items())
+    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+    return nb
+
+
+def outputs(nb) -> str:
+    return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+@pytest.mark.slow
+def test_sft_notebook_runs_and_learns(kiln_cache):
+    nb = run_notebook("sft.ipynb", {"N_EPOCHS": 1, "MAX_TRAIN_EXAMPLES": 32, "EVAL_ITEMS": 8})
+    text = outputs(nb)
+    assert "4 optimizer steps" in text
+    assert "exact JSON answers: base" in text
+    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in nb.cells if c.cell_type == "code" for o in c.outputs)  # the loss curve

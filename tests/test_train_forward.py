@@ -1,0 +1,135 @@
+"""The training forward: logits equal the serving path's, LoRA gradients equal torch autograd
+through transformers + peft, the base weights are never copied, and the loss core."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from conftest import jit_forward
+from peft_adapters import make_peft_adapter
+from tiny_models import make_hf_model, save_hf_model
+
+from kiln.adapters import peft_io
+from kiln.models.batch import RowWork, build_step_inputs
+from kiln.models.decoder import init_kv_cache
+from kiln.models.hf_loader import load_hf_dir
+from kiln.models.loader import unstack_layers
+from kiln.models.lora import empty_lora_state, set_slot
+from kiln.train import losses
+from kiln.train.forward import forward_logits
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def right_padded(lengths, vocab, seed=0):
+    rng = np.random.RandomState(seed)
+    S = max(lengths)
+    tokens = np.zeros((len(lengths), S), np.int32)
+    valid = np.zeros((len(lengths), S), bool)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.randint(3, vocab, size=n)
+        valid[i, :n] = True
+    targets = np.roll(tokens, -1, axis=1)
+    mask = (valid & np.roll(valid, -1, axis=1)).astype(np.float32)
+    mask[:, :2] = 0.0  # a "prompt" that is not trained
+    return tokens, valid, targets, mask
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def arch(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = make_hf_model(request.param, seed=5)
+    cfg, params, _ = load_hf_dir(save_hf_model(hf, root / "model"), np.float32, show_progress=False)
+    peft_model = make_peft_adapter(hf, root / "adapter", rank=4, alpha=8.0, seed=7)
+    weights, info = peft_io.read_peft(root / "adapter", cfg)
+    lora = jax.tree.map(jnp.asarray, weights)
+    return request.param, cfg, params, peft_model, lora, info["alpha"] / info["rank"]
+
+
+def torch_loss_and_grads(peft_model, tokens, valid, targets, mask):
+    peft_model.train()  # dropout is 0: train mode only enables autograd bookkeeping
+    peft_model.zero_grad()
+    logits = peft_model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                        attention_mask=torch.tensor(valid, dtype=torch.long)).logits
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(targets, dtype=torch.long)[..., None])[..., 0]
+    m = torch.tensor(mask)
+    loss = -(logp * m).sum() / m.sum()
+    loss.backward()
+    grads = {}
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            module = name.split(".lora_")[0].rsplit(".", 1)[1]
+            part = "a" if ".lora_A." in name else "b"
+            grads.setdefault(module, {}).setdefault(part, {})[layer] = p.grad.numpy().T
+    peft_model.eval()
+    return float(loss.detach()), {m: {k: np.stack([v[i] for i in sorted(v)]) for k, v in parts.items()}
+                         for m, parts in grads.items()}
+
+
+def test_lora_gradients_equal_torch_peft(arch):
+    """Stacked layers (scan) on every architecture; on llama also unrolled, with and without remat."""
+    variant, cfg, stacked, peft_model, lora, scale = arch
+    tokens, valid, targets, mask = right_padded([11, 7, 9], cfg.vocab_size)
+    ref_loss, ref_grads = torch_loss_and_grads(peft_model, tokens, valid, targets, mask)
+    layouts = [(stacked, False)] + [(unstack_layers(stacked), r) for r in (False, True)] * (variant == "llama")
+    for params, remat in layouts:
+
+        def loss_fn(lora, params=params, remat=remat):
+            logits = forward_logits(params, lora, tokens, valid, cfg, scale, remat=remat)
+            return losses.cross_entropy(logits, targets, mask)
+
+        loss, grads = jax.jit(jax.value_and_grad(loss_fn))(lora)
+        assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+        assert set(grads) == set(ref_grads)
+        for module, parts in ref_grads.items():
+            for part, ref in parts.items():
+                got = np.asarray(grads[module][part])
+                rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+                assert rel <= 1e-4, (variant, module, part, rel)
+
+
+def test_training_logits_equal_the_serving_path(arch):
+    _, cfg, params, _, lora, scale = arch
+    ids = list(np.random.RandomState(3).randint(3, cfg.vocab_size, size=21))
+    state = set_slot(empty_lora_state(cfg, 2, 4), 2, jax.tree.map(np.asarray, lora), scale)
+    inputs = build_step_inputs([RowWork(ids, 0, [2, 0])], 16, 4)._replace(adapter_slots=np.array([2], np.int32))
+    served, _ = jit_forward(params, init_kv_cache(cfg, 4, 16), inputs, cfg, state)
+    tokens = np.array([ids + [0, 0, 0]], np.int32)
+    valid = np.array([[True] * len(ids) + [False] * 3])
+    trained = forward_logits(params, lora, tokens, valid, cfg, scale)
+    np.testing.assert_allclose(np.asarray(trained)[0, : len(ids)], np.asarray(served)[: len(ids)], atol=1e-5, rtol=0)
+
+
+def test_loss_core_matches_direct_formulas():
+    rng = np.random.RandomState(0)
+    logits = jnp.asarray(rng.randn(2, 5, 7), jnp.float32)
+    targets = jnp.asarray(rng.randint(0, 7, size=(2, 5)))
+    mask = jnp.asarray((rng.rand(2, 5) > 0.3).astype(np.float32))
+    ref = torch.nn.functional.cross_entropy(torch.tensor(np.asarray(logits)).reshape(-1, 7),
+                                            torch.tensor(np.asarray(targets), dtype=torch.long).reshape(-1),
+                                            reduction="none")
+    m = np.asarray(mask).reshape(-1)
+    assert float(losses.cross_entropy(logits, targets, mask)) == pytest.approx(float((ref.numpy() * m).sum() / m.sum()),
+                                                                                rel=1e-6)
+    # the clipped surrogate: ratios inside the clip range give -r A, outside the clipped bound
+    lp, old = jnp.log(jnp.array([[1.5, 0.5, 1.0]])), jnp.zeros((1, 3))
+    adv, ones = jnp.array([[1.0, -1.0, 2.0]]), jnp.ones((1, 3))
+    per_token = [-min(1.5 * 1, 1.2 * 1), -min(0.5 * -1, 0.8 * -1), -2.0]
+    assert float(losses.policy_gradient(lp, old, adv, ones)) == pytest.approx(np.mean(per_token), rel=1e-6)
+    assert float(losses.policy_gradient(lp, old, jnp.array([1.0]), ones, clip_high=0.6)) == pytest.approx(
+        np.mean([-1.5, -0.5, -1.0]), rel=1e-6)
+    # KL estimators on samples from p: k1 and k3 are unbiased for KL(p || q), k3 >= 0
+    p, q = np.array([0.6, 0.3, 0.1]), np.array([0.2, 0.5, 0.3])
+    x = rng.choice(3, size=200_000, p=p)
+    lp, lq = jnp.log(p[x]), jnp.log(q[x])
+    kl = float(np.sum(p * np.log(p / q)))
+    for est in ("k1", "k3"):
+        assert float(jnp.mean(losses.kl_estimate(lp, lq, est))) == pytest.approx(kl, rel=0.02)
+    assert float(jnp.min(losses.kl_estimate(lp, lq, "k3"))) >= 0
+    assert float(jnp.mean(losses.kl_estimate(lp, lq, "k2"))) > 0
+    # distillation: the advantage is minus the per-token reverse KL, with no gradient
+    s, t = jnp.array([-1.0, -2.0]), jnp.array([-1.5, -1.0])
+    np.testing.assert_allclose(losses.distillation_advantages(s, t), [-0.5, 1.0])
+    assert float(jax.grad(lambda s: jnp.sum(losses.distillation_advantages(s, t)))(s).sum()) == 0.0
