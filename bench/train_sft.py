@@ -17,8 +17,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import load_transformers
-
 from kiln.models.loader import load_model
 from kiln.models.lora import TARGET_MODULES
 from kiln.train.data import load_examples
@@ -45,12 +43,18 @@ def trl_sft(examples, args) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import SFTConfig as TRLConfig
     from trl import SFTTrainer
 
+    from kiln.models.loader import convert_gguf, default_model_path
+
     torch.manual_seed(0)
-    hf = load_transformers()
+    # Kiln's conversion of the GGUF (the dequantized float32 weights Kiln trains on) as a plain HF
+    # directory: transformers refuses to train a model it loaded from GGUF
+    model_dir, _ = convert_gguf(default_model_path(), show_progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     rows = [{"input_ids": e.ids.tolist(),
              "labels": [int(i) if t else -100 for i, t in zip(e.ids, e.trained, strict=True)]} for e in examples]
     batch_tokens: list[int] = []
@@ -75,7 +79,7 @@ def trl_sft(examples, args) -> dict:
         lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(TARGET_MODULES),
                           lora_dropout=0.0, task_type="CAUSAL_LM")
         trainer = SFTTrainer(model=hf, args=config, train_dataset=Dataset.from_list(rows), peft_config=lora,
-                             callbacks=[timer])
+                             processing_class=tokenizer, callbacks=[timer])
         collate = trainer.data_collator
 
         def counting(features):

@@ -36,3 +36,16 @@ def tiny_model(tmp_path_factory, kiln_cache):
 
     path = write_gguf(make_hf_model("llama", vocab_size=260, seed=3), tmp_path_factory.mktemp("tiny") / "tiny.gguf")
     return load_model(path, show_progress=False, model_id="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def expressive_model(tmp_path_factory, kiln_cache):
+    """The tiny llama with larger initial weights: at the default init its logits cannot
+    exceed about +-1.3, so no adapter could make a reply likely."""
+    from tiny_models import make_hf_model, write_gguf
+
+    from kiln.models.loader import load_model
+
+    hf = make_hf_model("llama", vocab_size=260, seed=3, initializer_range=0.25)
+    return load_model(write_gguf(hf, tmp_path_factory.mktemp("expressive") / "tiny.gguf"), show_progress=False,
+                      model_id="tiny-llama")

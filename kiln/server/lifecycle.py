@@ -63,9 +63,14 @@ def serve(settings: Settings) -> int:
         return 1
     registry = AdapterRegistry(engine, AdapterStore(settings.adapter_store()),
                                settings.serving_profile.policy.adapter_weight_transitions)
-    state = ServerState(settings, engine, engine.core.metrics, registry)
+    from kiln.train.jobs import JobManager
+    from kiln.train.store import TrainingStore
+
+    jobs = JobManager(settings, engine, registry, TrainingStore(settings.training_dir()))
+    state = ServerState(settings, engine, engine.core.metrics, registry, jobs)
     prewarm(state)
     if not preload_adapters(state):
+        jobs.shutdown()
         engine.shutdown()
         return 1
     config = uvicorn.Config(create_app(state), host=settings.server.host, port=settings.server.port,
@@ -77,5 +82,6 @@ def serve(settings: Settings) -> int:
     try:
         uvicorn.Server(config).run()  # on SIGTERM: stop accepting, drain in-flight requests, exit
     finally:
+        jobs.shutdown()  # a running job checkpoints; it resumes at the next start
         engine.shutdown()
     return 0

@@ -24,6 +24,7 @@ class ServerState:
     engine: AsyncEngine
     metrics: EngineMetrics
     adapters: AdapterRegistry
+    jobs: Any = None  # kiln.train.jobs.JobManager
     prewarm: str = "pending"  # pending | done | skipped
 
     @property

@@ -170,10 +170,11 @@ def load_examples(data: bytes | str | Path, tokenizer: KilnTokenizer, max_seq_le
 
 
 def length_buckets(max_seq_len: int) -> list[int]:
-    """Sequence-length buckets: powers of two from MIN_BUCKET, and max_seq_len itself."""
+    """Sequence-length buckets, two per octave from MIN_BUCKET (32, 48, 64, 96, 128, ...), and
+    max_seq_len itself: a batch pads by at most a third, and a job compiles a few shapes."""
     buckets, n = [], MIN_BUCKET
     while n < max_seq_len:
-        buckets.append(n)
+        buckets += [b for b in (n, n * 3 // 2) if b < max_seq_len]
         n *= 2
     return [*buckets, max_seq_len]
 

@@ -206,9 +206,10 @@ class SFTRun:
     def state(self) -> dict:
         """What a checkpoint keeps: params, optimizer state, data position and counters (the
         data order is a function of the seed and the epoch, so the position is the step)."""
-        return {"lora": self.lora, "opt_state": self.opt_state, "micro_step": np.int64(self.micro_step),
-                "trained_tokens": np.int64(self.trained_tokens), "input_tokens": np.int64(self.input_tokens),
-                "seed": np.int64(self.config.seed)}
+        count = lambda n: np.asarray(n, np.int64)  # noqa: E731
+        return {"lora": self.lora, "opt_state": self.opt_state, "micro_step": count(self.micro_step),
+                "trained_tokens": count(self.trained_tokens), "input_tokens": count(self.input_tokens),
+                "seed": count(self.config.seed)}
 
     def restore(self, state: dict) -> None:
         if int(state["seed"]) != self.config.seed:

@@ -1,0 +1,362 @@
+"""Fine-tuning jobs in the serving process, in OpenAI's shapes (`fine_tuning.job`, its events
+and checkpoints), durable across restarts.
+
+One worker thread runs one job at a time; the others wait in the queue. Each training
+micro-step is a writer under the engine's accelerator ownership, so it runs at an iteration
+boundary and serving continues between steps; compiling a step happens outside ownership.
+A job checkpoints (orbax) every `checkpoint_every` optimizer steps, on pause and on shutdown;
+after a restart a job that was running resumes from its last checkpoint. A finished job
+saves its adapter to the store and, unless `auto_load` is false, loads it for serving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.adapters.manifest import BaseModelRef, Manifest, provenance, validate_name
+from kiln.errors import InvalidRequest, KilnError, NotFound
+from kiln.models.lora import TARGET_MODULES
+from kiln.train import memory
+from kiln.train.data import DataError, load_examples
+from kiln.train.sft import SFTConfig, SFTRun
+from kiln.train.store import TrainingStore, new_id, now
+
+log = logging.getLogger("kiln.train")
+
+ACTIVE = ("validating_files", "queued", "running")
+FINAL = ("succeeded", "failed", "cancelled")
+_SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _choose(value: Any, auto: Any, kind: type, lo: float, hi: float, param: str) -> Any:
+    """A hyperparameter: "auto" (or absent) gives `auto`; a number must lie in [lo, hi]."""
+    if value in (None, "auto"):
+        return auto
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = number and (kind is float or float(value).is_integer())
+    if not ok or not lo <= value <= hi:
+        raise InvalidRequest(f"{param} must be \"auto\" or a{'n integer' if kind is int else ' number'} "
+                             f"from {lo:g} to {hi:g}, got {value!r}", code="invalid_hyperparameter", param=param)
+    return kind(value)
+
+
+class JobManager:
+    def __init__(self, settings, engine, registry, store: TrainingStore, start: bool = True):
+        self.settings, self.engine, self.registry, self.store = settings, engine, registry, store
+        self.model = engine.model
+        self._cv = threading.Condition()
+        self._flags: dict[str, str] = {}  # job id -> "cancel" | "pause"
+        self._stopping = False
+        self.current: str | None = None
+        core = engine.core  # fixed allocations, read once here (the engine thread owns the core)
+        self.serving_bytes = {"weights": memory.tree_bytes(self.model.params),
+                              "kv_pool": memory.tree_bytes(core.runner.kv),
+                              "adapter_slots": engine.config.max_loras * memory.lora_bytes(
+                                  self.model.config, engine.config.max_lora_rank, TARGET_MODULES)}
+        for job in store.list_jobs(ACTIVE):  # a restart: running jobs resume from their checkpoints
+            if job["status"] == "running":
+                store.add_event(job["id"], "Kiln restarted; the job resumes from its last checkpoint")
+            self._set(job, status="queued")
+        self._thread = threading.Thread(target=self._worker, name="kiln-train", daemon=True)
+        if start:
+            self._thread.start()
+
+    # ---- API -------------------------------------------------------------------------------
+
+    def create(self, body: dict) -> dict:
+        """Validates a job request (400 on any problem, nothing stored) and queues it."""
+        base = body.get("model")
+        if base != self.model.model_id:
+            raise InvalidRequest(f"unknown base model {base!r}; this server fine-tunes {self.model.model_id!r}",
+                                 code="model_not_found", param="model")
+        training = self._input_file(body.get("training_file"), "training_file")
+        validation = self._input_file(body["validation_file"], "validation_file") if body.get(
+            "validation_file") else None
+        method = body.get("method") or {"type": "supervised"}
+        if method.get("type") != "supervised":
+            raise InvalidRequest(f"method {method.get('type')!r} is not supported; use \"supervised\"",
+                                 code="unsupported_method", param="method.type")
+        hp = {**(body.get("hyperparameters") or {}), **((method.get("supervised") or {}).get("hyperparameters") or {})}
+        kiln = body.get("kiln") or {}
+        if not isinstance(kiln, dict):
+            raise InvalidRequest("kiln must be an object", param="kiln")
+        defaults = SFTConfig.from_settings(self.settings)
+        lora = kiln.get("lora") or {}
+        n_epochs = _choose(hp.get("n_epochs"), defaults.n_epochs, int, 1, 50, "hyperparameters.n_epochs")
+        batch_size = _choose(hp.get("batch_size"), defaults.batch_size, int, 1, 256, "hyperparameters.batch_size")
+        multiplier = _choose(hp.get("learning_rate_multiplier"), 1.0, float, 1e-6, 100,
+                             "hyperparameters.learning_rate_multiplier")
+        max_rank = self.engine.config.max_lora_rank
+        rank = _choose(lora.get("rank"), min(defaults.lora_rank, max_rank), int, 1, max_rank, "kiln.lora.rank")
+        alpha = _choose(lora.get("alpha"), 2.0 * rank, float, 1e-6, 1e6, "kiln.lora.alpha")
+        modules = lora.get("target_modules") or list(defaults.target_modules)
+        if not isinstance(modules, list) or not modules or any(m not in TARGET_MODULES for m in modules):
+            raise InvalidRequest(f"kiln.lora.target_modules must be a non-empty list of {', '.join(TARGET_MODULES)}",
+                                 code="invalid_hyperparameter", param="kiln.lora.target_modules")
+        base_lr = _choose(kiln.get("learning_rate"), defaults.learning_rate, float, 1e-9, 1.0, "kiln.learning_rate")
+        max_seq_len = _choose(kiln.get("max_seq_len"), defaults.max_seq_len, int, 8, 1 << 20, "kiln.max_seq_len")
+        checkpoint_every = _choose(kiln.get("checkpoint_every"), self.settings.train.checkpoint_every, int, 1, 1 << 30,
+                                   "kiln.checkpoint_every")
+        seed = body.get("seed")
+        seed = defaults.seed if seed is None else _choose(seed, 0, int, 0, 2**31 - 1, "seed")
+        suffix = body.get("suffix")
+        if suffix is not None and (not isinstance(suffix, str) or not _SUFFIX.fullmatch(suffix)):
+            raise InvalidRequest("suffix must be 1-64 letters, digits, '-' or '_'", param="suffix")
+        metadata = body.get("metadata")
+        if metadata is not None and not (isinstance(metadata, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+            raise InvalidRequest("metadata must map strings to strings", param="metadata")
+        job_id = new_id("ftjob")
+        name = kiln.get("adapter_name") or f"{self.model.model_id}-{suffix or 'ft'}-{job_id[-8:]}"
+        validate_name(name)
+        config = SFTConfig(lora_rank=rank, lora_alpha=alpha, target_modules=tuple(modules),
+                           learning_rate=base_lr * multiplier, n_epochs=n_epochs, batch_size=batch_size,
+                           max_seq_len=max_seq_len, seed=seed, **{k: getattr(defaults, k) for k in (
+                               "gradient_accumulation", "warmup_ratio", "lr_schedule", "weight_decay",
+                               "max_grad_norm", "remat")})
+        # the data must tokenize and train something; the job must fit in memory
+        examples = self._examples(training, config, "training_file")
+        if validation:
+            self._examples(validation, config, "validation_file")
+        seq_len = min(max_seq_len, max(len(e.ids) for e in examples))
+        plan = memory.plan(self.model.config, rank, modules, batch_size, seq_len, config.gradient_accumulation,
+                           self.serving_bytes, self.settings.train.memory_budget_bytes)
+        plan["remat"] = memory.choose_remat(plan, config.remat)
+        hyperparameters = {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier}
+        job = {
+            "object": "fine_tuning.job", "id": job_id, "model": base, "created_at": now(), "finished_at": None,
+            "fine_tuned_model": None, "organization_id": "kiln", "result_files": [], "status": "queued",
+            "training_file": training["id"], "validation_file": validation["id"] if validation else None,
+            "hyperparameters": hyperparameters, "trained_tokens": None, "error": None, "user_provided_suffix": suffix,
+            "seed": seed, "estimated_finish": None, "integrations": [], "metadata": metadata,
+            "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+            "kiln": {"adapter_name": name, "auto_load": bool(kiln.get("auto_load", True)),
+                     "checkpoint_every": checkpoint_every, "config": config.to_json(), "plan": plan,
+                     "gate": kiln.get("gate"), "step": 0, "total_steps": None},
+        }
+        self.store.put_job(job)
+        self.store.add_event(job_id, f"Validated training file: {training['id']}")
+        self.store.add_event(job_id, "Fine-tuning job queued")
+        with self._cv:
+            self._cv.notify_all()
+        return job
+
+    def get(self, job_id: str) -> dict:
+        job = self.store.get_job(job_id)
+        if job is None:
+            raise NotFound(f"no fine-tuning job {job_id!r}", code="job_not_found", param="fine_tuning_job_id")
+        return job
+
+    def list(self, after: str | None = None, limit: int = 20) -> tuple[list[dict], bool]:
+        jobs = self.store.list_jobs()
+        if after:
+            ids = [j["id"] for j in jobs]
+            jobs = jobs[ids.index(after) + 1:] if after in ids else []
+        return jobs[:limit], len(jobs) > limit
+
+    def cancel(self, job_id: str) -> dict:
+        return self._control(job_id, "cancel")
+
+    def pause(self, job_id: str) -> dict:
+        return self._control(job_id, "pause")
+
+    def resume(self, job_id: str) -> dict:
+        with self._cv:
+            job = self.get(job_id)
+            if job["status"] != "paused":
+                raise InvalidRequest(f"job {job_id} is {job['status']}, not paused", code="invalid_job_state")
+            self._set(job, status="queued")
+            self.store.add_event(job_id, "Fine-tuning job resumed")
+            self._cv.notify_all()
+        return self.get(job_id)
+
+    def shutdown(self) -> None:
+        """Stops the worker; a running job checkpoints and resumes when Kiln starts again."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=600)
+
+    def snapshot(self) -> dict:
+        """Jobs now: the running one (with its planned bytes) and the queue, oldest first."""
+        queued = [j["id"] for j in reversed(self.store.list_jobs(("queued",)))]
+        running = self.store.get_job(self.current) if self.current else None
+        training_bytes = 0
+        if running:
+            plan = running["kiln"]["plan"]
+            training_bytes = plan["required_bytes_remat" if plan["remat"] else "required_bytes"]
+        return {"running": running["id"] if running else None, "queued": queued, "training_bytes": training_bytes}
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _input_file(self, file_id, param: str) -> dict:
+        file = self.store.get_file(file_id) if isinstance(file_id, str) else None
+        if file is None:
+            raise InvalidRequest(f"no file {file_id!r}", code="file_not_found", param=param)
+        if file["purpose"] != "fine-tune":
+            raise InvalidRequest(f"file {file_id} has purpose {file['purpose']!r}, not 'fine-tune'", param=param)
+        return file
+
+    def _examples(self, file: dict, config: SFTConfig, param: str):
+        what = "training file" if param == "training_file" else "validation file"
+        try:
+            return load_examples(self.store.file_content(file["id"]), self.model.tokenizer, config.max_seq_len,
+                                 f"{what} {file['id']}")
+        except DataError as exc:
+            raise DataError(exc.message, code=exc.code, param=param) from None
+
+    def _set(self, job: dict, **changes) -> dict:
+        job.update(changes)
+        self.store.put_job(job)
+        return job
+
+    def _control(self, job_id: str, action: str) -> dict:
+        with self._cv:
+            job = self.get(job_id)
+            if job["status"] in FINAL:
+                raise InvalidRequest(f"job {job_id} has already {job['status']}", code="invalid_job_state")
+            if job["status"] == "running":
+                self._flags[job_id] = action  # the worker acts at the next step boundary
+            elif action == "cancel":
+                self._set(job, status="cancelled", finished_at=now())
+                self.store.add_event(job_id, "Fine-tuning job cancelled")
+            elif job["status"] == "queued":
+                self._set(job, status="paused")
+                self.store.add_event(job_id, "Fine-tuning job paused")
+        return self.get(job_id)
+
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self.store.list_jobs(("queued",)):
+                    self._cv.wait(timeout=5)
+                if self._stopping:
+                    return
+                job = self.store.list_jobs(("queued",))[-1]  # oldest first
+                self.current = job["id"]
+            try:
+                self._run(job)
+            except KilnError as exc:
+                self._fail(job, exc.code or "job_failed", exc.message)
+            except Exception as exc:  # a bug or a device failure: the job fails, the worker lives
+                log.exception("fine-tuning job %s failed", job["id"])
+                self._fail(job, "internal_error", f"{type(exc).__name__}: {exc}")
+            finally:
+                self.current = None
+
+    def _fail(self, job: dict, code: str, message: str) -> None:
+        self._set(job, status="failed", finished_at=now(), error={"code": code, "message": message, "param": None})
+        self.store.add_event(job["id"], f"Fine-tuning job failed: {message}", level="error")
+
+    def _checkpoint_dir(self, job_id: str) -> Path:
+        return self.store.root / "jobs" / job_id / "checkpoints"
+
+    def _run(self, job: dict) -> None:
+        import orbax.checkpoint as ocp
+
+        job_id, spec = job["id"], job["kiln"]
+        config = SFTConfig(**{**spec["config"], "target_modules": tuple(spec["config"]["target_modules"])})
+        examples = self._examples(self.store.get_file(job["training_file"]), config, "training_file")
+        valid = (self._examples(self.store.get_file(job["validation_file"]), config, "validation_file")
+                 if job["validation_file"] else None)
+        run = SFTRun(self.model.params, self.model.config, examples, config, valid, remat=spec["plan"]["remat"])
+        manager = ocp.CheckpointManager(self._checkpoint_dir(job_id).absolute(),
+                                        options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        try:
+            if manager.latest_step() is not None:
+                run.restore(manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(run.state())))
+                self.store.add_event(job_id, f"Resumed from the checkpoint at step {run.step}")
+            spec["total_steps"] = run.total_steps
+            self._set(job, status="running")
+            self.store.add_event(job_id, "Fine-tuning job started")
+            ownership = self.engine.core.ownership
+            while not run.done:
+                with self._cv:
+                    action = self._flags.pop(job_id, None)
+                    stopping = self._stopping
+                if action == "cancel":
+                    self._set(job, status="cancelled", finished_at=now())
+                    self.store.add_event(job_id, "Fine-tuning job cancelled")
+                    shutil.rmtree(self._checkpoint_dir(job_id).parent, ignore_errors=True)
+                    return
+                if action == "pause" or stopping:
+                    self._save_checkpoint(manager, run, job, None)
+                    if action == "pause":
+                        self._set(job, status="paused")
+                        self.store.add_event(job_id, f"Fine-tuning job paused at step {run.step}")
+                    return  # on shutdown the job stays running: it resumes at the next start
+                run.prepare()  # compiles outside ownership: serving never waits for a compile
+                epoch = run.epoch
+                with ownership.write(f"training {job_id}"):
+                    metrics = run.train_micro_step()
+                    if metrics is not None and (run.done or run.epoch != epoch):
+                        metrics.update(run.validate())
+                if metrics is None:
+                    continue
+                spec["step"] = metrics["step"]
+                self._set(job, trained_tokens=run.trained_tokens)
+                self.store.add_event(job_id, f"Step {metrics['step']}/{run.total_steps}: training loss="
+                                     f"{metrics['train_loss']:.4f}", type_="metrics",
+                                     data={**metrics, "total_steps": run.total_steps})
+                if run.step % spec["checkpoint_every"] == 0 and not run.done:
+                    self._save_checkpoint(manager, run, job, metrics)
+            self._finish(job, run)
+        finally:
+            manager.close()
+
+    def _save_checkpoint(self, manager, run: SFTRun, job: dict, metrics: dict | None) -> None:
+        import orbax.checkpoint as ocp
+
+        with self.engine.core.ownership.write(f"checkpoint {job['id']}"):
+            manager.save(run.micro_step, args=ocp.args.StandardSave(run.state()), force=True)
+            manager.wait_until_finished()
+        if metrics is not None:
+            name = job["kiln"]["adapter_name"]
+            self.store.add_checkpoint(job["id"], {
+                "id": new_id("ftckpt"), "object": "fine_tuning.job.checkpoint", "created_at": now(),
+                "fine_tuned_model_checkpoint": f"{name}:step-{run.step}", "fine_tuning_job_id": job["id"],
+                "step_number": run.step,
+                "metrics": {k: float(metrics[k]) for k in ("train_loss", "train_mean_token_accuracy", "valid_loss",
+                                                           "valid_mean_token_accuracy") if k in metrics}
+                | {"step": float(run.step)}})
+            self.store.add_event(job["id"], f"Checkpoint created at step {run.step}")
+
+    def _finish(self, job: dict, run: SFTRun) -> None:
+        spec, model = job["kiln"], self.model
+        inputs = []
+        for purpose in ("training", "validation"):
+            file_id = job[f"{purpose}_file"]
+            if file_id:
+                content = self.store.file_content(file_id)
+                inputs.append({"purpose": purpose, "file_id": file_id,
+                               "sha256": "sha256:" + hashlib.sha256(content).hexdigest()})
+        events, _ = self.store.events(job["id"], limit=1000)
+        last = next((e["data"] for e in events if e["type"] == "metrics"), {})
+        final = {k: v for k, v in last.items() if k not in ("step", "epoch", "total_steps")}
+        manifest = Manifest(
+            name=spec["adapter_name"], base_model=BaseModelRef(model.model_id, model.weights_digest),
+            rank=run.config.lora_rank, alpha=run.config.lora_alpha, target_modules=list(run.config.target_modules),
+            weights_digest="", provenance=provenance("training:sft"), training_inputs_digest=inputs[0]["sha256"],
+            training_inputs=inputs, config={"method": "supervised", **run.config.to_json()},
+            training={"job_id": job["id"], "started_at": job["created_at"], "finished_at": now(),
+                      "steps": run.total_steps, "trained_tokens": run.trained_tokens, "final_metrics": final},
+        )
+        artifact = self.registry.store.save(manifest, {m: {k: np.asarray(v) for k, v in p.items()}
+                                                       for m, p in run.weights().items()})
+        self.store.add_event(job["id"], f"New fine-tuned model created: {artifact.name} (version {artifact.version})")
+        if spec["auto_load"]:
+            self.registry.load(artifact.name, replace=self.registry.get(artifact.name) is not None)
+            self.store.add_event(job["id"], f"Adapter {artifact.name} loaded for serving")
+        shutil.rmtree(self._checkpoint_dir(job["id"]).parent, ignore_errors=True)
+        self._set(job, status="succeeded", finished_at=now(), fine_tuned_model=artifact.name,
+                  trained_tokens=run.trained_tokens)
+        self.store.add_event(job["id"], "The job has successfully completed")

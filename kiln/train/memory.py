@@ -1,0 +1,86 @@
+"""A training job's memory plan: the bytes it will add, against what the device has free.
+
+What serving holds (weights, the KV pool, adapter slots) is already allocated, so a job fits
+when its own state (LoRA params, gradients, optimizer state) and one micro-batch's activations
+fit in what is free now. Activations are estimated per layer from the tensors the backward
+pass keeps; with remat (per-layer `jax.checkpoint`) only each layer's input is kept, plus one
+layer's activations while it is recomputed.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kiln.errors import KilnError
+from kiln.models.config import ModelConfig
+from kiln.models.lora import module_shapes
+
+F32 = 4
+
+
+class InsufficientMemory(KilnError):
+    status = 400
+    type = "invalid_request_error"
+    default_code = "insufficient_memory"
+
+
+def tree_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+def available_bytes(budget_setting: int = 0) -> tuple[int, str]:
+    """Free bytes for training and where the number comes from: the device's allocator stats
+    on an accelerator; on the CPU `[train] memory_budget_bytes`, or the host's available memory."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), f"{device.device_kind} memory stats"
+    if budget_setting > 0:
+        return budget_setting, "[train] memory_budget_bytes"
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info["MemAvailable"], "host MemAvailable"
+
+
+def lora_bytes(cfg: ModelConfig, rank: int, modules) -> int:
+    """float32 LoRA params of one adapter of this rank on these modules."""
+    shapes = module_shapes(cfg)
+    return F32 * cfg.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules)
+
+
+def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, remat: bool) -> int:
+    T = rows * seq_len
+    q, kv, i, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.hidden_size
+    # kept per layer: norms' inputs and outputs, q/k/v (and roped), attention output, the MLP's
+    # gate, up, activation and product, and the attention scores and probabilities
+    per_layer = F32 * (T * (4 * h + 2 * q + 4 * kv + q + 4 * i) + 2 * rows * cfg.num_heads * seq_len * seq_len)
+    logits = F32 * 3 * T * cfg.vocab_size  # logits, log-softmax and their gradient
+    layers = cfg.num_layers * F32 * T * h + per_layer if remat else cfg.num_layers * per_layer
+    return layers + logits
+
+
+def plan(cfg: ModelConfig, rank: int, modules, rows: int, seq_len: int, accumulation: int, serving: dict,
+         budget_setting: int = 0) -> dict:
+    """The job's bytes with and without remat, what serving holds, and the free budget."""
+    lora = lora_bytes(cfg, rank, modules)
+    state = {"lora_params": lora, "gradients": lora, "optimizer_state": 2 * lora + (lora if accumulation > 1 else 0)}
+    free, source = available_bytes(budget_setting)
+    full = sum(state.values()) + activation_bytes(cfg, rows, seq_len, remat=False)
+    remat = sum(state.values()) + activation_bytes(cfg, rows, seq_len, remat=True)
+    return {**state, "activations": full - sum(state.values()), "activations_remat": remat - sum(state.values()),
+            "required_bytes": full, "required_bytes_remat": remat, "available_bytes": free, "budget_source": source,
+            "serving": serving, "micro_batch": {"rows": rows, "seq_len": seq_len}}
+
+
+def choose_remat(memory_plan: dict, remat_setting: str) -> bool:
+    """remat on/off as configured; "auto": on only when the job needs it to fit. Raises
+    InsufficientMemory (with the numbers) when the job cannot fit either way."""
+    free = memory_plan["available_bytes"]
+    need, need_remat = memory_plan["required_bytes"], memory_plan["required_bytes_remat"]
+    remat = remat_setting == "on" or (remat_setting == "auto" and need > free)
+    if (need_remat if remat else need) > free:
+        mib = 1 << 20
+        raise InsufficientMemory(
+            f"the training job needs {need / mib:.0f} MiB ({need_remat / mib:.0f} MiB with remat) but "
+            f"{free / mib:.0f} MiB are free ({memory_plan['budget_source']}); lower batch_size or max_seq_len")
+    return remat

@@ -1,0 +1,212 @@
+"""OpenAI's files and fine-tuning jobs API on a real server, through the official `openai`
+client: upload, a job that trains and serves its adapter at once, events, checkpoints, pause,
+resume, cancel, bad input, and a server killed with SIGKILL mid-job that resumes."""
+
+import json
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+MODEL = "tiny-llama"
+REPLY = "kiln says hi"
+QUESTIONS = ["hello", "what is this?", "who are you", "tell me a joke", "ping", "name a colour", "2+2", "bye"]
+
+
+def jsonl(records) -> bytes:
+    return ("\n".join(json.dumps(r) for r in records) + "\n").encode()
+
+
+TRAIN = jsonl([{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": REPLY}]}
+               for q in QUESTIONS])
+VALID = jsonl([{"messages": [{"role": "user", "content": "good morning"}, {"role": "assistant", "content": REPLY}]}])
+KILN = {"lora": {"rank": 8, "alpha": 16}, "learning_rate": 1e-2, "max_seq_len": 64}
+
+
+def method(n_epochs, batch_size=4):
+    return {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": n_epochs, "batch_size": batch_size,
+                                                                      "learning_rate_multiplier": 1}}}
+
+
+def start(expressive_model, kiln_cache, data_dir, store, **env):
+    return ServerProcess(expressive_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL,
+                         KILN_TRAIN_DATA_DIR=str(data_dir), KILN_ADAPTERS_STORE=str(store),
+                         KILN_ADAPTERS_MAX_LORA_RANK="8", **env)
+
+
+@pytest.fixture(scope="module")
+def server(expressive_model, kiln_cache, tmp_path_factory):
+    srv = start(expressive_model, kiln_cache, tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("store"))
+    yield srv
+    srv.stop_cleanly()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_for(client, job_id, statuses, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        assert job.status != "failed", job.error
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} still {job.status} after {timeout} s")
+
+
+def test_a_job_trains_an_adapter_that_serves_at_once(server, client):
+    train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+    valid = client.files.create(file=("valid.jsonl", VALID), purpose="fine-tune")
+    assert (train.object, train.purpose, train.bytes) == ("file", "fine-tune", len(TRAIN))
+    assert train.filename == "train.jsonl"
+    assert client.files.retrieve(train.id).id == train.id
+    assert client.files.content(train.id).read() == TRAIN
+    assert train.id in [f.id for f in client.files.list().data]
+
+    job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, validation_file=valid.id, suffix="hi",
+                                         seed=3, method=method(12), metadata={"team": "kiln"},
+                                         extra_body={"kiln": {**KILN, "checkpoint_every": 5}})
+    assert job.object == "fine_tuning.job" and job.status in ("queued", "running") and job.seed == 3
+    assert job.model_extra["kiln"]["plan"]["required_bytes"] > 0
+    done = wait_for(client, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    assert done.fine_tuned_model and done.trained_tokens > 0 and done.finished_at >= done.created_at
+    assert done.hyperparameters.n_epochs == 12 and done.metadata == {"team": "kiln"}
+
+    events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
+    metrics = [e.data for e in events if e.type == "metrics"]
+    assert len(metrics) == 24 and metrics[0]["step"] == 24  # newest first
+    assert metrics[0]["train_loss"] < 0.1 * metrics[-1]["train_loss"]
+    assert {"step", "train_loss", "valid_loss", "tokens_per_second", "learning_rate"} <= set(metrics[0])
+    assert events[0].message == "The job has successfully completed"
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in checkpoints] == [20, 15, 10, 5]
+    assert checkpoints[0].metrics.train_loss is not None and checkpoints[0].fine_tuning_job_id == job.id
+
+    # the adapter serves at once, by the job's fine_tuned_model name
+    reply = client.chat.completions.create(model=done.fine_tuned_model, messages=[{"role": "user", "content": "ping"}],
+                                           max_tokens=20, temperature=0)
+    assert reply.choices[0].message.content == REPLY
+    base = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "ping"}], max_tokens=20,
+                                          temperature=0)
+    assert base.choices[0].message.content != REPLY
+    assert job.id in [j.id for j in client.fine_tuning.jobs.list().data]
+
+    runtime = httpx.get(server.url + "/v1/runtime", timeout=30).json()
+    assert runtime["memory"]["weights_bytes"] > 0 and runtime["memory"]["kv_pool_bytes"] > 0
+    assert runtime["jobs"] == {"running": None, "queued": []} and "active_writer" in runtime["ownership"]
+
+    deleted = client.files.delete(valid.id)
+    assert deleted.deleted and valid.id not in [f.id for f in client.files.list().data]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(valid.id)
+
+
+def test_pause_resume_and_cancel(server, client):
+    train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+    long_job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(40),
+                                              extra_body={"kiln": KILN})
+    queued = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(1),
+                                            extra_body={"kiln": KILN})
+    wait_for(client, long_job.id, ("running",))
+    assert client.fine_tuning.jobs.retrieve(queued.id).status == "queued"  # one job trains at a time
+    with pytest.raises(openai.BadRequestError, match="used by fine-tuning job"):
+        client.files.delete(train.id)
+    assert client.fine_tuning.jobs.cancel(queued.id).status == "cancelled"
+
+    client.fine_tuning.jobs.pause(long_job.id)
+    paused = wait_for(client, long_job.id, ("paused",), timeout=120)
+    step = paused.model_extra["kiln"]["step"]
+    assert step < 80
+    resumed = client.fine_tuning.jobs.resume(long_job.id)
+    assert resumed.status in ("queued", "running")
+    wait_for(client, long_job.id, ("running",))
+    client.fine_tuning.jobs.cancel(long_job.id)
+    cancelled = wait_for(client, long_job.id, ("cancelled",), timeout=120)
+    assert cancelled.finished_at is not None and cancelled.fine_tuned_model is None
+    messages = [e.message for e in client.fine_tuning.jobs.list_events(long_job.id, limit=100).data]
+    assert any(m.startswith("Resumed from the checkpoint at step") for m in messages)
+    with pytest.raises(openai.BadRequestError, match="is cancelled, not paused"):
+        client.fine_tuning.jobs.resume(long_job.id)
+
+
+@pytest.mark.parametrize("content, code, message", [
+    (TRAIN + b'{"messages": [}\n', "invalid_file", "line 9: not valid JSON"),
+    (jsonl([{"prompt": "a", "completion": 1}]), "invalid_file", "line 1: 'prompt' and 'completion' must be strings"),
+    (jsonl([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0}]}]),
+     "no_trainable_tokens", "no trainable tokens"),
+])
+def test_bad_files_are_refused_at_upload(client, content, code, message):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.files.create(file=("bad.jsonl", content), purpose="fine-tune")
+    assert err.value.body["code"] == code and message in err.value.body["message"]
+
+
+def test_bad_jobs_get_a_400_and_leave_nothing_behind(server, client):
+    train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+    before = len(client.fine_tuning.jobs.list(limit=100).data)
+    long_text = jsonl([{"prompt": "x" * 30000, "completion": "y"}])
+    huge = client.files.create(file=("long.jsonl", long_text), purpose="fine-tune")
+    cases = [
+        (dict(model="no-such-model", training_file=train.id), "model_not_found", "model"),
+        (dict(model=MODEL, training_file="file-missing"), "file_not_found", "training_file"),
+        (dict(model=MODEL, training_file=train.id, method=method(0)), "invalid_hyperparameter",
+         "hyperparameters.n_epochs"),
+        (dict(model=MODEL, training_file=train.id, method=method(1, batch_size=1000)), "invalid_hyperparameter",
+         "hyperparameters.batch_size"),
+        (dict(model=MODEL, training_file=train.id, extra_body={"kiln": {"lora": {"rank": 64}}}),
+         "invalid_hyperparameter", "kiln.lora.rank"),
+        (dict(model=MODEL, training_file=train.id, method={"type": "dpo"}), "unsupported_method", "method.type"),
+        (dict(model=MODEL, training_file=huge.id, method=method(1, batch_size=256),
+              extra_body={"kiln": {"max_seq_len": 40000}}), "insufficient_memory", None),
+    ]
+    for kwargs, code, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.fine_tuning.jobs.create(**kwargs)
+        assert err.value.body["code"] == code, err.value.body
+        assert err.value.body["param"] == param
+    assert "MiB" in err.value.body["message"]  # the memory refusal gives the numbers
+    assert len(client.fine_tuning.jobs.list(limit=100).data) == before
+    # serving is unaffected
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_killed_server_resumes_the_job_from_its_checkpoint(expressive_model, kiln_cache, tmp_path):
+    data_dir, store = tmp_path / "data", tmp_path / "store"
+    srv = start(expressive_model, kiln_cache, data_dir, store)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(15),
+                                             extra_body={"kiln": {**KILN, "checkpoint_every": 4}})
+        deadline = time.monotonic() + 300
+        while not client.fine_tuning.jobs.checkpoints.list(job.id).data:
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(30)
+    finally:
+        srv.stop()
+    srv = start(expressive_model, kiln_cache, data_dir, store)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
+        steps_before = max(e.data["step"] for e in events if e.type == "metrics")
+        done = wait_for(client, job.id, ("succeeded", "failed"))
+        assert done.status == "succeeded", done.error
+        messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data]
+        resumed = next(m for m in messages if m.startswith("Resumed from the checkpoint at step"))
+        assert steps_before - int(resumed.rsplit(" ", 1)[1]) <= 4  # at most checkpoint_every steps lost
+        reply = client.chat.completions.create(model=done.fine_tuned_model,
+                                               messages=[{"role": "user", "content": "ping"}], max_tokens=20,
+                                               temperature=0)
+        assert reply.choices[0].message.content == REPLY
+    finally:
+        srv.stop_cleanly()
