@@ -58,6 +58,11 @@ def stream_gaps(client: openai.OpenAI, model: str, new_tokens: int, i: int) -> l
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
 def percentiles(gaps: list[float]) -> tuple[float, float]:
     q = statistics.quantiles(gaps, n=100)
     return statistics.median(gaps) * 1000, q[98] * 1000
@@ -77,6 +82,7 @@ def main() -> None:
             for i in range(2):  # warm-up: compile the buckets these requests use
                 stream_gaps(client, model, args.new_tokens, -1 - i)
             idle = [g for i in range(args.requests) for g in stream_gaps(client, model, args.new_tokens, i)]
+            memory = {"before the job": rss_mib(proc.pid)}
             train = client.files.create(file=DATA.open("rb"), purpose="fine-tune")
             job = client.fine_tuning.jobs.create(
                 model=model, training_file=train.id,
@@ -90,7 +96,12 @@ def main() -> None:
             busy = [g for i in range(args.requests) for g in stream_gaps(client, model, args.new_tokens, 100 + i)]
             events = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data
                       if e.type == "metrics"]
+            memory["during the job"] = rss_mib(proc.pid)
             client.fine_tuning.jobs.cancel(job.id)
+            while client.fine_tuning.jobs.retrieve(job.id).status != "cancelled":
+                time.sleep(0.5)
+            time.sleep(2)
+            memory["after the job"] = rss_mib(proc.pid)
         finally:
             proc.terminate()
             proc.wait(120)
@@ -101,6 +112,7 @@ def main() -> None:
     print(f"{'while an SFT job runs':24}{p50_busy:12.1f}{p99_busy:12.1f}")
     rate = statistics.median(e["tokens_per_second"] for e in events) if events else 0.0
     print(f"the job took {len(events)} training steps meanwhile, at a median {rate:.0f} training tok/s")
+    print("server resident memory: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in memory.items()))
 
 
 if __name__ == "__main__":

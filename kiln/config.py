@@ -165,6 +165,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("train", "checkpoint_every", "int", 50, at_least(1), "a job checkpoints every this many optimizer steps"),
     Key("train", "memory_budget_bytes", "int", 0, at_least(0),
         "memory a job may use on the CPU; 0 = the host's available memory (accelerators report their own)"),
+    Key("train", "serving_share", "float", 0.5, fraction,
+        "while requests are being served, the share of accelerator time a training job leaves to them"),
     Key("train", "data_dir", "str", "", None, "uploaded files, jobs and checkpoints; empty = <cache dir>/data"),
     Key("cache", "dir", "str", "", None, "cache directory; empty = $XDG_CACHE_HOME/kiln or ~/.cache/kiln"),
     Key("cache", "compilation_dir", "str", "", None, "JAX persistent compilation cache; empty = <cache dir>/jax"),

@@ -395,19 +395,20 @@ def test_kill_9_during_save_keeps_the_previous_artifact(tmp_path, tiny_model):
         time.sleep(0.001)
     proc.wait()
     assert caught is not None, "never observed a save in progress"
+    assert caught.startswith(".staging-")  # a save in progress is never a version directory
     store = AdapterStore(root)
     latest = store.latest("job")
-    assert int(latest.version) == int(caught) - 1  # the previous, complete version is current
+    versions = sorted(p.name for p in (root / "job").iterdir() if p.name.isdigit())
+    assert versions[-1] == latest.version  # every version directory is complete; the last one is current
     rng = np.random.RandomState(int(latest.version))
     expected = {"q_proj": {"a": rng.randn(4, 1024, 512).astype(np.float32),
                            "b": rng.randn(4, 512, 1024).astype(np.float32)}}
     assert latest.manifest.weights_digest == weights_digest(expected)
     assert weights_digest(load_weights(latest)) == latest.manifest.weights_digest
     assert store.names() == ["job"]
-    # the next save after the crash succeeds and clears the half-written leftovers
+    # the next save after the crash succeeds; the half-written leftover is never read as a version
     again = store.save(_manifest("job", tiny_model), _weights(tiny_model))
-    assert int(again.version) > int(caught)
-    assert not (root / "job" / caught).exists()
+    assert int(again.version) == int(latest.version) + 1
     assert store.latest("job").manifest_digest == again.manifest_digest
 
 
@@ -461,3 +462,41 @@ def test_cli_imports_lists_and_exports_peft(tiny_model, peft_dirs, tmp_path, kil
     proc = subprocess.run([sys.executable, "-m", "kiln", "adapters", "export", "nope", str(tmp_path / "x")], env=env,
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "no adapter named 'nope'" in proc.stdout
+
+
+CONCURRENT_SAVER = """
+import sys
+import numpy as np
+from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
+from kiln.adapters.store import AdapterStore
+
+root, who = sys.argv[1], int(sys.argv[2])
+store = AdapterStore(root, keep_versions=0)
+for i in range(6):
+    a, b = np.full((2, 64, 4), 100 * who + i, np.float32), np.full((2, 4, 64), who, np.float32)
+    weights = {"q_proj": {"a": a, "b": b}}
+    manifest = Manifest(name="shared", base_model=BaseModelRef("tiny", "sha256:0"), rank=4, alpha=8.0,
+                        target_modules=["q_proj"], weights_digest="", provenance=provenance("test"))
+    store.save(manifest, weights)
+"""
+
+
+def test_two_processes_saving_one_name_on_a_shared_store_never_mix(tmp_path):
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, "-c", CONCURRENT_SAVER, str(tmp_path), str(who)]) for who in (1, 2)]
+    assert [p.wait(300) for p in procs] == [0, 0]
+    adapter_dir = tmp_path / "shared"
+    versions = sorted(p.name for p in adapter_dir.iterdir() if not p.name.startswith("."))
+    assert versions == [f"{i:06d}" for i in range(1, 13)]  # every save got a version of its own
+    order = {1: [], 2: []}
+    for version in versions:
+        weights = load_weights(read_artifact(adapter_dir / version))  # the digest matches the manifest
+        a, b = weights["q_proj"]["a"], weights["q_proj"]["b"]
+        assert len(np.unique(a)) == 1 and len(np.unique(b)) == 1  # one writer's weights, never a mix
+        who = int(b.flat[0])
+        assert int(a.flat[0]) // 100 == who
+        order[who].append(int(a.flat[0]) % 100)
+    assert order == {1: list(range(6)), 2: list(range(6))}  # each writer's saves in order
+    assert AdapterStore(tmp_path).latest("shared").version == "000012"  # the later save wins

@@ -38,8 +38,13 @@ def start(expressive_model, kiln_cache, data_dir, store, **env):
 
 
 @pytest.fixture(scope="module")
-def server(expressive_model, kiln_cache, tmp_path_factory):
-    srv = start(expressive_model, kiln_cache, tmp_path_factory.mktemp("data"), tmp_path_factory.mktemp("store"))
+def store_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("store")
+
+
+@pytest.fixture(scope="module")
+def server(expressive_model, kiln_cache, tmp_path_factory, store_dir):
+    srv = start(expressive_model, kiln_cache, tmp_path_factory.mktemp("data"), store_dir)
     yield srv
     srv.stop_cleanly()
 
@@ -60,7 +65,8 @@ def wait_for(client, job_id, statuses, timeout=300):
     raise AssertionError(f"job {job_id} still {job.status} after {timeout} s")
 
 
-def test_a_job_trains_an_adapter_that_serves_at_once(server, client):
+def test_a_job_trains_an_adapter_that_serves_at_once(server, client, expressive_model, kiln_cache, store_dir,
+                                                     tmp_path):
     train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
     valid = client.files.create(file=("valid.jsonl", VALID), purpose="fine-tune")
     assert (train.object, train.purpose, train.bytes) == ("file", "fine-tune", len(TRAIN))
@@ -101,6 +107,18 @@ def test_a_job_trains_an_adapter_that_serves_at_once(server, client):
     runtime = httpx.get(server.url + "/v1/runtime", timeout=30).json()
     assert runtime["memory"]["weights_bytes"] > 0 and runtime["memory"]["kv_pool_bytes"] > 0
     assert runtime["jobs"] == {"running": None, "queued": []} and "active_writer" in runtime["ownership"]
+
+    # a second Kiln on the same store loads the adapter by name
+    other = start(expressive_model, kiln_cache, tmp_path / "other-data", store_dir)
+    try:
+        r = httpx.post(other.url + "/v1/adapters", json={"name": done.fine_tuned_model}, timeout=60)
+        assert r.status_code == 200, r.text
+        other_client = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0)
+        reply = other_client.chat.completions.create(model=done.fine_tuned_model, max_tokens=20, temperature=0,
+                                                     messages=[{"role": "user", "content": "ping"}])
+        assert reply.choices[0].message.content == REPLY
+    finally:
+        other.stop_cleanly()
 
     deleted = client.files.delete(valid.id)
     assert deleted.deleted and valid.id not in [f.id for f in client.files.list().data]
@@ -208,5 +226,22 @@ def test_a_killed_server_resumes_the_job_from_its_checkpoint(expressive_model, k
                                                messages=[{"role": "user", "content": "ping"}], max_tokens=20,
                                                temperature=0)
         assert reply.choices[0].message.content == REPLY
+    finally:
+        srv.stop_cleanly()
+
+
+def test_under_maintenance_jobs_train_while_inference_is_refused(expressive_model, kiln_cache, tmp_path):
+    srv = start(expressive_model, kiln_cache, tmp_path / "data", tmp_path / "store",
+                KILN_SERVER_SERVING_PROFILE="maintenance")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(2),
+                                             extra_body={"kiln": KILN})
+        done = wait_for(client, job.id, ("succeeded",))
+        assert done.fine_tuned_model in [a["name"] for a in httpx.get(srv.url + "/v1/adapters").json()["data"]]
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model=done.fine_tuned_model, messages=[{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 503 and err.value.body["code"] == "inference_disabled_by_profile"
     finally:
         srv.stop_cleanly()

@@ -78,7 +78,14 @@ def test_batches_use_a_few_length_buckets(tiny_model):
     batches = list(epoch_batches(examples, 4, length_buckets(256), seed=1))
     assert {b.tokens.shape for b in batches} <= {(4, n) for n in (32, 48, 64, 96, 128, 192, 256)}
     assert sum(int(b.valid[:, 0].sum()) for b in batches) == 50  # every example once
-    assert sum(float(b.mask.sum()) for b in batches) == sum(e.trained_tokens for e in examples)
+    assert sum(float(b.loss_mask.sum()) for b in batches) == sum(e.trained_tokens for e in examples)
+    for b in batches:  # each trained position predicts the next token of its row
+        n, S = int(b.loss_mask.sum()), b.tokens.shape[1]
+        assert b.loss_mask.shape[0] in length_buckets(4 * S) and len(set(b.loss_index[:n])) == n
+        rows, cols = np.divmod(b.loss_index[:n], S)
+        assert b.valid[rows, cols].all()
+        inner = (cols + 1 < S) & b.valid[rows, np.minimum(cols + 1, S - 1)]
+        np.testing.assert_array_equal(b.loss_targets[:n][inner], b.tokens[rows[inner], cols[inner] + 1])
 
 
 def test_training_never_copies_the_base_weights(tiny_model):
@@ -102,9 +109,9 @@ def serve_greedy(model, store, name, prompt_ids, max_tokens):
                                              max_num_seqs=2, max_num_batched_tokens=64))
     try:
         adapter = AdapterRegistry(engine, store).load(name).weights if name else None
-        [[choice]] = engine.complete([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0), adapter,
-                                     timeout=120)
-        return choice.token_ids
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0)
+        [[choice]] = engine.complete([prompt_ids], params, adapter, timeout=120)
+        return choice.token_ids, choice.logprobs
     finally:
         engine.shutdown()
 
@@ -141,5 +148,23 @@ def test_sft_teaches_a_reply_that_the_engine_serves(expressive_model, tmp_path):
     tok = tiny_model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "ping"}]))
     expected = tok.encode(REPLY, add_special_tokens=False) + [tok.eos_token_id]
-    assert serve_greedy(tiny_model, store, "hi-adapter", prompt, len(expected)) == expected
-    assert serve_greedy(tiny_model, store, None, prompt, len(expected)) != expected  # the base model did not know
+    served, served_logprobs = serve_greedy(tiny_model, store, "hi-adapter", prompt, len(expected))
+    assert served == expected
+    assert serve_greedy(tiny_model, store, None, prompt, len(expected))[0] != expected  # the base model did not know
+
+    # exported to PEFT, transformers + peft gives the same greedy tokens and logprobs
+    import torch
+    from peft import PeftModel
+    from peft_adapters import reference_greedy
+    from tiny_models import make_hf_model
+
+    from kiln.adapters import peft_io
+
+    out = peft_io.write_peft(tmp_path / "peft", load_weights(artifact), m.rank, m.alpha, m.use_rslora, m.base_model.id)
+    hf = make_hf_model("llama", vocab_size=260, seed=3, initializer_range=0.25)  # the expressive model's twin
+    reference = PeftModel.from_pretrained(hf, str(out)).eval()
+    assert reference_greedy(reference, prompt, len(expected)) == expected
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([prompt + expected])).logits[0, len(prompt) - 1:-1]
+    ref_logprobs = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(expected)[:, None])[:, 0].numpy()
+    np.testing.assert_allclose(served_logprobs, ref_logprobs, atol=1e-4, rtol=0)

@@ -1,10 +1,10 @@
 """The adapter store: versioned artifacts, each an orbax checkpoint plus `manifest.json`.
 
 Layout: <root>/<name>/<version>/{checkpoint/, optimizer/, manifest.json}, versions being
-zero-padded integers. A save writes a new version: orbax writes the checkpoint into a
-temporary directory and renames it when complete, and the manifest is written last (to a
-temporary name, then renamed). A version without a manifest is incomplete and ignored,
-so a crash mid-save leaves the previous version as the current one. Paths go through
+zero-padded integers. A save writes a whole version into a staging directory and renames it
+to its version number, so a version directory is always complete, a crash mid-save leaves
+the previous version as the current one, and concurrent savers on a shared store never mix
+(see `AdapterStore.save`). A version without a manifest is ignored. Paths go through
 `etils.epath`, so the root may be anything orbax accepts (a local or shared filesystem,
 gs://...).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -26,6 +27,7 @@ from kiln.errors import AdapterNotFound, InvalidAdapter
 log = logging.getLogger("kiln.adapters")
 logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO through absl
 MANIFEST = "manifest.json"
+_STAGING = ".staging-"
 
 
 @dataclasses.dataclass
@@ -117,43 +119,64 @@ class AdapterStore:
         return [a for a in (self.latest(n) for n in self.names()) if a is not None]
 
     def save(self, manifest: Manifest, weights: dict[str, dict[str, np.ndarray]], opt_state: Any = None) -> Artifact:
-        """Writes a new version of `manifest.name`; returns it once complete."""
+        """Writes a new version of `manifest.name`; returns it once complete.
+
+        The version is written whole into a private staging directory (orbax checkpoint, then
+        the manifest) and renamed to the next free version number. Renaming a directory onto an
+        existing version fails, so two processes saving the same name at once (a shared store)
+        each get a version of their own, complete and never mixed; the later rename is the
+        later version, and wins."""
         import jax
         import orbax.checkpoint as ocp
 
         name = validate_name(manifest.name)
         adapter_dir = self.root / name
         adapter_dir.mkdir(parents=True, exist_ok=True)
-        existing = [p for p in adapter_dir.iterdir() if p.name.split(".")[0].isdigit()]
-        number = max((int(p.name.split(".")[0]) for p in existing), default=0) + 1
-        path = adapter_dir / f"{number:06d}"
+        staging = adapter_dir / f"{_STAGING}{uuid.uuid4().hex}"
         weights = {m: {k: np.asarray(v, np.float32) for k, v in parts.items()} for m, parts in weights.items()}
         manifest = msgspec.structs.replace(manifest, weights_digest=weights_digest(weights),
                                            has_optimizer_state=opt_state is not None)
-        with ocp.StandardCheckpointer() as ckpt:  # each write: orbax temporary directory + rename
-            ckpt.save(path / "checkpoint", weights)
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(staging / "checkpoint", weights)
             if opt_state is not None:
-                ckpt.save(path / "optimizer", opt_state)
+                ckpt.save(staging / "optimizer", opt_state)
             ckpt.wait_until_finished()
         data = manifest.encode()
         if jax.process_index() == 0:
-            tmp = path / f".{MANIFEST}.{uuid.uuid4().hex}"
-            tmp.write_bytes(data)
-            tmp.rename(path / MANIFEST)  # the manifest last: its presence marks the version complete
+            (staging / MANIFEST).write_bytes(data)
+        for _ in range(1000):
+            taken = [int(p.name) for p in adapter_dir.iterdir() if p.name.isdigit()]
+            path = adapter_dir / f"{max(taken, default=0) + 1:06d}"
+            try:
+                staging.rename(path)
+                break
+            except OSError:  # another process took this number first: take the next
+                if not staging.exists():
+                    raise
+        else:
+            raise InvalidAdapter(f"{adapter_dir}: could not claim a version number")
         self._prune(adapter_dir, keep=path.name)
         log.info("saved adapter %s version %s", name, path.name)
         return Artifact(name, path, manifest, manifest_digest(data))
 
     def _prune(self, adapter_dir: epath.Path, keep: str) -> None:
-        """Drops incomplete leftovers below the new version and all but the newest complete ones."""
+        """Drops incomplete leftovers below the new version, all but the newest complete ones,
+        and staging directories a crashed save left behind (older than a day)."""
         complete = _complete_versions(adapter_dir)
         stale = set(complete[: -self.keep_versions]) if self.keep_versions else set()
         for p in adapter_dir.iterdir():
-            number = p.name.split(".")[0]
-            if not number.isdigit() or int(number) >= int(keep):
+            try:
+                if p.name.startswith(_STAGING):
+                    if time.time() - p.stat().mtime > 86400:
+                        p.rmtree()
+                    continue
+                number = p.name.split(".")[0]
+                if not number.isdigit() or int(number) >= int(keep):
+                    continue
+                if p.name in stale or p.name not in complete:
+                    p.rmtree() if p.is_dir() else p.unlink()
+            except FileNotFoundError:  # another process renamed or pruned it meanwhile
                 continue
-            if p.name in stale or p.name not in complete:
-                p.rmtree() if p.is_dir() else p.unlink()
 
     def delete(self, name: str) -> None:
         adapter_dir = self.root / validate_name(name)

@@ -48,12 +48,15 @@ class Example:
 
 
 class Batch(NamedTuple):
-    """A micro-batch of right-padded rows: inputs and next-token targets [B, S]."""
+    """A micro-batch of right-padded rows [B, S], and its trained positions: the flat index
+    (row * S + position) of each trained input token, the token it must predict, and a mask
+    for the padding of that list to its bucket K. Only those K positions reach the LM head."""
 
-    tokens: np.ndarray  # int32
-    targets: np.ndarray  # int32
-    mask: np.ndarray  # float32: 1 where the target is trained
-    valid: np.ndarray  # bool: a real input token (not padding)
+    tokens: np.ndarray  # int32 [B, S]
+    valid: np.ndarray  # bool [B, S]: a real input token (not padding)
+    loss_index: np.ndarray  # int32 [K]
+    loss_targets: np.ndarray  # int32 [K]
+    loss_mask: np.ndarray  # float32 [K]
 
 
 def read_jsonl(data: bytes | str | Path, what: str = "training file") -> list[tuple[int, dict]]:
@@ -184,14 +187,22 @@ def _bucket(n: int, buckets: list[int]) -> int:
 
 
 def make_batch(examples: list[Example], rows: int, buckets: list[int]) -> Batch:
-    """Rows of inputs ids[:-1] and targets ids[1:], padded to `rows` and a length bucket."""
+    """Rows of inputs ids[:-1] padded to `rows` and a length bucket; the trained positions
+    (targets ids[1:] where trained) padded to a bucket of their own."""
     S = _bucket(max(len(e.ids) - 1 for e in examples), buckets)
-    tokens, targets = np.zeros((rows, S), np.int32), np.zeros((rows, S), np.int32)
-    mask, valid = np.zeros((rows, S), np.float32), np.zeros((rows, S), bool)
+    tokens, valid = np.zeros((rows, S), np.int32), np.zeros((rows, S), bool)
+    index, targets = [], []
     for i, e in enumerate(examples):
         n = len(e.ids) - 1
-        tokens[i, :n], targets[i, :n], mask[i, :n], valid[i, :n] = e.ids[:-1], e.ids[1:], e.trained[1:], True
-    return Batch(tokens, targets, mask, valid)
+        tokens[i, :n], valid[i, :n] = e.ids[:-1], True
+        positions = np.flatnonzero(e.trained[1:])
+        index.append(i * S + positions)
+        targets.append(e.ids[1:][positions])
+    index, targets = np.concatenate(index).astype(np.int32), np.concatenate(targets).astype(np.int32)
+    K = _bucket(max(len(index), 1), length_buckets(rows * S))
+    pad = K - len(index)
+    return Batch(tokens, valid, np.pad(index, (0, pad)), np.pad(targets, (0, pad)),
+                 np.pad(np.ones(len(index), np.float32), (0, pad)))
 
 
 def epoch_batches(examples: list[Example], rows: int, buckets: list[int], seed: int) -> Iterator[Batch]:

@@ -16,6 +16,7 @@ import logging
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -297,9 +298,12 @@ class JobManager:
                 run.prepare()  # compiles outside ownership: serving never waits for a compile
                 epoch = run.epoch
                 with ownership.write(f"training {job_id}"):
+                    started = time.monotonic()
                     metrics = run.train_micro_step()
                     if metrics is not None and (run.done or run.epoch != epoch):
                         metrics.update(run.validate())
+                    held = time.monotonic() - started
+                self._leave_time_to_serving(job_id, held)
                 if metrics is None:
                     continue
                 spec["step"] = metrics["step"]
@@ -312,6 +316,22 @@ class JobManager:
             self._finish(job, run)
         finally:
             manager.close()
+
+    def _serving_busy(self) -> bool:
+        snapshot = self.engine.snapshot
+        return snapshot["running"] + snapshot["waiting"] > 0 or self.engine.num_waiting() > 0
+
+    def _leave_time_to_serving(self, job_id: str, held: float) -> None:
+        """While requests are being served, waits after a training step so that serving gets
+        `[train] serving_share` of the accelerator's time: a stream then waits at most one
+        training step between two tokens, and most of its tokens not at all."""
+        share = self.settings.train.serving_share
+        deadline = time.monotonic() + held * share / (1.0 - share)
+        while time.monotonic() < deadline and self._serving_busy():
+            with self._cv:
+                if self._stopping or job_id in self._flags:
+                    return
+                self._cv.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _save_checkpoint(self, manager, run: SFTRun, job: dict, metrics: dict | None) -> None:
         import orbax.checkpoint as ocp

@@ -23,9 +23,10 @@ import optax
 
 from kiln.config import KEYS
 from kiln.models.config import ModelConfig
+from kiln.models.decoder import logits
 from kiln.train import losses
 from kiln.train.data import Batch, Example, batches_per_epoch, epoch_batches, length_buckets, load_examples, make_batch
-from kiln.train.forward import forward_logits, init_lora, lora_to_numpy
+from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
 
 
@@ -65,14 +66,21 @@ class SFTConfig:
         return {**dataclasses.asdict(self), "target_modules": list(self.target_modules)}
 
 
+def trained_logits(params, lora, batch: Batch, cfg: ModelConfig, scale: float, remat: bool = False) -> jax.Array:
+    """Logits [K, vocab] at the batch's trained positions only: the LM head (a fifth of a small
+    model's FLOPs) never runs for prompt and padding tokens."""
+    hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale, remat)
+    return logits(params, hidden[batch.loss_index])
+
+
 def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: float, remat: bool):
     """One micro-batch: loss, gradients w.r.t. the LoRA params only, optimizer update.
     The LoRA params and optimizer state are donated (updated in place)."""
 
     def loss_fn(lora, params, batch: Batch):
-        logits = forward_logits(params, lora, batch.tokens, batch.valid, cfg, scale, remat)
-        loss = losses.cross_entropy(logits, batch.targets, batch.mask)
-        return loss, losses.token_accuracy(logits, batch.targets, batch.mask)
+        logits = trained_logits(params, lora, batch, cfg, scale, remat)
+        loss = losses.cross_entropy(logits, batch.loss_targets, batch.loss_mask)
+        return loss, losses.token_accuracy(logits, batch.loss_targets, batch.loss_mask)
 
     def step(lora, opt_state, params, batch: Batch):
         (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora, params, batch)
@@ -87,10 +95,10 @@ def make_eval_step(cfg: ModelConfig, scale: float):
     """Token-summed loss, correct predictions and trained tokens of a batch."""
 
     def step(lora, params, batch: Batch):
-        logits = forward_logits(params, lora, batch.tokens, batch.valid, cfg, scale)
-        nll = -losses.token_logprobs(logits, batch.targets)
-        correct = (jnp.argmax(logits, axis=-1) == batch.targets).astype(jnp.float32)
-        return jnp.sum(nll * batch.mask), jnp.sum(correct * batch.mask), jnp.sum(batch.mask)
+        logits = trained_logits(params, lora, batch, cfg, scale)
+        nll = -losses.token_logprobs(logits, batch.loss_targets)
+        correct = (jnp.argmax(logits, axis=-1) == batch.loss_targets).astype(jnp.float32)
+        return jnp.sum(nll * batch.loss_mask), jnp.sum(correct * batch.loss_mask), jnp.sum(batch.loss_mask)
 
     return jax.jit(step)
 
@@ -169,7 +177,7 @@ class SFTRun:
         step = self._executables[batch.tokens.shape]
         self.lora, self.opt_state, metrics = step(self.lora, self.opt_state, self.params, batch)
         self.micro_step += 1
-        self.trained_tokens += int(batch.mask.sum())
+        self.trained_tokens += int(batch.loss_mask.sum())
         self.input_tokens += int(batch.valid.sum())
         self._pending.append({**metrics, "tokens": int(batch.valid.sum())})
         if self.micro_step % self.config.gradient_accumulation and not self.done:
