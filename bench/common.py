@@ -3,7 +3,11 @@ and transformers on the same weights."""
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -139,3 +143,28 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> Callable[[], N
                         do_sample=False, pad_token_id=0)
 
     return run
+
+
+def start_server(env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """`python -m kiln.server` on a free loopback port with these KILN_* settings; returns once
+    /health answers 200 (prewarm done)."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env={**os.environ, **env,
+                            "KILN_SERVER_PORT": str(port)}, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the server exited during startup")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise RuntimeError("the server did not become healthy")

@@ -23,15 +23,22 @@ import asyncio
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
-import sys
 import time
 
 import httpx
 import jax
-from common import bare_step, decoding_core, hf_generate, load_transformers, matmul_chain, step_flops, timed
+from common import (
+    bare_step,
+    decoding_core,
+    hf_generate,
+    load_transformers,
+    matmul_chain,
+    start_server,
+    step_flops,
+    timed,
+)
 
 from kiln.models.loader import DEFAULT_MODEL_ID, load_model
 
@@ -43,12 +50,6 @@ FORMS = ["Write two sentences about {}.", "What is interesting about {}?", "Expl
 
 def questions(round_: int, n: int) -> list[str]:
     return [f"({round_}.{i}) " + FORMS[i % len(FORMS)].format(TOPICS[(i + round_) % len(TOPICS)]) for i in range(n)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def stream_chat(client: httpx.AsyncClient, content: str, new_tokens: int) -> dict:
@@ -80,24 +81,9 @@ async def served_round(url: str, contents: list[str], new_tokens: int) -> dict:
             "ttft": statistics.median(s["ttft"] for s in streams)}
 
 
-def start_server(max_rows: int, dtype: str, log_level: str = "warning") -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "KILN_SERVER_PORT": str(port), "KILN_ENGINE_MAX_NUM_SEQS": str(max_rows),
-           "KILN_SERVER_LOG_LEVEL": log_level, "KILN_MODEL_DTYPE": dtype}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited during startup")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError("the server did not become healthy")
+def start_kiln(max_rows: int, dtype: str, log_level: str = "warning") -> tuple[subprocess.Popen, str]:
+    return start_server({"KILN_ENGINE_MAX_NUM_SEQS": str(max_rows), "KILN_SERVER_LOG_LEVEL": log_level,
+                         "KILN_MODEL_DTYPE": dtype})
 
 
 def metric(url: str, name: str) -> float:
@@ -173,7 +159,7 @@ def main():
         del core, run
     print(f"  bare step measured at {context} tokens of context", flush=True)
 
-    proc, url = start_server(max(levels), args.dtype, args.server_log_level)
+    proc, url = start_kiln(max(levels), args.dtype, args.server_log_level)
     served, cold = {}, {}
     try:
         for c in levels:

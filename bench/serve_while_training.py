@@ -13,41 +13,16 @@ training step between two tokens; the p99 shows that wait.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import openai
+from common import start_server
 
 ROOT = Path(__file__).parent.parent
 DATA = ROOT / "notebooks" / "data" / "contacts_train.jsonl"
-
-
-def start_server(data_dir: str) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "KILN_SERVER_PORT": str(port), "KILN_TRAIN_DATA_DIR": data_dir,
-           "KILN_ADAPTERS_STORE": str(Path(data_dir) / "adapters"), "KILN_SERVER_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("server did not start")
 
 
 def stream_gaps(client: openai.OpenAI, model: str, new_tokens: int, i: int) -> list[float]:
@@ -75,7 +50,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as data_dir:
-        proc, url = start_server(data_dir)
+        proc, url = start_server({"KILN_TRAIN_DATA_DIR": data_dir, "KILN_SERVER_LOG_LEVEL": "warning",
+                                  "KILN_ADAPTERS_STORE": str(Path(data_dir) / "adapters")})
         try:
             client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
             model = client.models.list().data[0].id
@@ -107,9 +83,9 @@ def main() -> None:
             proc.wait(120)
     (p50_idle, p99_idle), (p50_busy, p99_busy) = percentiles(idle), percentiles(busy)
     print(f"{args.requests} streams x {args.new_tokens} tokens, one at a time; SFT batch {args.batch_size} x <=128")
-    print(f"{'':24}{'p50 ITL ms':>12}{'p99 ITL ms':>12}")
-    print(f"{'idle':24}{p50_idle:12.1f}{p99_idle:12.1f}")
-    print(f"{'while an SFT job runs':24}{p50_busy:12.1f}{p99_busy:12.1f}")
+    print(f"{'':24}{'p50 ITL ms':>12}{'p99 ITL ms':>12}{'max ITL ms':>12}")
+    print(f"{'idle':24}{p50_idle:12.1f}{p99_idle:12.1f}{max(idle) * 1000:12.1f}")
+    print(f"{'while an SFT job runs':24}{p50_busy:12.1f}{p99_busy:12.1f}{max(busy) * 1000:12.1f}")
     rate = statistics.median(e["tokens_per_second"] for e in events) if events else 0.0
     print(f"the job took {len(events)} training steps meanwhile, at a median {rate:.0f} training tok/s")
     print("server resident memory: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in memory.items()))

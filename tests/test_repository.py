@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ruff_is_clean():
     exe = shutil.which("ruff")
     cmd = [exe] if exe else [sys.executable, "-m", "ruff"]
-    proc = subprocess.run([*cmd, "check", "kiln", "tests", "bench"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([*cmd, "check", "."], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 

@@ -173,13 +173,14 @@ def load_examples(data: bytes | str | Path, tokenizer: KilnTokenizer, max_seq_le
 
 
 def length_buckets(max_seq_len: int) -> list[int]:
-    """Sequence-length buckets, two per octave from MIN_BUCKET (32, 48, 64, 96, 128, ...), and
-    max_seq_len itself: a batch pads by at most a third, and a job compiles a few shapes."""
-    buckets, n = [], MIN_BUCKET
+    """Sequence-length buckets: 32, 48, then four per octave (64, 80, 96, 112, 128, 160, ...),
+    and max_seq_len itself. A batch pads by at most a quarter of its length (an eighth from
+    128 on), and since rows of similar length are batched together, a job meets few shapes."""
+    buckets, n = [32, 48], 64
     while n < max_seq_len:
-        buckets += [b for b in (n, n * 3 // 2) if b < max_seq_len]
+        buckets += [n + i * n // 4 for i in range(4)]
         n *= 2
-    return [*buckets, max_seq_len]
+    return [b for b in buckets if b < max_seq_len] + [max_seq_len]
 
 
 def _bucket(n: int, buckets: list[int]) -> int:

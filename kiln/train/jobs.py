@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from kiln.adapters.manifest import BaseModelRef, Manifest, provenance, validate_name
@@ -253,6 +254,21 @@ class JobManager:
                 self._fail(job, "internal_error", f"{type(exc).__name__}: {exc}")
             finally:
                 self.current = None
+                self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Allocator reclaim after a job: its params, optimizer state and compiled steps are
+        dropped with the run; on the CPU, glibc then returns the freed heap to the system."""
+        import ctypes
+        import gc
+
+        with self.engine.core.ownership.write("allocator reclaim"):
+            gc.collect()
+            if jax.default_backend() == "cpu":
+                try:
+                    ctypes.CDLL("libc.so.6").malloc_trim(0)
+                except (OSError, AttributeError):  # not glibc
+                    pass
 
     def _fail(self, job: dict, code: str, message: str) -> None:
         self._set(job, status="failed", finished_at=now(), error={"code": code, "message": message, "param": None})
