@@ -89,6 +89,15 @@ def test_batches_use_a_few_length_buckets(tiny_model):
         np.testing.assert_array_equal(b.loss_targets[:n][inner], b.tokens[rows[inner], cols[inner] + 1])
 
 
+def test_one_length_with_different_trained_counts_compiles_a_step_each(tiny_model):
+    records = [{"prompt": "a" * 40, "completion": "b"}, {"prompt": "a", "completion": "b" * 40}]
+    examples = load_examples(jsonl(records), tiny_model.tokenizer, 64)
+    run = SFTRun(tiny_model.params, tiny_model.config, examples, SFTConfig(lora_rank=4, batch_size=1, n_epochs=2))
+    while not run.done:
+        run.train_micro_step()
+    assert run.shapes == {(1, 48, 32), (1, 48, 48)}  # same rows and length, trained positions bucketed apart
+
+
 def test_training_never_copies_the_base_weights(tiny_model):
     examples = load_examples(jsonl([{"prompt": "ab", "completion": "cd"}] * 4), tiny_model.tokenizer, 64)
     config = SFTConfig(lora_rank=4, batch_size=2, n_epochs=1)

@@ -226,11 +226,12 @@ class JobManager:
             job = self.get(job_id)
             if job["status"] in FINAL:
                 raise InvalidRequest(f"job {job_id} has already {job['status']}", code="invalid_job_state")
-            if job["status"] == "running":
+            if job["status"] == "running" or job_id == self.current:
                 self._flags[job_id] = action  # the worker acts at the next step boundary
             elif action == "cancel":
                 self._set(job, status="cancelled", finished_at=now())
                 self.store.add_event(job_id, "Fine-tuning job cancelled")
+                shutil.rmtree(self._checkpoint_dir(job_id).parent, ignore_errors=True)  # a paused job's
             elif job["status"] == "queued":
                 self._set(job, status="paused")
                 self.store.add_event(job_id, "Fine-tuning job paused")

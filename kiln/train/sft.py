@@ -103,6 +103,10 @@ def make_eval_step(cfg: ModelConfig, scale: float):
     return jax.jit(step)
 
 
+def _shape(batch: Batch) -> tuple[int, int, int]:
+    return (*batch.tokens.shape, batch.loss_index.shape[0])
+
+
 class SFTRun:
     """One SFT run over `params` (the serving arrays, never copied)."""
 
@@ -127,7 +131,7 @@ class SFTRun:
         self.input_tokens = 0  # real (non-padding) tokens processed
         self._epoch_iter = None
         self._prepared: Batch | None = None
-        self._executables: dict[tuple[int, int], Any] = {}  # batch shape -> compiled train step
+        self._executables: dict[tuple, Any] = {}  # batch shape (B, S, K) -> compiled train step
         self._pending: list[dict] = []  # micro-batch metrics of the optimizer step in progress
         self._step_started = time.perf_counter()
 
@@ -153,8 +157,9 @@ class SFTRun:
         return next(self._epoch_iter)
 
     @property
-    def shapes(self) -> set[tuple[int, int]]:
-        """Distinct batch shapes met so far: one compiled train step each."""
+    def shapes(self) -> set[tuple]:
+        """Distinct batch shapes (rows, length, trained positions) met so far: one compiled train
+        step each."""
         return set(self._executables)
 
     def prepare(self) -> None:
@@ -163,7 +168,7 @@ class SFTRun:
         serving."""
         if self._prepared is None:
             self._prepared = self._next_batch()
-        shape = self._prepared.tokens.shape
+        shape = _shape(self._prepared)
         if shape not in self._executables:
             self._executables[shape] = self._train_step.lower(self.lora, self.opt_state, self.params,
                                                               self._prepared).compile()
@@ -174,7 +179,7 @@ class SFTRun:
             raise RuntimeError("the run is complete")
         self.prepare()
         batch, self._prepared = self._prepared, None
-        step = self._executables[batch.tokens.shape]
+        step = self._executables[_shape(batch)]
         self.lora, self.opt_state, metrics = step(self.lora, self.opt_state, self.params, batch)
         self.micro_step += 1
         self.trained_tokens += int(batch.loss_mask.sum())
