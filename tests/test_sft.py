@@ -178,3 +178,27 @@ def test_sft_teaches_a_reply_that_the_engine_serves(expressive_model, tmp_path):
         logits = reference(input_ids=torch.tensor([prompt + expected])).logits[0, len(prompt) - 1:-1]
     ref_logprobs = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(expected)[:, None])[:, 0].numpy()
     np.testing.assert_allclose(served_logprobs, ref_logprobs, atol=1e-4, rtol=0)
+
+
+def test_kiln_train_sft_from_the_shell(expressive_model, kiln_cache, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "train.jsonl"
+    data.write_text(jsonl([{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": REPLY}]}
+                           for q in ("hello", "ping", "bye", "who are you")]))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KILN_")}, "KILN_CACHE_DIR": str(kiln_cache),
+           "KILN_MODEL_PATH": expressive_model.source, "KILN_ADAPTERS_STORE": str(tmp_path / "store")}
+    args = ["--data", str(data), "--name", "shell-adapter", "--epochs", "2", "--batch-size", "2", "--rank", "4",
+            "--learning-rate", "0.01", "--max-seq-len", "64"]
+    proc = subprocess.run([sys.executable, "-m", "kiln", "train", "sft", *args, "--json"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["artifact"]["name"] == "shell-adapter" and out["artifact"]["rank"] == 4
+    assert [h["step"] for h in out["history"]] == [1, 2, 3, 4] and out["compiled_shapes"] >= 1
+    assert AdapterStore(tmp_path / "store").latest("shell-adapter").manifest.config["n_epochs"] == 2
+    bad = subprocess.run([sys.executable, "-m", "kiln", "train", "sft", *args[:1], str(tmp_path / "missing.jsonl"),
+                          *args[2:]], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "missing.jsonl" in bad.stdout + bad.stderr

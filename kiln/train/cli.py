@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from kiln.config import Settings
 
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     configure_compilation_cache(settings.compilation_dir())
     overrides = {field: v for flag, field in _OVERRIDES.items() if (v := getattr(args, flag)) is not None}
     try:
-        result = sft(args.data, args.name, validation=args.validation, settings=settings, **overrides)
+        result = sft(Path(args.data), args.name, validation=Path(args.validation) if args.validation else None,
+                     settings=settings, **overrides)
     except (KilnError, OSError) as exc:
         print(f"kiln: error: {exc}")
         return 1

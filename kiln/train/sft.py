@@ -25,7 +25,16 @@ from kiln.config import KEYS
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits
 from kiln.train import losses
-from kiln.train.data import Batch, Example, batches_per_epoch, epoch_batches, length_buckets, load_examples, make_batch
+from kiln.train.data import (
+    Batch,
+    DataError,
+    Example,
+    batches_per_epoch,
+    epoch_batches,
+    length_buckets,
+    load_examples,
+    make_batch,
+)
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
 
@@ -250,9 +259,11 @@ def file_digest(data: bytes | str | Path) -> str:
 
 
 def _as_source(data):
-    """A path (str or Path) to a file is read as a file; other str values are the JSONL text."""
-    if isinstance(data, str) and "\n" not in data and Path(data).is_file():
-        return Path(data)
+    """A Path, or a str naming a file, is read as a file; a str holding JSON lines is the data."""
+    if isinstance(data, str) and "\n" not in data.strip() and not data.lstrip().startswith("{"):
+        data = Path(data)  # one line that is not a JSON object: a path
+    if isinstance(data, Path) and not data.is_file():
+        raise DataError(f"no such file: {data}", code="file_not_found")
     return data
 
 
