@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Annotated, Any
 
 from litestar import Request, Response, delete, get, post
@@ -14,6 +13,8 @@ from kiln.errors import InvalidRequest, NotFound
 from kiln.server.state import ServerState, server_state
 from kiln.train import memory
 from kiln.train.data import DataError, load_examples
+from kiln.train.jobs import ACTIVE
+from kiln.train.sft import file_digest
 from kiln.train.store import TrainingStore
 
 PURPOSES = ("fine-tune", "evals", "batch", "user_data", "assistants", "vision")
@@ -63,8 +64,7 @@ def upload_file(request: Request,
         except DataError as exc:
             code = "invalid_file" if exc.code == DataError.default_code else exc.code
             raise DataError(exc.message, code=code, param="file") from None
-    return _store(request).add_file(content, upload.filename or "upload.jsonl", purpose,
-                                    "sha256:" + hashlib.sha256(content).hexdigest())
+    return _store(request).add_file(content, upload.filename or "upload.jsonl", purpose, file_digest(content))
 
 
 @get("/v1/files", sync_to_thread=True)
@@ -86,7 +86,7 @@ def file_content(request: Request, file_id: str) -> Response:
 @delete("/v1/files/{file_id:str}", status_code=200, sync_to_thread=True)
 def delete_file(request: Request, file_id: str) -> dict[str, Any]:
     _file(request, file_id)
-    active = [j["id"] for j in _store(request).list_jobs(("queued", "running", "paused", "validating_files"))
+    active = [j["id"] for j in _store(request).list_jobs((*ACTIVE, "paused"))
               if file_id in (j["training_file"], j["validation_file"])]
     if active:
         raise InvalidRequest(f"file {file_id} is used by fine-tuning job {active[0]}", code="file_in_use",

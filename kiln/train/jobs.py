@@ -11,7 +11,6 @@ saves its adapter to the store and, unless `auto_load` is false, loads it for se
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import re
 import shutil
@@ -21,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 
-from kiln.adapters.manifest import BaseModelRef, Manifest, provenance, validate_name
+from kiln.adapters.manifest import validate_name
 from kiln.errors import InvalidRequest, KilnError, NotFound
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
@@ -313,12 +311,9 @@ class JobManager:
                         self.store.add_event(job_id, f"Fine-tuning job paused at step {run.step}")
                     return  # on shutdown the job stays running: it resumes at the next start
                 run.prepare()  # compiles outside ownership: serving never waits for a compile
-                epoch = run.epoch
                 with ownership.write(f"training {job_id}"):
                     started = time.monotonic()
                     metrics = run.train_micro_step()
-                    if metrics is not None and (run.done or run.epoch != epoch):
-                        metrics.update(run.validate())
                     held = time.monotonic() - started
                 self._leave_time_to_serving(job_id, held)
                 if metrics is None:
@@ -368,27 +363,13 @@ class JobManager:
             self.store.add_event(job["id"], f"Checkpoint created at step {run.step}")
 
     def _finish(self, job: dict, run: SFTRun) -> None:
-        spec, model = job["kiln"], self.model
-        inputs = []
-        for purpose in ("training", "validation"):
-            file_id = job[f"{purpose}_file"]
-            if file_id:
-                content = self.store.file_content(file_id)
-                inputs.append({"purpose": purpose, "file_id": file_id,
-                               "sha256": "sha256:" + hashlib.sha256(content).hexdigest()})
-        events, _ = self.store.events(job["id"], limit=1000)
-        last = next((e["data"] for e in events if e["type"] == "metrics"), {})
-        final = {k: v for k, v in last.items() if k not in ("step", "epoch", "total_steps")}
-        manifest = Manifest(
-            name=spec["adapter_name"], base_model=BaseModelRef(model.model_id, model.weights_digest),
-            rank=run.config.lora_rank, alpha=run.config.lora_alpha, target_modules=list(run.config.target_modules),
-            weights_digest="", provenance=provenance("training:sft"), training_inputs_digest=inputs[0]["sha256"],
-            training_inputs=inputs, config={"method": "supervised", **run.config.to_json()},
-            training={"job_id": job["id"], "started_at": job["created_at"], "finished_at": now(),
-                      "steps": run.total_steps, "trained_tokens": run.trained_tokens, "final_metrics": final},
-        )
-        artifact = self.registry.store.save(manifest, {m: {k: np.asarray(v) for k, v in p.items()}
-                                                       for m, p in run.weights().items()})
+        spec = job["kiln"]
+        inputs = [{"purpose": purpose, "file_id": job[f"{purpose}_file"],
+                   "sha256": self.store.get_file(job[f"{purpose}_file"])["sha256"]}  # digested at upload
+                  for purpose in ("training", "validation") if job[f"{purpose}_file"]]
+        manifest = run.manifest(spec["adapter_name"], self.model, inputs,
+                                {"job_id": job["id"], "started_at": job["created_at"], "finished_at": now()})
+        artifact = self.registry.store.save(manifest, run.weights())
         self.store.add_event(job["id"], f"New fine-tuned model created: {artifact.name} (version {artifact.version})")
         if spec["auto_load"]:
             self.registry.load(artifact.name, replace=self.registry.get(artifact.name) is not None)

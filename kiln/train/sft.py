@@ -142,6 +142,7 @@ class SFTRun:
         self._prepared: Batch | None = None
         self._executables: dict[tuple, Any] = {}  # batch shape (B, S, K) -> compiled train step
         self._pending: list[dict] = []  # micro-batch metrics of the optimizer step in progress
+        self.last_metrics: dict = {}  # of the last optimizer step (validation included at epoch ends)
         self._step_started = time.perf_counter()
 
     @property
@@ -183,9 +184,11 @@ class SFTRun:
                                                               self._prepared).compile()
 
     def train_micro_step(self) -> dict | None:
-        """Runs one micro-batch; returns the optimizer step's metrics when it completes one."""
+        """Runs one micro-batch; returns the optimizer step's metrics when it completes one, with
+        the validation metrics when that step ends an epoch or the run."""
         if self.done:
             raise RuntimeError("the run is complete")
+        epoch = self.epoch
         self.prepare()
         batch, self._prepared = self._prepared, None
         step = self._executables[_shape(batch)]
@@ -199,7 +202,7 @@ class SFTRun:
         pending, self._pending = self._pending, []
         now = time.perf_counter()
         elapsed, self._step_started = now - self._step_started, now
-        return {
+        metrics = {
             "step": self.step if not self.done else self.total_steps,
             "epoch": self.epoch,
             "train_loss": float(np.mean([float(m["loss"]) for m in pending])),
@@ -208,6 +211,10 @@ class SFTRun:
             "learning_rate": float(self.schedule(max(0, self.step - 1))),
             "tokens_per_second": sum(m["tokens"] for m in pending) / max(elapsed, 1e-9),
         }
+        if self.done or self.epoch != epoch:
+            metrics.update(self.validate())
+        self.last_metrics = {k: v for k, v in metrics.items() if k not in ("step", "epoch")}
+        return metrics
 
     def validate(self) -> dict:
         """valid_loss and valid_mean_token_accuracy over the validation set (token means)."""
@@ -221,6 +228,20 @@ class SFTRun:
             loss, correct, count = loss + float(s), correct + float(c), count + float(n)
         count = max(count, 1.0)
         return {"valid_loss": loss / count, "valid_mean_token_accuracy": correct / count}
+
+    def manifest(self, name: str, model, inputs: list[dict], training: dict):
+        """The adapter manifest of this run's result: base model, LoRA shape, inputs (purpose,
+        sha256, file id for jobs), the resolved config, and `training` (times, job) completed
+        with steps, trained tokens and the last step's metrics."""
+        from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
+
+        return Manifest(
+            name=name, base_model=BaseModelRef(model.model_id, model.weights_digest), rank=self.config.lora_rank,
+            alpha=self.config.lora_alpha, target_modules=list(self.config.target_modules), weights_digest="",
+            provenance=provenance("training:sft"), training_inputs_digest=inputs[0]["sha256"], training_inputs=inputs,
+            config={"method": "supervised", **self.config.to_json()},
+            training={**training, "steps": self.total_steps, "trained_tokens": self.trained_tokens,
+                      "final_metrics": self.last_metrics})
 
     def weights(self) -> dict[str, dict[str, np.ndarray]]:
         return lora_to_numpy(self.lora)
@@ -277,7 +298,6 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
     optimizer step; validation metrics at each epoch's end) and the saved artifact."""
     from tqdm.auto import tqdm
 
-    from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
     from kiln.adapters.store import AdapterStore
     from kiln.config import resolve_settings
     from kiln.engine.setup import load_model_from_settings
@@ -299,12 +319,9 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
     history: list[dict] = []
     bar = tqdm(total=run.total_steps, desc=f"sft {name}", unit="step", disable=not progress)
     while not run.done:
-        epoch = run.epoch
         metrics = run.train_micro_step()
         if metrics is None:
             continue
-        if run.done or run.epoch != epoch:
-            metrics.update(run.validate())
         history.append(metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train_loss']:.3f}")
@@ -315,15 +332,8 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
         inputs = [{"purpose": "training", "sha256": file_digest(data)}]
         if validation is not None:
             inputs.append({"purpose": "validation", "sha256": file_digest(validation)})
-        final = {k: v for k, v in history[-1].items() if k not in ("step", "epoch")}
-        manifest = Manifest(
-            name=name, base_model=BaseModelRef(model.model_id, model.weights_digest), rank=config.lora_rank,
-            alpha=config.lora_alpha, target_modules=list(config.target_modules), weights_digest="",
-            provenance=provenance("training:sft"), training_inputs_digest=inputs[0]["sha256"],
-            training_inputs=inputs, config={"method": "supervised", **config.to_json()},
-            training={"started_at": started.isoformat(timespec="seconds"),
-                      "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                      "steps": run.total_steps, "trained_tokens": run.trained_tokens, "final_metrics": final},
-        )
+        manifest = run.manifest(name, model, inputs, {
+            "started_at": started.isoformat(timespec="seconds"),
+            "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
         artifact = store.save(manifest, run.weights())
     return SFTResult(history, artifact, run)
