@@ -249,3 +249,66 @@ def test_compiled_steps_beyond_the_mapping_budget_are_evicted_and_reloaded(tiny_
         assert len(runner.executables) <= 8
     finally:
         eng.shutdown()
+
+
+def test_kv_pool_shrinks_under_running_requests_and_grows_back(tiny_model):
+    """Dynamic KV resize at an iteration boundary: cached blocks are evicted, the blocks of
+    running requests move below the cut (their K/V copied), and generation goes on exactly."""
+    from kiln.engine.core import EngineCore
+
+    core = EngineCore(tiny_model, EngineConfig(num_kv_blocks=64, max_model_len=128, **SMALL))
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    early, late = prompts_of(3, seed=30, lo=40, hi=50), prompts_of(3, seed=31, lo=30, hi=40)
+    outputs: dict[str, list[int]] = {}
+
+    def add(name, prompts):
+        for i, p in enumerate(prompts):
+            [req] = core.make_requests(f"{name}-{i}", p, greedy)
+            core.add_request(req)
+
+    def step():
+        for d in core.step():
+            outputs.setdefault(d.request_id, []).extend(d.token_ids)
+
+    add("early", early)
+    for _ in range(4):
+        step()
+    add("late", late)  # takes the blocks after the early requests'
+    for _ in range(6):
+        step()
+    for i in range(len(early)):
+        core.abort(f"early-{i}")
+    held = {b for r in core.scheduler.running for b in r.block_ids}
+    assert max(held) >= 16  # the late requests hold blocks beyond the cut
+    assert core.resize_kv(16)
+    assert core.runner.kv.k.shape[1] == 16 and core.pool.num_blocks == 15
+    assert all(b < 16 for r in core.scheduler.running for b in r.block_ids)
+    for _ in range(3):
+        step()
+    assert core.resize_kv(64)
+    assert core.runner.kv.k.shape[1] == 64 and core.pool.num_blocks == 63
+    while core.has_work():
+        step()
+    for i, p in enumerate(late):
+        assert outputs[f"late-{i}"] == greedy_generate(tiny_model.params, tiny_model.config, [p], 24)[0]
+    assert core.pool.num_free == core.pool.num_blocks
+    core.close()
+
+
+def test_kv_pool_shrink_waits_while_requests_hold_too_many_blocks(tiny_model):
+    from kiln.engine.core import EngineCore
+
+    core = EngineCore(tiny_model, EngineConfig(num_kv_blocks=64, max_model_len=128, **SMALL))
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts_of(6, seed=32, lo=50, hi=60)):
+        [req] = core.make_requests(f"r{i}", p, greedy)
+        core.add_request(req)
+    for _ in range(8):
+        core.step()
+    in_use = core.pool.num_blocks - core.pool.num_free
+    assert in_use > 12
+    assert core.resize_kv(12) is False  # never drops a running request's blocks
+    assert core.runner.kv.k.shape[1] == 64 and core.pool.num_blocks == 63
+    with pytest.raises(ValueError):
+        core.resize_kv(4)  # cannot hold one max_model_len sequence
+    core.close()

@@ -245,3 +245,39 @@ def test_under_maintenance_jobs_train_while_inference_is_refused(expressive_mode
         assert err.value.status_code == 503 and err.value.body["code"] == "inference_disabled_by_profile"
     finally:
         srv.stop_cleanly()
+
+
+def test_a_job_that_does_not_fit_shrinks_the_kv_pool_and_serving_goes_on(expressive_model, kiln_cache, tmp_path):
+    """With almost no memory budget, the plan takes the job's bytes from the KV pool: the pool
+    shrinks at an iteration boundary (a stream running meanwhile keeps its blocks and its exact
+    greedy tokens) and grows back after the job."""
+    srv = start(expressive_model, kiln_cache, tmp_path / "data", tmp_path / "store",
+                KILN_TRAIN_MEMORY_BUDGET_BYTES="1", KILN_ENGINE_NUM_KV_BLOCKS="1024")
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        ask = dict(model=MODEL, messages=[{"role": "user", "content": "tell me a long story"}], max_tokens=150,
+                   temperature=0, extra_body={"ignore_eos": True})
+        expected = client.chat.completions.create(**ask).choices[0].message.content
+        train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+        stream = client.chat.completions.create(**ask, stream=True)
+        first = next(iter(stream))  # the stream holds KV blocks when the job shrinks the pool
+        job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(3),
+                                             extra_body={"kiln": KILN})
+        resize = job.model_extra["kiln"]["plan"]["kv_resize"]
+        assert resize["from_blocks"] == 1024 and 17 <= resize["to_blocks"] < 1024
+        text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in stream)
+        seen = set()
+        while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed"):
+            seen.add(httpx.get(srv.url + "/v1/runtime", timeout=30).json()["memory"]["kv_pool"]["blocks"])
+            time.sleep(0.2)
+        assert job.status == "succeeded", job.error
+        assert text == expected
+        messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data]
+        assert any(m.startswith("Shrinking the KV pool from 1024") for m in messages)
+        assert "KV pool grown back to 1024 blocks" in messages
+        assert resize["to_blocks"] in seen
+        kv = httpx.get(srv.url + "/v1/runtime", timeout=30).json()["memory"]["kv_pool"]
+        assert kv["blocks"] == kv["configured_blocks"] == 1024
+        assert client.chat.completions.create(**ask).choices[0].message.content == expected
+    finally:
+        srv.stop_cleanly()

@@ -160,6 +160,48 @@ class BlockPool:
                     self.on_stored(list(run), run_parent, run_tokens, lora_name)
                 run = []
 
+    def shrink(self, num_blocks: int) -> dict[int, int] | None:
+        """Drops the blocks from id `num_blocks` on (dynamic KV resize). Cached blocks go first
+        (their hashes are evicted); blocks that requests hold move to free blocks below the cut,
+        cached ones among those evicted last. Returns the moves {old id: new id}, whose KV the
+        caller must copy and whose holders it must remap; None when the blocks in use would not
+        fit below the cut (nothing changes)."""
+        held = [b for b in range(num_blocks, len(self.blocks)) if self.blocks[b].ref_count > 0]
+        targets = [b for b in self.free if b < num_blocks][: len(held)]  # in eviction order
+        if num_blocks < 2 or len(targets) < len(held):
+            return None
+        evicted = [self._forget(b) for b in range(num_blocks, len(self.blocks)) if b in self.free]
+        moves = {}
+        for src, dst in zip(held, targets, strict=True):
+            evicted.append(self._forget(dst))
+            old, new = self.blocks[src], self.blocks[dst]
+            new.ref_count, new.block_hash = old.ref_count, old.block_hash
+            if old.block_hash is not None and self.cached.get(old.block_hash) == src:
+                self.cached[old.block_hash] = dst
+            moves[src] = dst
+        del self.blocks[num_blocks:]
+        evicted = [h for h in evicted if h is not None]
+        if evicted and self.on_removed:
+            self.on_removed(evicted)
+        return moves
+
+    def grow(self, num_blocks: int) -> None:
+        """Adds empty blocks up to `num_blocks` (the pool growing back after a shrink)."""
+        for bid in range(len(self.blocks), num_blocks):
+            self.blocks.append(Block(bid))
+            self.free[bid] = None
+            self.free.move_to_end(bid, last=False)  # empty: reuse before cached blocks
+
+    def _forget(self, bid: int) -> int | None:
+        """Takes a free block off the free list and out of the prefix cache; its evicted hash."""
+        del self.free[bid]
+        block, evicted = self.blocks[bid], None
+        if block.block_hash is not None and self.cached.get(block.block_hash) == bid:
+            del self.cached[block.block_hash]
+            evicted = block.block_hash
+        block.block_hash = None
+        return evicted
+
     def reset_prefix_cache(self) -> bool:
         """Forgets all cached hashes; only possible when no block is referenced."""
         if len(self.free) != self.num_blocks:

@@ -123,6 +123,39 @@ class EngineCore:
             self._events = []
         return outputs
 
+    # ---- dynamic KV resize -------------------------------------------------------------------
+
+    @property
+    def min_kv_blocks(self) -> int:
+        """The smallest pool a resize may leave: room for one sequence of max_model_len (+ block 0)."""
+        return -(-self.max_model_len // self.config.block_size) + 1
+
+    def resize_kv(self, num_blocks: int, executables: dict | None = None) -> bool:
+        """Gives the KV pool `num_blocks` blocks at this iteration boundary (engine thread). A
+        shrink evicts cached blocks first and moves the blocks of running requests below the cut,
+        never dropping them; it returns False, changing nothing, while running requests hold more
+        blocks than the smaller pool has. `executables`: the steps compiled for the new size
+        (`Runner.compile_for_pool`); without them the buckets compile on first use."""
+        if num_blocks < self.min_kv_blocks:
+            raise ValueError(f"a KV pool of {num_blocks} blocks cannot hold one {self.max_model_len}-token sequence")
+        current = len(self.pool.blocks)
+        if num_blocks == current:
+            return True
+        moves = self.pool.shrink(num_blocks) if num_blocks < current else {}
+        if moves is None:
+            return False
+        if num_blocks > current:
+            self.pool.grow(num_blocks)
+        with self.ownership.write("kv resize"):
+            self.runner.resize_kv(num_blocks, moves, executables or {})
+        for req in self.scheduler.running:
+            req.block_ids = [moves.get(b, b) for b in req.block_ids]
+        if self._events:
+            self.publisher.publish(self._events)
+            self._events = []
+        log.info("KV pool resized from %d to %d blocks (%d moved)", current, num_blocks, len(moves))
+        return True
+
     # ---- state -------------------------------------------------------------------------------
 
     def snapshot(self) -> dict:

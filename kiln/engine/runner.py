@@ -258,6 +258,46 @@ class Runner:
         """A fresh, empty KV state (after a failed step consumed the donated one)."""
         self.kv = init_kv_cache(self.cfg, self.num_blocks, self.block_size, self.kv_dtype)
 
+    def installed_buckets(self) -> list[tuple[StepShape, dict | None]]:
+        """The compiled buckets with their LoRA argument as compiles see it (engine thread)."""
+        return [(s, self._lora_abstract(s)) for s in self.executables]
+
+    def compile_for_pool(self, num_blocks: int, buckets: list[tuple[StepShape, dict | None]]
+                         ) -> dict[StepShape, Callable]:
+        """The executables of these buckets for a KV pool of `num_blocks` (any thread: a resize
+        compiles ahead, so serving never waits for it)."""
+        params, kv = self._abstract
+        kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], num_blocks, *a.shape[2:]), a.dtype,
+                                                         sharding=a.sharding), kv)
+        return {s: self._compile(s, lora, (params, kv)) for s, lora in buckets}
+
+    def resize_kv(self, num_blocks: int, moves: dict[int, int], executables: dict[StepShape, Callable]) -> None:
+        """Gives the KV pool `num_blocks` blocks (engine thread, under writer ownership): the moved
+        blocks' K/V are copied first, then the pool is cut or padded with empty blocks. The step
+        executables of the old pool size are dropped for `executables`, compiled for the new."""
+        for future in self._capturing.values():
+            future.cancel()
+        self._capturing.clear()
+
+        def resized(x: jax.Array) -> jax.Array:
+            if moves:
+                src, dst = np.fromiter(moves, np.int32), np.fromiter(moves.values(), np.int32)
+                x = x.at[:, dst].set(x[:, src])
+            if num_blocks <= x.shape[1]:
+                y = x[:, :num_blocks]
+            else:
+                y = jnp.concatenate([x, jnp.zeros((x.shape[0], num_blocks - x.shape[1], *x.shape[2:]), x.dtype)], 1)
+            return jax.device_put(y, x.sharding)
+
+        self.kv = jax.tree.map(resized, self.kv)
+        jax.block_until_ready(self.kv)
+        self.num_blocks = num_blocks
+        self._abstract = (self._abstract[0], jax.tree.map(_abstract, self.kv))
+        self.executables.clear()
+        jax.clear_caches()  # JAX's own caches hold the old pool's executables too
+        for shape, executable in executables.items():
+            self._install(shape, executable)
+
     def close(self) -> None:
         self._compiler.shutdown(wait=False, cancel_futures=True)
 
@@ -347,9 +387,9 @@ class Runner:
             return None
         return {**jax.tree.map(_abstract, self.lora_slots.ensure_state()), "active": np.zeros(shape.lora, np.int32)}
 
-    def _compile(self, shape: StepShape, lora: dict | None) -> Callable:
+    def _compile(self, shape: StepShape, lora: dict | None, abstract=None) -> Callable:
         """The executable of one bucket (any thread; the persistent compilation cache applies)."""
-        params, kv = self._abstract
+        params, kv = abstract or self._abstract
         inputs, last_index, rs, targets = self._padding_inputs(shape)
         before = _mapped_regions()
         lowered = model_step.lower(params, kv, inputs, last_index, rs, targets, lora, cfg=self.cfg,

@@ -48,6 +48,9 @@ def _choose(value: Any, auto: Any, kind: type, lo: float, hi: float, param: str)
     return kind(value)
 
 
+KV_SHRINK_ATTEMPTS = 1200  # every 0.5 s: ten minutes for running requests to release KV blocks
+
+
 class JobManager:
     def __init__(self, settings, engine, registry, store: TrainingStore, start: bool = True):
         self.settings, self.engine, self.registry, self.store = settings, engine, registry, store
@@ -57,10 +60,11 @@ class JobManager:
         self._stopping = False
         self.current: str | None = None
         core = engine.core  # fixed allocations, read once here (the engine thread owns the core)
-        self.serving_bytes = {"weights": memory.tree_bytes(self.model.params),
-                              "kv_pool": memory.tree_bytes(core.runner.kv),
-                              "adapter_slots": engine.config.max_loras * memory.lora_bytes(
-                                  self.model.config, engine.config.max_lora_rank, TARGET_MODULES)}
+        self.kv_blocks = engine.config.num_kv_blocks  # the configured pool, restored after a shrink
+        self.kv_block_bytes = memory.tree_bytes(core.runner.kv) // core.runner.num_blocks
+        self._fixed_bytes = {"weights": memory.tree_bytes(self.model.params),
+                             "adapter_slots": engine.config.max_loras * memory.lora_bytes(
+                                 self.model.config, engine.config.max_lora_rank, TARGET_MODULES)}
         for job in store.list_jobs(ACTIVE):  # a restart: running jobs resume from their checkpoints
             if job["status"] == "running":
                 store.add_event(job["id"], "Kiln restarted; the job resumes from its last checkpoint")
@@ -129,7 +133,10 @@ class JobManager:
         seq_len = min(max_seq_len, max(len(e.ids) for e in examples))
         plan = memory.plan(self.model.config, rank, modules, batch_size, seq_len, config.gradient_accumulation,
                            self.serving_bytes, self.settings.train.memory_budget_bytes)
-        plan["remat"] = memory.choose_remat(plan, config.remat)
+        kv_pool = {"blocks": self.kv_blocks, "bytes_per_block": self.kv_block_bytes,
+                   "min_blocks": self.engine.core.min_kv_blocks}
+        plan.update(memory.admit(plan, config.remat,
+                                 kv_pool if self.settings.serving_profile.policy.dynamic_kv_resize else None))
         hyperparameters = {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier}
         job = {
             "object": "fine_tuning.job", "id": job_id, "model": base, "created_at": now(), "finished_at": None,
@@ -185,6 +192,13 @@ class JobManager:
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout=600)
+
+    @property
+    def serving_bytes(self) -> dict:
+        """What serving holds now: weights, the KV pool (at its current size), adapter slots."""
+        kv_blocks = self.engine.snapshot["kv_blocks_total"] + 1
+        return {"weights": self._fixed_bytes["weights"], "kv_pool": kv_blocks * self.kv_block_bytes,
+                "adapter_slots": self._fixed_bytes["adapter_slots"]}
 
     def snapshot(self) -> dict:
         """Jobs now: the running one (with its planned bytes) and the queue, oldest first."""
@@ -287,7 +301,11 @@ class JobManager:
         run = SFTRun(self.model.params, self.model.config, examples, config, valid, remat=spec["plan"]["remat"])
         manager = ocp.CheckpointManager(self._checkpoint_dir(job_id).absolute(),
                                         options=ocp.CheckpointManagerOptions(max_to_keep=2))
+        shrunk = False
         try:
+            resize = spec["plan"].get("kv_resize")
+            if resize:
+                shrunk = self._shrink_kv(job, resize["to_blocks"])
             if manager.latest_step() is not None:
                 run.restore(manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(run.state())))
                 self.store.add_event(job_id, f"Resumed from the checkpoint at step {run.step}")
@@ -325,9 +343,53 @@ class JobManager:
                                      data={**metrics, "total_steps": run.total_steps})
                 if run.step % spec["checkpoint_every"] == 0 and not run.done:
                     self._save_checkpoint(manager, run, job, metrics)
+            if shrunk:  # before the job reads as finished
+                shrunk = not self._grow_kv(job_id)
             self._finish(job, run)
         finally:
             manager.close()
+            if shrunk:
+                self._grow_kv(job_id)
+
+    def _grow_kv(self, job_id: str) -> bool:
+        self._resize_kv(self.kv_blocks)
+        self.store.add_event(job_id, f"KV pool grown back to {self.kv_blocks} blocks")
+        return True
+
+    def _resize_kv(self, blocks: int, attempts: int = 1, give_up=lambda: False) -> bool:
+        """Resizes the KV pool at an iteration boundary; the new size's step buckets compile here
+        first, so serving never waits for a compile. A shrink is retried every 0.5 s, `attempts`
+        times, while running requests hold more blocks than the smaller pool has."""
+        core, engine = self.engine.core, self.engine
+        buckets = engine.at_boundary(core.runner.installed_buckets).result()
+        executables = core.runner.compile_for_pool(blocks, buckets)
+        for attempt in range(attempts):
+            if engine.at_boundary(lambda: core.resize_kv(blocks, executables)).result():
+                return True
+            if give_up():
+                break
+            if attempt + 1 < attempts:
+                time.sleep(0.5)
+        return False
+
+    def _shrink_kv(self, job: dict, blocks: int) -> bool:
+        """The job's planned KV shrink. The job fails (insufficient_memory) if running requests
+        hold too many blocks for ten minutes; a cancel, pause or shutdown meanwhile ends the wait
+        (the training loop then acts on it)."""
+        job_id = job["id"]
+        self.store.add_event(job_id, f"Shrinking the KV pool from {self.kv_blocks} to {blocks} blocks "
+                                     "to make room for training")
+
+        def give_up() -> bool:
+            with self._cv:
+                return self._stopping or job_id in self._flags
+
+        if self._resize_kv(blocks, KV_SHRINK_ATTEMPTS, give_up):
+            return True
+        if give_up():
+            return False
+        raise memory.InsufficientMemory(
+            f"running requests kept holding more than {blocks - 1} KV blocks; the pool could not shrink")
 
     def _serving_busy(self) -> bool:
         snapshot = self.engine.snapshot

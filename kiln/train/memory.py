@@ -72,15 +72,29 @@ def plan(cfg: ModelConfig, rank: int, modules, rows: int, seq_len: int, accumula
             "serving": serving, "micro_batch": {"rows": rows, "seq_len": seq_len}}
 
 
-def choose_remat(memory_plan: dict, remat_setting: str) -> bool:
-    """remat on/off as configured; "auto": on only when the job needs it to fit. Raises
-    InsufficientMemory (with the numbers) when the job cannot fit either way."""
+def admit(memory_plan: dict, remat_setting: str, kv_pool: dict | None = None) -> dict:
+    """How the job fits: remat as configured, or with "auto" only when the job needs it; then,
+    when `kv_pool` allows it (the profile's dynamic KV resize), a smaller KV pool for the job's
+    duration. `kv_pool`: {"blocks", "bytes_per_block", "min_blocks"}. Returns {"remat",
+    "kv_resize": None | {"from_blocks", "to_blocks", "freed_bytes"}}; raises InsufficientMemory,
+    with the numbers, when nothing makes the job fit."""
     free = memory_plan["available_bytes"]
     need, need_remat = memory_plan["required_bytes"], memory_plan["required_bytes_remat"]
     remat = remat_setting == "on" or (remat_setting == "auto" and need > free)
-    if (need_remat if remat else need) > free:
-        mib = 1 << 20
-        raise InsufficientMemory(
-            f"the training job needs {need / mib:.0f} MiB ({need_remat / mib:.0f} MiB with remat) but "
-            f"{free / mib:.0f} MiB are free ({memory_plan['budget_source']}); lower batch_size or max_seq_len")
-    return remat
+    required = need_remat if remat else need
+    if required <= free:
+        return {"remat": remat, "kv_resize": None}
+    spare = 0
+    if kv_pool is not None:
+        per_block = kv_pool["bytes_per_block"]
+        spare = (kv_pool["blocks"] - kv_pool["min_blocks"]) * per_block
+        blocks = -(-(required - free) // per_block)
+        if kv_pool["blocks"] - blocks >= kv_pool["min_blocks"]:
+            return {"remat": remat, "kv_resize": {"from_blocks": kv_pool["blocks"],
+                                                  "to_blocks": kv_pool["blocks"] - blocks,
+                                                  "freed_bytes": blocks * per_block}}
+    mib = 1 << 20
+    shrink = f" plus {spare / mib:.0f} MiB a smaller KV pool would free" if kv_pool is not None else ""
+    raise InsufficientMemory(
+        f"the training job needs {need / mib:.0f} MiB ({need_remat / mib:.0f} MiB with remat) but "
+        f"{free / mib:.0f} MiB are free ({memory_plan['budget_source']}){shrink}; lower batch_size or max_seq_len")
