@@ -148,14 +148,16 @@ class AsyncEngine:
         finally:
             stream.close()
 
-    def complete(self, prompts: list[list[int]], params: SamplingParams, adapter: AdapterWeights | None = None,
-                 timeout: float = 600.0) -> list[list[Completion]]:
+    def complete(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 adapter: AdapterWeights | None = None, timeout: float = 600.0) -> list[list[Completion]]:
         """Generates for many prompts at once and waits: each prompt's n choices. For callers
         without an event loop (notebooks, evals, rollouts); the prompts share steps like any
-        concurrent requests. A request failing in the engine raises its error."""
-        choices = [[None] * params.n for _ in prompts]
+        concurrent requests. `params`: one for all prompts, or one per prompt. A request
+        failing in the engine raises its error."""
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        choices = [[None] * p.n for p in per_prompt]
         parts: dict[tuple[int, int], tuple[list, list, list]] = {}
-        errors, remaining, done = [], [len(prompts) * params.n], threading.Event()
+        errors, remaining, done = [], [sum(p.n for p in per_prompt)], threading.Event()
 
         def sink_for(p: int) -> Sink:
             def sink(d: Delta) -> None:  # engine thread
@@ -166,7 +168,8 @@ class AsyncEngine:
                 if d.finished:
                     if d.error is not None:
                         errors.append(d.error)
-                    choices[p][d.index] = Completion(ids, "".join(texts), lps if params.logprobs is not None else None,
+                    choices[p][d.index] = Completion(ids, "".join(texts),
+                                                     lps if per_prompt[p].logprobs is not None else None,
                                                      d.finish_reason)
                     remaining[0] -= 1
                     if remaining[0] == 0:
@@ -177,7 +180,7 @@ class AsyncEngine:
         prefix, submitted = f"complete-{uuid.uuid4().hex[:12]}", []
         try:
             for p, prompt in enumerate(prompts):
-                self.add_request(f"{prefix}-{p}", prompt, params, sink_for(p), adapter)
+                self.add_request(f"{prefix}-{p}", prompt, per_prompt[p], sink_for(p), adapter)
                 submitted.append(f"{prefix}-{p}")
             if not prompts or done.wait(timeout):
                 submitted = []

@@ -32,18 +32,68 @@ def token_accuracy(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> ja
     return masked_mean((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32), mask)
 
 
-def policy_gradient(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array,
-                    clip_low: float = 0.2, clip_high: float | None = None) -> jax.Array:
-    """PPO's clipped surrogate, to minimise: mean over the mask of
-    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), r = exp(logprobs - old_logprobs).
+def clipped_surrogate(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+                      clip_low: float = 0.2, clip_high: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """PPO's clipped surrogate per token, to minimise: -min(r A, clip(r, 1 - clip_low,
+    1 + clip_high) A), r = exp(logprobs - old_logprobs); and where the clip is active (1.0).
 
-    advantages: [B, S] or [B] (one per sequence, as GRPO's group-normalised rewards)."""
+    advantages: per token, or one per sequence ([B] against [B, S] logprobs)."""
     if advantages.ndim == logprobs.ndim - 1:
         advantages = advantages[..., None]
     ratio = jnp.exp(logprobs - old_logprobs)
     high = clip_low if clip_high is None else clip_high
-    clipped = jnp.clip(ratio, 1.0 - clip_low, 1.0 + high)
-    return masked_mean(-jnp.minimum(ratio * advantages, clipped * advantages), mask)
+    unclipped, clipped = ratio * advantages, jnp.clip(ratio, 1.0 - clip_low, 1.0 + high) * advantages
+    return -jnp.minimum(unclipped, clipped), (clipped < unclipped).astype(jnp.float32)
+
+
+def policy_gradient(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array, mask: jax.Array,
+                    clip_low: float = 0.2, clip_high: float | None = None) -> jax.Array:
+    """The clipped surrogate's mean over the mask."""
+    return masked_mean(clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high)[0], mask)
+
+
+def truncated_importance_weights(logprobs: jax.Array, sampler_logprobs: jax.Array, cap: float) -> jax.Array:
+    """Per-token importance weights min(exp(logprobs - sampler_logprobs), cap), held constant:
+    they correct for the sampler (the serving engine) computing slightly different
+    probabilities than the trainer, and the cap bounds their variance."""
+    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(logprobs - sampler_logprobs), cap))
+
+
+def group_advantages(rewards: jax.Array, scale: str = "group", eps: float = 1e-4) -> jax.Array:
+    """GRPO advantages of rewards [prompts, G]: each reward minus its group's mean, divided by
+    the group's standard deviation ("group"), the whole batch's ("batch"), or nothing ("none")."""
+    centred = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
+    if scale == "group":
+        return centred / (jnp.std(rewards, axis=-1, keepdims=True, ddof=1) + eps)
+    if scale == "batch":
+        return centred / (jnp.std(rewards, ddof=1) + eps)
+    if scale == "none":
+        return centred
+    raise ValueError(f"unknown scale_rewards {scale!r} (group, batch or none)")
+
+
+def sequence_loss_weights(mask: jax.Array, sequence: jax.Array, num_sequences: int, loss_type: str,
+                          max_completion_tokens: int) -> jax.Array:
+    """Per-token weights that turn a policy loss's per-token terms into the batch loss by a plain
+    sum, so micro-batches of one generation batch add up to the same loss:
+    "dapo" (and "bnpo"): a mean over all the batch's completion tokens; "grpo": each sequence's
+    token mean, averaged over sequences; "dr_grpo": a sum divided by sequences x the maximum
+    completion length (no length bias). mask, sequence: per token (sequence: its sequence's
+    index among `num_sequences`)."""
+    if loss_type in ("dapo", "bnpo"):
+        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+    if loss_type == "grpo":
+        lengths = jnp.zeros(num_sequences, mask.dtype).at[sequence].add(mask)
+        return mask / (jnp.maximum(lengths[sequence], 1.0) * num_sequences)
+    if loss_type == "dr_grpo":
+        return mask / (num_sequences * max_completion_tokens)
+    raise ValueError(f"unknown loss_type {loss_type!r} (grpo, dr_grpo, dapo or bnpo)")
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+    """Per-token entropy of the distribution the logits define."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
 def kl_estimate(logprobs: jax.Array, ref_logprobs: jax.Array, estimator: str = "k3") -> jax.Array:

@@ -1,0 +1,402 @@
+"""GRPO: group-relative policy optimisation of a LoRA adapter, with rollouts from the serving
+engine in this process.
+
+Each step samples G completions for each of a few prompts from the live engine (the policy is
+an adapter in a LoRA slot; the G samples share the prompt's KV blocks), scores them with a
+reward (an OpenAI-format grader, a Python callable, or scores supplied with the rollouts),
+turns rewards into group-relative advantages and takes one optimizer step (or
+`num_iterations`) on the clipped policy-gradient surrogate of the shared loss core. The new
+LoRA weights then replace the policy's slot at an iteration boundary, as a new adapter
+version: a rollout runs on one version from its first token to its last, and other requests
+are served throughout.
+
+Defaults follow TRL 1.16 where it has one, for these reasons:
+- `loss_type="dapo"`: token-level normalisation over the whole generation batch, so long and
+  short completions weigh the same per token (no length bias, unlike "grpo").
+- `scale_rewards="group"`: advantages in units of each group's spread.
+- `beta=0.0`: no KL to the reference. A LoRA policy stays near its base, DAPO and Dr. GRPO drop
+  the term, and it would cost a second forward per step; set it (Tunix uses 0.04) to anchor
+  the policy. The reference is the base model with the adapter off: no second model.
+- `epsilon=0.2`, `epsilon_high=None` (= epsilon): PPO's symmetric clip.
+- `num_iterations=1`: one optimizer step per generation batch, so the old-policy logprobs
+  are the current ones and cost no extra forward.
+- `importance_sampling_cap=2.0`: truncated importance sampling against the engine's own
+  logprobs of the sampled tokens (the TIS default): a no-op when the engine and trainer agree,
+  a bounded correction when they do not (lower precision serving, other kernels).
+- `temperature=1.0`, `top_p=1.0`: rollouts sample the policy itself.
+- `learning_rate=1e-5`: TRL's 1e-6 is for full fine-tuning; LoRA wants about ten times more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from kiln.engine.lora_slots import AdapterWeights
+from kiln.engine.sampling import SamplingParams
+from kiln.models.config import ModelConfig
+from kiln.models.decoder import logits as lm_logits
+from kiln.models.lora import TARGET_MODULES
+from kiln.train import losses
+from kiln.train.data import length_buckets
+from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
+from kiln.train.optim import adamw, learning_rate_schedule
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    target_modules: tuple[str, ...] = TARGET_MODULES
+    learning_rate: float = 1e-5
+    lr_schedule: str = "constant"
+    warmup_ratio: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    n_epochs: int = 1
+    max_steps: int = 0  # 0: n_epochs over the prompts
+    prompts_per_step: int = 8
+    num_generations: int = 8  # G
+    max_completion_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    importance_sampling_cap: float = 2.0  # 0: off
+    mask_truncated_completions: bool = False
+    micro_batch_rows: int = 16  # sequences per forward/backward; a step accumulates them all
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}")
+        if self.num_generations < 2:
+            raise ValueError("num_generations must be at least 2: advantages are relative to the group")
+        if self.num_iterations < 1 or self.prompts_per_step < 1 or self.micro_batch_rows < 1:
+            raise ValueError("num_iterations, prompts_per_step and micro_batch_rows must be positive")
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / self.lora_rank
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "target_modules": list(self.target_modules)}
+
+
+class RolloutBatch(NamedTuple):
+    """Sequences (prompt + sampled completion) as right-padded rows [B, S], and per completion
+    token (K of them, padded to a bucket): its flat position, the sampled token, its loss weight
+    (0 for padding), advantage, the engine's logprob, and the old policy's and the reference's
+    logprobs (zeros when unused)."""
+
+    tokens: np.ndarray  # int32 [B, S]
+    valid: np.ndarray  # bool [B, S]
+    loss_index: np.ndarray  # int32 [K]
+    loss_targets: np.ndarray  # int32 [K]
+    loss_weight: np.ndarray  # float32 [K]
+    advantages: np.ndarray  # float32 [K]
+    sampler_logprobs: np.ndarray  # float32 [K]
+    old_logprobs: np.ndarray  # float32 [K]
+    ref_logprobs: np.ndarray  # float32 [K]
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One sampled completion of a prompt, with its reward."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float] | None  # the engine's, of each sampled token
+    truncated: bool
+    reward: float
+    text: str = ""
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+    return next((b for b in buckets if b >= n), n)
+
+
+def _pad(parts: list[np.ndarray], K: int, dtype=np.float32) -> np.ndarray:
+    flat = np.concatenate(parts).astype(dtype)
+    return np.pad(flat, (0, K - len(flat)))
+
+
+def rollout_batches(rollouts: Sequence[Rollout], advantages: np.ndarray, config: GRPOConfig) -> list[RolloutBatch]:
+    """The generation batch as micro-batches of `micro_batch_rows` sequences, each padded to a
+    length bucket; the loss weights are computed over the whole generation batch so that the
+    micro-batches' losses add up to its loss."""
+    n = len(rollouts)
+    token_seq = np.concatenate([np.full(len(r.completion_ids), i, np.int32) for i, r in enumerate(rollouts)])
+    token_mask = np.concatenate([np.full(len(r.completion_ids), 0.0 if (
+        r.truncated and config.mask_truncated_completions) else 1.0, np.float32) for r in rollouts])
+    weights = np.asarray(losses.sequence_loss_weights(jnp.asarray(token_mask), jnp.asarray(token_seq), n,
+                                                      config.loss_type, config.max_completion_tokens))
+    offsets = np.concatenate([[0], np.cumsum([len(r.completion_ids) for r in rollouts])])
+    rows = config.micro_batch_rows
+    out = []
+    for start in range(0, n, rows):
+        part = range(start, min(start + rows, n))
+        longest = max(len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids) - 1 for i in part)
+        S = _bucket(longest, length_buckets(max(32, longest)))
+        tokens, valid = np.zeros((rows, S), np.int32), np.zeros((rows, S), bool)
+        index, fields = [], {k: [] for k in ("targets", "weight", "adv", "sampler")}
+        for row, i in enumerate(part):
+            r = rollouts[i]
+            seq = r.prompt_ids + r.completion_ids
+            tokens[row, :len(seq) - 1], valid[row, :len(seq) - 1] = seq[:-1], True
+            # the completion's tokens are predicted at the positions before them
+            positions = np.arange(len(r.prompt_ids) - 1, len(seq) - 1)
+            index.append(row * S + positions)
+            fields["targets"].append(np.asarray(r.completion_ids, np.int32))
+            fields["weight"].append(weights[offsets[i]:offsets[i + 1]])
+            fields["adv"].append(np.full(len(r.completion_ids), advantages[i], np.float32))
+            fields["sampler"].append(np.asarray(r.logprobs if r.logprobs is not None else
+                                                np.zeros(len(r.completion_ids)), np.float32))
+        flat = np.concatenate(index).astype(np.int32)
+        K = _bucket(max(len(flat), 1), length_buckets(rows * S))
+        zeros = np.zeros(K, np.float32)
+        out.append(RolloutBatch(tokens, valid, _pad([flat], K, np.int32), _pad(fields["targets"], K, np.int32),
+                                _pad(fields["weight"], K), _pad(fields["adv"], K), _pad(fields["sampler"], K), zeros,
+                                zeros))
+    return out
+
+
+def completion_logits(params, lora, batch: RolloutBatch, cfg: ModelConfig, scale: float) -> jax.Array:
+    """Raw logits [K, vocab] at the completion positions (the LM head runs nowhere else)."""
+    hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale)
+    return lm_logits(params, hidden[batch.loss_index])
+
+
+def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config: GRPOConfig):
+    """The jitted pieces of a GRPO step: gradients of one micro-batch, the optimizer update, and
+    token logprobs (old policy, reference) without gradients."""
+    scale, temperature = config.scale, config.temperature
+
+    def loss_fn(lora, params, batch: RolloutBatch):
+        raw = completion_logits(params, lora, batch, cfg, scale)
+        logits = raw / temperature
+        logprobs = losses.token_logprobs(logits, batch.loss_targets)
+        if config.num_iterations > 1:
+            old, old_raw = batch.old_logprobs, batch.old_logprobs if temperature == 1.0 else None
+        else:  # one step per generation batch: the old policy is the current one
+            old = jax.lax.stop_gradient(logprobs)
+            old_raw = jax.lax.stop_gradient(losses.token_logprobs(raw, batch.loss_targets))
+        per_token, clipped = losses.clipped_surrogate(logprobs, old, batch.advantages, config.epsilon,
+                                                      config.epsilon_high)
+        if config.importance_sampling_cap and old_raw is not None:
+            per_token = per_token * losses.truncated_importance_weights(old_raw, batch.sampler_logprobs,
+                                                                        config.importance_sampling_cap)
+        kl = losses.kl_estimate(logprobs, batch.ref_logprobs, "k3") if config.beta else jnp.zeros_like(logprobs)
+        w = batch.loss_weight
+        loss = jnp.sum((per_token + config.beta * kl) * w)
+        aux = {"loss": loss, "clipped": jnp.sum(clipped * w), "kl": jnp.sum(kl * w),
+               "entropy": jnp.sum(jax.lax.stop_gradient(losses.entropy(logits)) * w), "weight": jnp.sum(w)}
+        return loss, aux
+
+    def grads(lora, params, batch: RolloutBatch):
+        return jax.grad(loss_fn, has_aux=True)(lora, params, batch)
+
+    def update(lora, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, optax.tree.norm(grads)
+
+    def logprobs(lora, params, batch: RolloutBatch):
+        raw = completion_logits(params, lora, batch, cfg, scale)
+        return losses.token_logprobs(raw / temperature, batch.loss_targets)
+
+    return jax.jit(grads), jax.jit(update, donate_argnums=(0, 1)), jax.jit(logprobs)
+
+
+Reward = Callable[[list[str], list[Any]], list[float]]
+
+
+def as_reward(reward, judge=None) -> Reward:
+    """A batch reward from grader JSON, a kiln Grader, or a `(sample, item) -> float` callable."""
+    from kiln import graders
+
+    grader = graders.build(reward)
+
+    def score(texts: list[str], items: list[Any]) -> list[float]:
+        return [r.reward for r in graders.grade_many(grader, texts, items, judge)]
+
+    return score
+
+
+class GRPORun:
+    """One GRPO run: the policy adapter's LoRA params and optimizer state, advanced one step at a
+    time by whoever drives it (the in-process `grpo()`, or a job between serving steps).
+
+    engine: the AsyncEngine serving the base model (its params are the frozen base; nothing is
+    copied). prompts: token ids per prompt; items: what the reward sees with each prompt."""
+
+    def __init__(self, engine, prompts: list[list[int]], items: list[Any], reward: Reward | None,
+                 config: GRPOConfig, name: str = "grpo-policy"):
+        if not prompts or len(prompts) != len(items):
+            raise ValueError("need one item per prompt, and at least one prompt")
+        if config.lora_rank > engine.config.max_lora_rank or engine.config.max_loras < 1:
+            raise ValueError(f"the engine's LoRA slots (max_lora_rank {engine.config.max_lora_rank}) cannot hold "
+                             f"a rank-{config.lora_rank} policy")
+        self.engine, self.config, self.name = engine, config, name
+        self.model = engine.model
+        self.params, self.cfg = self.model.params, self.model.config
+        self.prompts, self.items, self.reward = prompts, items, reward
+        steps_per_epoch = math.ceil(len(prompts) / config.prompts_per_step)
+        self.total_steps = config.max_steps or steps_per_epoch * config.n_epochs
+        self.schedule = learning_rate_schedule(config.learning_rate, self.total_steps, config.warmup_ratio,
+                                               config.lr_schedule)
+        tx = adamw(self.schedule, config.weight_decay, config.max_grad_norm)
+        self.lora = init_lora(self.cfg, config.lora_rank, config.target_modules, config.seed)
+        self.opt_state = tx.init(self.lora)
+        self._grads, self._update, self._logprobs = make_policy_steps(self.cfg, tx, config)
+        self._executables: dict[tuple, Any] = {}
+        self.step = 0
+        self.adapter: AdapterWeights | None = None
+        self.last_metrics: dict = {}
+        self.publish()
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    def publish(self) -> AdapterWeights:
+        """Hands the current LoRA weights to the engine as a new version of the policy adapter,
+        loaded into a slot at the next iteration boundary; the previous version retires when its
+        last request ends."""
+        old = self.adapter
+        self.adapter = AdapterWeights(self.name, f"step-{self.step}", lora_to_numpy(self.lora), self.config.scale,
+                                      self.config.lora_rank)
+        self.engine.place_adapter(self.adapter).result()
+        if old is not None:
+            self.engine.retire_adapter(old).result()
+        return self.adapter
+
+    def step_prompts(self) -> list[int]:
+        """Indices of this step's prompts: epochs in a seeded order, `prompts_per_step` at a time."""
+        n, per = len(self.prompts), self.config.prompts_per_step
+        out = []
+        for k in range(self.step * per, (self.step + 1) * per):
+            epoch, pos = divmod(k, n)
+            out.append(int(np.random.default_rng(self.config.seed + epoch).permutation(n)[pos]))
+        return out
+
+    def sample(self, indices: list[int]) -> list[list[Rollout]]:
+        """G completions per prompt from the engine, on the current policy version."""
+        c = self.config
+        params = [SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p,
+                                 max_tokens=c.max_completion_tokens, logprobs=0,
+                                 seed=(c.seed * 1_000_003 + self.step * 1009 + j) % (1 << 31))
+                  for j in range(len(indices))]
+        prompts = [self.prompts[i] for i in indices]
+        choices = self.engine.complete(prompts, params, self.adapter)
+        return [[Rollout(list(prompt), list(ch.token_ids), ch.logprobs, ch.finish_reason == "length", 0.0, ch.text)
+                 for ch in group] for prompt, group in zip(prompts, choices, strict=True)]
+
+    def train_step(self, groups: list[list[Rollout]], ownership=None) -> dict:
+        """One optimizer step (or num_iterations) on scored rollouts, grouped by prompt (each
+        group's rewards set); publishes the new weights to the engine."""
+        c = self.config
+        rollouts = [r for g in groups for r in g]
+        rewards = np.array([[r.reward for r in g] for g in groups], np.float32)
+        advantages = np.asarray(losses.group_advantages(jnp.asarray(rewards), c.scale_rewards)).reshape(-1)
+        batches = rollout_batches(rollouts, advantages, c)
+        lock = ownership.write if ownership is not None else lambda _: contextlib.nullcontext()
+        stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0, "weight": 0.0}
+        if c.num_iterations > 1 or c.beta:
+            old = [self._compiled("logprobs", self.lora, b) for b in batches] if c.num_iterations > 1 else None
+            ref = [self._compiled("logprobs", None, b) for b in batches] if c.beta else None
+            with lock(f"grpo {self.name}: logprobs"):
+                batches = [b._replace(old_logprobs=np.asarray(old[i](self.lora, self.params, b)) if old else
+                                      b.old_logprobs,
+                                      ref_logprobs=np.asarray(ref[i](None, self.params, b)) if ref else b.ref_logprobs)
+                           for i, b in enumerate(batches)]
+        steps = [self._compiled("grads", self.lora, b) for b in batches]  # compiled outside ownership
+        grad_norm = 0.0
+        for _ in range(c.num_iterations):
+            with lock(f"grpo {self.name}: step {self.step + 1}"):
+                total = None
+                for b, step in zip(batches, steps, strict=True):
+                    g, aux = step(self.lora, self.params, b)
+                    total = g if total is None else jax.tree.map(jnp.add, total, g)
+                    for k in stats:
+                        stats[k] += float(aux[k])
+                self.lora, self.opt_state, norm = self._update(self.lora, self.opt_state, total)
+                grad_norm = float(norm)
+        self.step += 1
+        self.publish()
+        weight = max(stats["weight"], 1e-9)
+        lengths = [len(r.completion_ids) for g in groups for r in g]
+        self.last_metrics = {
+            "loss": stats["loss"] / c.num_iterations,
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "kl": stats["kl"] / weight, "clip_fraction": stats["clipped"] / weight,
+            "entropy": stats["entropy"] / weight, "completion_length": float(np.mean(lengths)),
+            "truncated_fraction": float(np.mean([r.truncated for g in groups for r in g])),
+            "grad_norm": grad_norm, "learning_rate": float(self.schedule(self.step - 1)),
+        }
+        return self.last_metrics
+
+    def run_step(self, ownership=None) -> dict:
+        """Sample, score, train: one GRPO step. Returns its metrics, timings included."""
+        if self.reward is None:
+            raise ValueError("this run has no reward: train on scored rollouts with train_step")
+        t0 = time.perf_counter()
+        indices = self.step_prompts()
+        groups = self.sample(indices)
+        t1 = time.perf_counter()
+        flat = [r for g in groups for r in g]
+        items = [self.items[i] for i, g in zip(indices, groups, strict=True) for _ in g]
+        for r, score in zip(flat, self.reward([r.text for r in flat], items), strict=True):
+            r.reward = float(score)
+        t2 = time.perf_counter()
+        metrics = self.train_step(groups, ownership)
+        t3 = time.perf_counter()
+        tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in flat)
+        metrics.update(step=self.step, rollout_seconds=t1 - t0, reward_seconds=t2 - t1, train_seconds=t3 - t2,
+                       tokens_per_second=tokens / (t3 - t0))
+        return metrics
+
+    def _compiled(self, kind: str, lora, batch: RolloutBatch):
+        """The executable of `kind` ("grads" or "logprobs", with or without the adapter) for the
+        batch's shape, compiled on first need: a job compiles outside accelerator ownership, so
+        serving never waits for a compile."""
+        key = (kind, lora is None, batch.tokens.shape, batch.loss_index.shape)
+        if key not in self._executables:
+            fn = self._grads if kind == "grads" else self._logprobs
+            self._executables[key] = fn.lower(lora, self.params, batch).compile()
+        return self._executables[key]
+
+    @property
+    def compiled_shapes(self) -> int:
+        return len(self._executables)
+
+    def weights(self) -> dict[str, dict[str, np.ndarray]]:
+        return lora_to_numpy(self.lora)
+
+    def state(self) -> dict:
+        count = lambda n: np.asarray(n, np.int64)  # noqa: E731
+        return {"lora": self.lora, "opt_state": self.opt_state, "step": count(self.step),
+                "seed": count(self.config.seed)}
+
+    def restore(self, state: dict) -> None:
+        if int(state["seed"]) != self.config.seed:
+            raise ValueError("the checkpoint belongs to a run with another seed")
+        self.lora, self.opt_state, self.step = state["lora"], state["opt_state"], int(state["step"])
+        self.publish()
