@@ -126,6 +126,60 @@ def test_a_job_trains_an_adapter_that_serves_at_once(server, client, expressive_
         client.files.retrieve(valid.id)
 
 
+PROMPTS = jsonl([{"messages": [{"role": "user", "content": q}], "answer": "k"} for q in QUESTIONS])
+HAS_K = {"type": "string_check", "name": "has_k", "input": "{{ sample.output_text }}", "reference": "{{ item.answer }}",
+         "operation": "like"}
+
+
+def reinforcement(grader, **hp):
+    return {"type": "reinforcement", "reinforcement": {"grader": grader, "hyperparameters": hp}}
+
+
+def test_a_reinforcement_job_runs_grpo_with_a_grader(server, client):
+    train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")  # prompts only: accepted
+    job = client.fine_tuning.jobs.create(
+        model=MODEL, training_file=train.id, validation_file=train.id,
+        method=reinforcement(HAS_K, n_epochs=1, batch_size=4, eval_interval=1, eval_samples=1),
+        extra_body={"kiln": {**KILN, "grpo": {"num_generations": 4, "max_completion_tokens": 8}}})
+    assert job.method.type == "reinforcement" and job.model_extra["kiln"]["config"]["loss_type"] == "dapo"
+    done = wait_for(client, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
+    assert [m["step"] for m in metrics] == [2, 1]
+    assert {"reward_mean", "reward_std", "kl", "clip_fraction", "entropy", "completion_length", "rollout_seconds",
+            "train_seconds", "tokens_per_second", "valid_reward_mean"} <= set(metrics[0])
+    assert 0.0 <= metrics[0]["reward_mean"] <= 1.0 and 0 < metrics[0]["completion_length"] <= 8
+    reply = client.chat.completions.create(model=done.fine_tuned_model, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+    adapters = httpx.get(server.url + "/v1/adapters", timeout=30).json()["data"]
+    manifest = next(a for a in adapters if a["name"] == done.fine_tuned_model)
+    assert manifest.get("manifest", manifest)  # listed
+    resident = httpx.get(server.url + "/v1/runtime", timeout=30).json()
+    assert resident["jobs"]["running"] is None
+
+
+def test_bad_reinforcement_jobs_get_a_400(server, client):
+    train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
+    cases = [
+        (reinforcement({**HAS_K, "operation": "contains"}), None, "method.reinforcement.grader.operation"),
+        (reinforcement({"type": "nope"}), None, "method.reinforcement.grader.type"),
+        (reinforcement(HAS_K), {"grpo": {"loss_type": "ppo"}}, "kiln.grpo"),
+        (reinforcement(HAS_K), {"grpo": {"beta": "high"}}, "kiln.grpo.beta"),
+        (reinforcement(HAS_K), {"grpo": {"clip": 1}}, "kiln.grpo.clip"),
+        (reinforcement(HAS_K, compute_multiplier=100), None, "hyperparameters.compute_multiplier"),
+    ]
+    for method_body, kiln, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method_body,
+                                           extra_body={"kiln": kiln} if kiln else None)
+        assert err.value.body["param"] == param, err.value.body
+    sft_file = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as err:  # a conversation that ends with the answer is no prompt
+        client.fine_tuning.jobs.create(model=MODEL, training_file=sft_file.id, method=reinforcement(HAS_K))
+    assert err.value.body["param"] == "training_file" and "assistant turn" in err.value.body["message"]
+
+
 def test_pause_resume_and_cancel(server, client):
     train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
     long_job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(40),

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from litestar import Request, post
 
 from kiln import graders
 from kiln.errors import InvalidRequest, NotFound
-from kiln.server import openai_api as oa
-from kiln.server.schemas import ChatCompletionRequest
+from kiln.graders.engine_judge import engine_judge
 from kiln.server.state import ServerState, server_state
-
-JUDGE_MAX_TOKENS = 256  # when the grader's sampling_params set no max_completions_tokens
-JUDGE_TIMEOUT_S = 300.0
 
 
 def _grader(data: dict[str, Any]) -> graders.Grader:
@@ -31,20 +26,11 @@ def _grader(data: dict[str, Any]) -> graders.Grader:
 def make_judge(st: ServerState) -> graders.Judge:
     """The judge of model graders: one chat completion on this server's engine."""
 
-    def judge(model: str, messages: list[dict], params: dict) -> graders.JudgeReply:
+    def adapter_weights(model: str):
         adapter = st.select_model(model)
-        body = {"model": model, "messages": messages, "temperature": params.get("temperature", 0.0),
-                "top_p": params.get("top_p"), "seed": params.get("seed")}
-        request = msgspec.convert(body, ChatCompletionRequest)
-        prompt = oa.render_chat(st.tokenizer, request, request.messages)
-        max_tokens = params.get("max_completions_tokens") or max(1, min(JUDGE_MAX_TOKENS,
-                                                                        st.engine.max_model_len - len(prompt)))
-        sampling = oa.sampling_params(request, max_tokens, None)
-        [[completion]] = st.engine.complete([prompt], sampling, adapter=adapter and adapter.weights,
-                                            timeout=JUDGE_TIMEOUT_S)
-        return graders.JudgeReply(completion.text, len(prompt), len(completion.token_ids))
+        return adapter.weights if adapter is not None else None
 
-    return judge
+    return engine_judge(st.engine, adapter_weights)
 
 
 @post("/v1/fine_tuning/alpha/graders/run", status_code=200, sync_to_thread=True)

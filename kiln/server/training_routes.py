@@ -12,7 +12,7 @@ from litestar.params import Body
 from kiln.errors import InvalidRequest, NotFound
 from kiln.server.state import ServerState, server_state
 from kiln.train import memory
-from kiln.train.data import DataError, load_examples
+from kiln.train.data import DataError, is_prompt_file, load_examples, load_prompts, read_jsonl
 from kiln.train.jobs import ACTIVE
 from kiln.train.sft import file_digest
 from kiln.train.store import TrainingStore
@@ -59,8 +59,12 @@ def upload_file(request: Request,
         raise InvalidRequest("a multipart 'file' part is required", param="file")
     content = upload.file.read()
     if purpose == "fine-tune":  # refuse a file no job could train on, naming the line at fault
+        tokenizer, what = server_state(request).tokenizer, f"file {upload.filename}"
         try:
-            load_examples(content, server_state(request).tokenizer, 1 << 20, f"file {upload.filename}")
+            if is_prompt_file(read_jsonl(content, what)):  # prompts for reinforcement fine-tuning
+                load_prompts(content, tokenizer, 1 << 20, what)
+            else:
+                load_examples(content, tokenizer, 1 << 20, what)
         except DataError as exc:
             code = "invalid_file" if exc.code == DataError.default_code else exc.code
             raise DataError(exc.message, code=code, param="file") from None

@@ -172,6 +172,59 @@ def load_examples(data: bytes | str | Path, tokenizer: KilnTokenizer, max_seq_le
     return examples
 
 
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A reinforcement-learning item: the prompt's token ids and the record the reward sees."""
+
+    ids: list[int]
+    item: dict
+
+
+def encode_prompt(record: dict, tokenizer: KilnTokenizer, max_prompt_len: int, where: str = "item") -> Prompt:
+    """`{"messages": [...], ...}` rendered with the chat template and a generation prompt (the
+    conversation must not end with an assistant turn), or `{"prompt": "text", ...}` as is. The
+    whole record is the grader's `item`."""
+    if "messages" in record:
+        messages = record.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: 'messages' must be a non-empty list")
+        checked = []
+        for i, m in enumerate(messages):
+            at = f"{where}, messages[{i}]"
+            if not isinstance(m, dict) or m.get("role") not in ROLES:
+                raise DataError(f"{at}: expected an object whose role is one of {', '.join(ROLES)}")
+            checked.append({**m, "content": _text(m.get("content"), at)})
+        if checked[-1]["role"] == "assistant":
+            raise DataError(f"{where}: the conversation ends with an assistant turn; the model writes that one")
+        text = _render(tokenizer, checked, record.get("tools"), True, where)
+    elif isinstance(record.get("prompt"), str):
+        text = record["prompt"]
+    else:
+        raise DataError(f"{where}: expected {{\"messages\": [...]}} or {{\"prompt\": \"...\"}}")
+    ids = list(tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
+    if tokenizer.add_bos and tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id, *ids]
+    if not ids:
+        raise DataError(f"{where}: the prompt is empty")
+    if len(ids) > max_prompt_len:
+        raise DataError(f"{where}: the prompt has {len(ids)} tokens, more than the {max_prompt_len} allowed")
+    return Prompt(ids, record)
+
+
+def load_prompts(data: bytes | str | Path, tokenizer: KilnTokenizer, max_prompt_len: int,
+                 what: str = "training file") -> list[Prompt]:
+    """Parses, validates and tokenizes a JSONL file of reinforcement-learning items."""
+    return [encode_prompt(r, tokenizer, max_prompt_len, f"{what}, line {n}") for n, r in read_jsonl(data, what)]
+
+
+def is_prompt_file(records: list[tuple[int, dict]]) -> bool:
+    """Whether a file holds prompts to sample (no assistant turn or completion to imitate)."""
+    def imitates(r: dict) -> bool:
+        return "completion" in r or any(isinstance(m, dict) and m.get("role") == "assistant"
+                                        for m in (r.get("messages") or []) if isinstance(r.get("messages"), list))
+    return not any(imitates(r) for _, r in records)
+
+
 def length_buckets(max_seq_len: int) -> list[int]:
     """Sequence-length buckets: 32, 48, then four per octave (64, 80, 96, 112, 128, 160, ...),
     and max_seq_len itself. A batch pads by at most a quarter of its length (an eighth from

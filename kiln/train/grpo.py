@@ -47,6 +47,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits as lm_logits
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import losses
+from kiln.train.artifact import adapter_manifest
 from kiln.train.data import length_buckets
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
@@ -267,8 +268,10 @@ class GRPORun:
         self.opt_state = tx.init(self.lora)
         self._grads, self._update, self._logprobs = make_policy_steps(self.cfg, tx, config)
         self._executables: dict[tuple, Any] = {}
+        self.trained_tokens = 0  # completion tokens in the loss
         self.step = 0
         self.adapter: AdapterWeights | None = None
+        self.validation = None  # prompts a job evaluates the policy on
         self.last_metrics: dict = {}
         self.publish()
 
@@ -340,6 +343,7 @@ class GRPORun:
                 self.lora, self.opt_state, norm = self._update(self.lora, self.opt_state, total)
                 grad_norm = float(norm)
         self.step += 1
+        self.trained_tokens += int(sum(float((b.loss_weight > 0).sum()) for b in batches))
         self.publish()
         weight = max(stats["weight"], 1e-9)
         lengths = [len(r.completion_ids) for g in groups for r in g]
@@ -387,16 +391,107 @@ class GRPORun:
     def compiled_shapes(self) -> int:
         return len(self._executables)
 
+    def evaluate(self, prompts: list[list[int]], items: list[Any], samples: int = 1) -> float:
+        """The current policy's mean reward over `samples` completions of each prompt."""
+        c = self.config
+        params = SamplingParams(n=samples, temperature=c.temperature, top_p=c.top_p,
+                                max_tokens=c.max_completion_tokens, seed=c.seed)
+        choices = self.engine.complete(prompts, params, self.adapter)
+        texts = [ch.text for group in choices for ch in group]
+        scores = self.reward(texts, [item for item, group in zip(items, choices, strict=True) for _ in group])
+        return float(np.mean(scores))
+
+    def manifest(self, name: str, model, inputs: list[dict], training: dict):
+        """The adapter manifest of this run's result (see `artifact.adapter_manifest`)."""
+        c = self.config
+        return adapter_manifest(name, model, method="reinforcement", source="grpo", config=c.to_json(),
+                                rank=c.lora_rank, alpha=c.lora_alpha, modules=c.target_modules, inputs=inputs,
+                                training=training, steps=self.total_steps, trained_tokens=self.trained_tokens,
+                                final_metrics=self.last_metrics)
+
     def weights(self) -> dict[str, dict[str, np.ndarray]]:
         return lora_to_numpy(self.lora)
 
     def state(self) -> dict:
         count = lambda n: np.asarray(n, np.int64)  # noqa: E731
         return {"lora": self.lora, "opt_state": self.opt_state, "step": count(self.step),
-                "seed": count(self.config.seed)}
+                "trained_tokens": count(self.trained_tokens), "seed": count(self.config.seed)}
 
     def restore(self, state: dict) -> None:
         if int(state["seed"]) != self.config.seed:
             raise ValueError("the checkpoint belongs to a run with another seed")
         self.lora, self.opt_state, self.step = state["lora"], state["opt_state"], int(state["step"])
+        self.trained_tokens = int(state["trained_tokens"])
         self.publish()
+
+
+@dataclasses.dataclass
+class GRPOResult:
+    history: list[dict]
+    artifact: Any  # kiln.adapters.store.Artifact, or None when not saved
+    run: GRPORun
+
+
+def grpo(data, reward, name: str | None = None, *, model=None, engine=None, config: GRPOConfig | None = None,
+         store=None, progress: bool = True, save: bool = True, settings=None, judge=None,
+         max_prompt_len: int = 1024, **overrides) -> GRPOResult:
+    """Trains a LoRA policy with GRPO in this process and saves it to the adapter store.
+
+    data: a JSONL path or its text/bytes; each line `{"messages": [...], ...}` (rendered with
+    the chat template) or `{"prompt": "...", ...}`; the whole line is the grader's `item`.
+    reward: OpenAI grader JSON, a kiln Grader, or a `(sample, item) -> float` callable. model:
+    a LoadedModel, a path, or None for the default model; engine: an AsyncEngine to sample
+    from (default: one started here, and stopped at the end). judge: for model graders. Keyword
+    overrides replace GRPOConfig fields. Returns the metrics history and the saved artifact."""
+    import datetime
+
+    from tqdm.auto import tqdm
+
+    from kiln.adapters.store import AdapterStore
+    from kiln.config import resolve_settings
+    from kiln.engine.client import AsyncEngine
+    from kiln.engine.config import EngineConfig
+    from kiln.engine.setup import load_model_from_settings
+    from kiln.models.loader import LoadedModel, load_model
+    from kiln.train.data import load_prompts
+    from kiln.train.sft import _as_source, file_digest
+
+    settings = settings or resolve_settings(None)
+    config = dataclasses.replace(config or GRPOConfig(), **overrides)
+    own_engine = engine is None
+    if engine is None:
+        if model is None:
+            model = load_model_from_settings(settings, show_progress=progress)
+        elif not isinstance(model, LoadedModel):
+            model = load_model(model, dtype=settings.model.dtype, show_progress=progress,
+                               cache_root=settings.cache_dir())
+        engine_config = EngineConfig.from_settings(settings)
+        engine_config = dataclasses.replace(engine_config, max_loras=max(engine_config.max_loras, 1),
+                                            max_lora_rank=max(engine_config.max_lora_rank, config.lora_rank))
+        engine = AsyncEngine(model, engine_config)
+    try:
+        name = name or "grpo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        data = _as_source(data)
+        prompts = load_prompts(data, engine.model.tokenizer, max_prompt_len)
+        run = GRPORun(engine, [p.ids for p in prompts], [p.item for p in prompts], as_reward(reward, judge), config,
+                      name=name)
+        started = datetime.datetime.now(datetime.UTC)
+        history: list[dict] = []
+        bar = tqdm(total=run.total_steps, desc=f"grpo {name}", unit="step", disable=not progress)
+        while not run.done:
+            history.append(run.run_step(engine.core.ownership))
+            bar.update(1)
+            bar.set_postfix(reward=f"{history[-1]['reward_mean']:.3f}")
+        bar.close()
+        engine.retire_adapter(run.adapter).result()
+        artifact = None
+        if save:
+            store = store if isinstance(store, AdapterStore) else AdapterStore(store or settings.adapter_store())
+            manifest = run.manifest(name, engine.model, [{"purpose": "training", "sha256": file_digest(data)}], {
+                "started_at": started.isoformat(timespec="seconds"),
+                "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
+            artifact = store.save(manifest, run.weights())
+        return GRPOResult(history, artifact, run)
+    finally:
+        if own_engine:
+            engine.shutdown()

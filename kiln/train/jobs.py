@@ -21,11 +21,13 @@ from typing import Any
 
 import jax
 
+from kiln import graders
 from kiln.adapters.manifest import validate_name
 from kiln.errors import InvalidRequest, KilnError, NotFound
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
-from kiln.train.data import DataError, load_examples
+from kiln.train.data import DataError, load_examples, load_prompts
+from kiln.train.grpo import GRPOConfig, GRPORun, as_reward
 from kiln.train.sft import SFTConfig, SFTRun
 from kiln.train.store import TrainingStore, new_id, now
 
@@ -34,6 +36,11 @@ log = logging.getLogger("kiln.train")
 ACTIVE = ("validating_files", "queued", "running")
 FINAL = ("succeeded", "failed", "cancelled")
 _SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
+METHODS = ("supervised", "reinforcement")
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+GRPO_KNOBS = ("num_generations", "max_completion_tokens", "temperature", "top_p", "loss_type", "scale_rewards", "beta",
+              "epsilon", "epsilon_high", "num_iterations", "importance_sampling_cap", "mask_truncated_completions",
+              "micro_batch_rows", "lr_schedule", "warmup_ratio", "weight_decay", "max_grad_norm")
 
 
 def _choose(value: Any, auto: Any, kind: type, lo: float, hi: float, param: str) -> Any:
@@ -85,32 +92,36 @@ class JobManager:
         validation = self._input_file(body["validation_file"], "validation_file") if body.get(
             "validation_file") else None
         method = body.get("method") or {"type": "supervised"}
-        if method.get("type") != "supervised":
-            raise InvalidRequest(f"method {method.get('type')!r} is not supported; use \"supervised\"",
+        kind = method.get("type") if isinstance(method, dict) else None
+        if kind not in METHODS:
+            raise InvalidRequest(f"method {kind!r} is not supported; use one of {', '.join(METHODS)}",
                                  code="unsupported_method", param="method.type")
-        hp = {**(body.get("hyperparameters") or {}), **((method.get("supervised") or {}).get("hyperparameters") or {})}
+        options = method.get(kind) or {}
+        hp = {**(body.get("hyperparameters") or {}), **(options.get("hyperparameters") or {})}
         kiln = body.get("kiln") or {}
         if not isinstance(kiln, dict):
             raise InvalidRequest("kiln must be an object", param="kiln")
-        defaults = SFTConfig.from_settings(self.settings)
+        sft_defaults = SFTConfig.from_settings(self.settings)
+        defaults = sft_defaults if kind == "supervised" else GRPOConfig()
         lora = kiln.get("lora") or {}
         n_epochs = _choose(hp.get("n_epochs"), defaults.n_epochs, int, 1, 50, "hyperparameters.n_epochs")
-        batch_size = _choose(hp.get("batch_size"), defaults.batch_size, int, 1, 256, "hyperparameters.batch_size")
+        batch_default = defaults.batch_size if kind == "supervised" else defaults.prompts_per_step
+        batch_size = _choose(hp.get("batch_size"), batch_default, int, 1, 256, "hyperparameters.batch_size")
         multiplier = _choose(hp.get("learning_rate_multiplier"), 1.0, float, 1e-6, 100,
                              "hyperparameters.learning_rate_multiplier")
         max_rank = self.engine.config.max_lora_rank
-        rank = _choose(lora.get("rank"), min(defaults.lora_rank, max_rank), int, 1, max_rank, "kiln.lora.rank")
+        rank = _choose(lora.get("rank"), min(sft_defaults.lora_rank, max_rank), int, 1, max_rank, "kiln.lora.rank")
         alpha = _choose(lora.get("alpha"), 2.0 * rank, float, 1e-6, 1e6, "kiln.lora.alpha")
-        modules = lora.get("target_modules") or list(defaults.target_modules)
+        modules = lora.get("target_modules") or list(sft_defaults.target_modules)
         if not isinstance(modules, list) or not modules or any(m not in TARGET_MODULES for m in modules):
             raise InvalidRequest(f"kiln.lora.target_modules must be a non-empty list of {', '.join(TARGET_MODULES)}",
                                  code="invalid_hyperparameter", param="kiln.lora.target_modules")
         base_lr = _choose(kiln.get("learning_rate"), defaults.learning_rate, float, 1e-9, 1.0, "kiln.learning_rate")
-        max_seq_len = _choose(kiln.get("max_seq_len"), defaults.max_seq_len, int, 8, 1 << 20, "kiln.max_seq_len")
+        max_seq_len = _choose(kiln.get("max_seq_len"), sft_defaults.max_seq_len, int, 8, 1 << 20, "kiln.max_seq_len")
         checkpoint_every = _choose(kiln.get("checkpoint_every"), self.settings.train.checkpoint_every, int, 1, 1 << 30,
                                    "kiln.checkpoint_every")
         seed = body.get("seed")
-        seed = defaults.seed if seed is None else _choose(seed, 0, int, 0, 2**31 - 1, "seed")
+        seed = sft_defaults.seed if seed is None else _choose(seed, 0, int, 0, 2**31 - 1, "seed")
         suffix = body.get("suffix")
         if suffix is not None and (not isinstance(suffix, str) or not _SUFFIX.fullmatch(suffix)):
             raise InvalidRequest("suffix must be 1-64 letters, digits, '-' or '_'", param="suffix")
@@ -121,33 +132,58 @@ class JobManager:
         job_id = new_id("ftjob")
         name = kiln.get("adapter_name") or f"{self.model.model_id}-{suffix or 'ft'}-{job_id[-8:]}"
         validate_name(name)
-        config = SFTConfig(lora_rank=rank, lora_alpha=alpha, target_modules=tuple(modules),
-                           learning_rate=base_lr * multiplier, n_epochs=n_epochs, batch_size=batch_size,
-                           max_seq_len=max_seq_len, seed=seed, **{k: getattr(defaults, k) for k in (
-                               "gradient_accumulation", "warmup_ratio", "lr_schedule", "weight_decay",
-                               "max_grad_norm", "remat")})
-        # the data must tokenize and train something; the job must fit in memory
-        examples = self._examples(training, config, "training_file")
-        if validation:
-            self._examples(validation, config, "validation_file")
-        seq_len = min(max_seq_len, max(len(e.ids) for e in examples))
-        plan = memory.plan(self.model.config, rank, modules, batch_size, seq_len, config.gradient_accumulation,
-                           self.serving_bytes, self.settings.train.memory_budget_bytes)
+        hyperparameters = {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier}
+        common = dict(lora_rank=rank, lora_alpha=alpha, target_modules=tuple(modules),
+                      learning_rate=base_lr * multiplier, n_epochs=n_epochs, seed=seed)
+        if kind == "supervised":
+            config = SFTConfig(**common, batch_size=batch_size, max_seq_len=max_seq_len, **{
+                k: getattr(sft_defaults, k) for k in ("gradient_accumulation", "warmup_ratio", "lr_schedule",
+                                                      "weight_decay", "max_grad_norm", "remat")})
+            # the data must tokenize and train something
+            examples = self._examples(training, config, "training_file")
+            if validation:
+                self._examples(validation, config, "validation_file")
+            rows, seq_len, accumulation = batch_size, min(max_seq_len, max(len(e.ids) for e in examples)), \
+                config.gradient_accumulation
+            method_out = {"type": kind, kind: {"hyperparameters": hyperparameters}}
+            remat_setting = config.remat
+        else:
+            grader = graders.validate(options.get("grader"), f"method.{kind}.grader")
+            for key, lo, hi, kind_ in (("eval_interval", 1, 1 << 20, int), ("eval_samples", 1, 64, int),
+                                       ("compute_multiplier", 0.25, 16, float)):
+                hyperparameters[key] = _choose(hp.get(key), {"eval_interval": 10, "eval_samples": 1,
+                                                             "compute_multiplier": 1.0}[key], kind_, lo, hi,
+                                               f"hyperparameters.{key}")
+            config = self._grpo_config(kiln.get("grpo") or {}, common, batch_size,
+                                       hyperparameters["compute_multiplier"])
+            prompts = self._prompts(training, max_seq_len, "training_file")
+            if validation:
+                self._prompts(validation, max_seq_len, "validation_file")
+            rows, accumulation = config.micro_batch_rows, 1
+            seq_len = max(len(p.ids) for p in prompts) + config.max_completion_tokens
+            if seq_len > self.engine.max_model_len:
+                raise InvalidRequest(f"the longest prompt ({seq_len - config.max_completion_tokens} tokens) and "
+                                     f"max_completion_tokens ({config.max_completion_tokens}) exceed the "
+                                     f"{self.engine.max_model_len}-token context", code="invalid_hyperparameter",
+                                     param="kiln.grpo.max_completion_tokens")
+            method_out = {"type": kind, kind: {"grader": grader.to_json(), "hyperparameters": hyperparameters}}
+            remat_setting = "off"
+        plan = memory.plan(self.model.config, rank, modules, rows, seq_len, accumulation, self.serving_bytes,
+                           self.settings.train.memory_budget_bytes)
         kv_pool = {"blocks": self.kv_blocks, "bytes_per_block": self.kv_block_bytes,
                    "min_blocks": self.engine.core.min_kv_blocks}
-        plan.update(memory.admit(plan, config.remat,
+        plan.update(memory.admit(plan, remat_setting,
                                  kv_pool if self.settings.serving_profile.policy.dynamic_kv_resize else None))
-        hyperparameters = {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier}
         job = {
             "object": "fine_tuning.job", "id": job_id, "model": base, "created_at": now(), "finished_at": None,
             "fine_tuned_model": None, "organization_id": "kiln", "result_files": [], "status": "queued",
             "training_file": training["id"], "validation_file": validation["id"] if validation else None,
             "hyperparameters": hyperparameters, "trained_tokens": None, "error": None, "user_provided_suffix": suffix,
             "seed": seed, "estimated_finish": None, "integrations": [], "metadata": metadata,
-            "method": {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}},
+            "method": method_out,
             "kiln": {"adapter_name": name, "auto_load": bool(kiln.get("auto_load", True)),
                      "checkpoint_every": checkpoint_every, "config": config.to_json(), "plan": plan,
-                     "gate": kiln.get("gate"), "step": 0, "total_steps": None},
+                     "max_seq_len": max_seq_len, "gate": kiln.get("gate"), "step": 0, "total_steps": None},
         }
         self.store.put_job(job)
         self.store.add_event(job_id, f"Validated training file: {training['id']}")
@@ -155,6 +191,41 @@ class JobManager:
         with self._cv:
             self._cv.notify_all()
         return job
+
+    def _grpo_config(self, knobs: dict, common: dict, prompts_per_step: int, compute_multiplier: float) -> GRPOConfig:
+        """GRPO's own knobs (the `kiln.grpo` object) on top of the job's common settings."""
+        if not isinstance(knobs, dict):
+            raise InvalidRequest("kiln.grpo must be an object", param="kiln.grpo")
+        unknown = sorted(set(knobs) - set(GRPO_KNOBS))
+        if unknown:
+            raise InvalidRequest(f"unknown kiln.grpo setting {unknown[0]!r}; known: {', '.join(GRPO_KNOBS)}",
+                                 code="invalid_hyperparameter", param=f"kiln.grpo.{unknown[0]}")
+        if "max_completion_tokens" not in knobs:  # the default, within what the engine's context allows
+            knobs = {**knobs, "max_completion_tokens": min(GRPOConfig.max_completion_tokens,
+                                                           self.engine.max_model_len // 2)}
+        generations = knobs.get("num_generations", max(2, round(GRPOConfig.num_generations * compute_multiplier)))
+        for key, value in knobs.items():
+            default = getattr(GRPOConfig, key)
+            expected = float if default is None else type(default)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok = {float: number, int: number and float(value).is_integer(), bool: isinstance(value, bool),
+                  str: isinstance(value, str)}[expected]
+            if not ok:
+                raise InvalidRequest(f"kiln.grpo.{key} must be {_KIND_NAMES[expected]}, got {value!r}",
+                                     code="invalid_hyperparameter", param=f"kiln.grpo.{key}")
+        try:
+            config = GRPOConfig(**common, prompts_per_step=prompts_per_step, **{
+                **knobs, "num_generations": int(generations),
+                **{k: int(v) for k, v in knobs.items() if type(getattr(GRPOConfig, k)) is int}})
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"kiln.grpo: {exc}", code="invalid_hyperparameter", param="kiln.grpo") from None
+        for key, lo, hi in (("max_completion_tokens", 1, self.engine.max_model_len - 1), ("num_generations", 2, 256),
+                            ("epsilon", 0.0, 10.0), ("beta", 0.0, 100.0), ("num_iterations", 1, 16),
+                            ("temperature", 1e-3, 10.0), ("top_p", 1e-3, 1.0), ("importance_sampling_cap", 0.0, 1e6)):
+            if not lo <= getattr(config, key) <= hi:
+                raise InvalidRequest(f"kiln.grpo.{key} must be from {lo:g} to {hi:g}", code="invalid_hyperparameter",
+                                     param=f"kiln.grpo.{key}")
+        return config
 
     def get(self, job_id: str) -> dict:
         job = self.store.get_job(job_id)
@@ -219,6 +290,14 @@ class JobManager:
         if file["purpose"] != "fine-tune":
             raise InvalidRequest(f"file {file_id} has purpose {file['purpose']!r}, not 'fine-tune'", param=param)
         return file
+
+    def _prompts(self, file: dict, max_prompt_len: int, param: str):
+        what = "training file" if param == "training_file" else "validation file"
+        try:
+            return load_prompts(self.store.file_content(file["id"]), self.model.tokenizer, max_prompt_len,
+                                f"{what} {file['id']}")
+        except DataError as exc:
+            raise DataError(exc.message, code=exc.code, param=param) from None
 
     def _examples(self, file: dict, config: SFTConfig, param: str):
         what = "training file" if param == "training_file" else "validation file"
@@ -294,11 +373,7 @@ class JobManager:
         import orbax.checkpoint as ocp
 
         job_id, spec = job["id"], job["kiln"]
-        config = SFTConfig(**{**spec["config"], "target_modules": tuple(spec["config"]["target_modules"])})
-        examples = self._examples(self.store.get_file(job["training_file"]), config, "training_file")
-        valid = (self._examples(self.store.get_file(job["validation_file"]), config, "validation_file")
-                 if job["validation_file"] else None)
-        run = SFTRun(self.model.params, self.model.config, examples, config, valid, remat=spec["plan"]["remat"])
+        run = self._make_run(job)
         manager = ocp.CheckpointManager(self._checkpoint_dir(job_id).absolute(),
                                         options=ocp.CheckpointManagerOptions(max_to_keep=2))
         shrunk = False
@@ -328,18 +403,24 @@ class JobManager:
                         self._set(job, status="paused")
                         self.store.add_event(job_id, f"Fine-tuning job paused at step {run.step}")
                     return  # on shutdown the job stays running: it resumes at the next start
-                run.prepare()  # compiles outside ownership: serving never waits for a compile
-                with ownership.write(f"training {job_id}"):
-                    started = time.monotonic()
-                    metrics = run.train_micro_step()
-                    held = time.monotonic() - started
+                if isinstance(run, SFTRun):
+                    run.prepare()  # compiles outside ownership: serving never waits for a compile
+                    with ownership.write(f"training {job_id}"):
+                        started = time.monotonic()
+                        metrics = run.train_micro_step()
+                        held = time.monotonic() - started
+                    summary = None if metrics is None else f"training loss={metrics['train_loss']:.4f}"
+                else:  # rollouts are served by the engine; the training part takes ownership itself
+                    metrics = run.run_step(ownership)
+                    held = metrics["train_seconds"]
+                    self._evaluate_policy(job, run, metrics)
+                    summary = f"reward={metrics['reward_mean']:.4f}"
                 self._leave_time_to_serving(job_id, held)
                 if metrics is None:
                     continue
                 spec["step"] = metrics["step"]
                 self._set(job, trained_tokens=run.trained_tokens)
-                self.store.add_event(job_id, f"Step {metrics['step']}/{run.total_steps}: training loss="
-                                     f"{metrics['train_loss']:.4f}", type_="metrics",
+                self.store.add_event(job_id, f"Step {metrics['step']}/{run.total_steps}: {summary}", type_="metrics",
                                      data={**metrics, "total_steps": run.total_steps})
                 if run.step % spec["checkpoint_every"] == 0 and not run.done:
                     self._save_checkpoint(manager, run, job, metrics)
@@ -348,8 +429,52 @@ class JobManager:
             self._finish(job, run)
         finally:
             manager.close()
+            if isinstance(run, GRPORun):  # the policy's training versions leave their slot
+                self.engine.retire_adapter(run.adapter).result()
             if shrunk:
                 self._grow_kv(job_id)
+
+    def _make_run(self, job: dict):
+        spec = job["kiln"]
+        modules = tuple(spec["config"]["target_modules"])
+        if job["method"]["type"] == "supervised":
+            config = SFTConfig(**{**spec["config"], "target_modules": modules})
+            examples = self._examples(self.store.get_file(job["training_file"]), config, "training_file")
+            valid = (self._examples(self.store.get_file(job["validation_file"]), config, "validation_file")
+                     if job["validation_file"] else None)
+            return SFTRun(self.model.params, self.model.config, examples, config, valid, remat=spec["plan"]["remat"])
+        config = GRPOConfig(**{**spec["config"], "target_modules": modules})
+        options = job["method"]["reinforcement"]
+        prompts = self._prompts(self.store.get_file(job["training_file"]), spec["max_seq_len"], "training_file")
+        reward = as_reward(options["grader"], self.judge)
+        run = GRPORun(self.engine, [p.ids for p in prompts], [p.item for p in prompts], reward, config,
+                      name=f"{spec['adapter_name']}:training")
+        run.validation = (self._prompts(self.store.get_file(job["validation_file"]), spec["max_seq_len"],
+                                        "validation_file") if job["validation_file"] else None)
+        return run
+
+    def judge(self, model: str, messages: list[dict], params: dict):
+        """Model graders' judge: a model this process serves, the base or a loaded adapter."""
+        from kiln.graders.engine_judge import engine_judge
+
+        def adapter_weights(name: str):
+            if name in (None, "", self.model.model_id):
+                return None
+            adapter = self.registry.get(name)
+            if adapter is None:
+                raise NotFound(f"The model `{name}` does not exist.", code="model_not_found", param="model")
+            return adapter.weights
+
+        return engine_judge(self.engine, adapter_weights)(model, messages, params)
+
+    def _evaluate_policy(self, job: dict, run, metrics: dict) -> None:
+        """Every `eval_interval` steps (and at the end), the policy's mean reward on the validation
+        prompts, `eval_samples` completions each: `valid_reward_mean`."""
+        hp = job["method"]["reinforcement"]["hyperparameters"]
+        if not run.validation or (run.step % hp["eval_interval"] and not run.done):
+            return
+        metrics["valid_reward_mean"] = run.evaluate([p.ids for p in run.validation],
+                                                    [p.item for p in run.validation], hp["eval_samples"])
 
     def _grow_kv(self, job_id: str) -> bool:
         self._resize_kv(self.kv_blocks)
@@ -407,11 +532,11 @@ class JobManager:
                     return
                 self._cv.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
 
-    def _save_checkpoint(self, manager, run: SFTRun, job: dict, metrics: dict | None) -> None:
+    def _save_checkpoint(self, manager, run, job: dict, metrics: dict | None) -> None:
         import orbax.checkpoint as ocp
 
         with self.engine.core.ownership.write(f"checkpoint {job['id']}"):
-            manager.save(run.micro_step, args=ocp.args.StandardSave(run.state()), force=True)
+            manager.save(getattr(run, "micro_step", run.step), args=ocp.args.StandardSave(run.state()), force=True)
             manager.wait_until_finished()
         if metrics is not None:
             name = job["kiln"]["adapter_name"]
@@ -420,11 +545,12 @@ class JobManager:
                 "fine_tuned_model_checkpoint": f"{name}:step-{run.step}", "fine_tuning_job_id": job["id"],
                 "step_number": run.step,
                 "metrics": {k: float(metrics[k]) for k in ("train_loss", "train_mean_token_accuracy", "valid_loss",
-                                                           "valid_mean_token_accuracy") if k in metrics}
+                                                           "valid_mean_token_accuracy", "reward_mean",
+                                                           "valid_reward_mean") if k in metrics}
                 | {"step": float(run.step)}})
             self.store.add_event(job["id"], f"Checkpoint created at step {run.step}")
 
-    def _finish(self, job: dict, run: SFTRun) -> None:
+    def _finish(self, job: dict, run) -> None:
         spec = job["kiln"]
         inputs = [{"purpose": purpose, "file_id": job[f"{purpose}_file"],
                    "sha256": self.store.get_file(job[f"{purpose}_file"])["sha256"]}  # digested at upload

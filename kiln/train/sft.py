@@ -25,6 +25,7 @@ from kiln.config import KEYS
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits
 from kiln.train import losses
+from kiln.train.artifact import adapter_manifest
 from kiln.train.data import (
     Batch,
     DataError,
@@ -230,18 +231,12 @@ class SFTRun:
         return {"valid_loss": loss / count, "valid_mean_token_accuracy": correct / count}
 
     def manifest(self, name: str, model, inputs: list[dict], training: dict):
-        """The adapter manifest of this run's result: base model, LoRA shape, inputs (purpose,
-        sha256, file id for jobs), the resolved config, and `training` (times, job) completed
-        with steps, trained tokens and the last step's metrics."""
-        from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
-
-        return Manifest(
-            name=name, base_model=BaseModelRef(model.model_id, model.weights_digest), rank=self.config.lora_rank,
-            alpha=self.config.lora_alpha, target_modules=list(self.config.target_modules), weights_digest="",
-            provenance=provenance("training:sft"), training_inputs_digest=inputs[0]["sha256"], training_inputs=inputs,
-            config={"method": "supervised", **self.config.to_json()},
-            training={**training, "steps": self.total_steps, "trained_tokens": self.trained_tokens,
-                      "final_metrics": self.last_metrics})
+        """The adapter manifest of this run's result (see `artifact.adapter_manifest`)."""
+        c = self.config
+        return adapter_manifest(name, model, method="supervised", source="sft", config=c.to_json(), rank=c.lora_rank,
+                                alpha=c.lora_alpha, modules=c.target_modules, inputs=inputs, training=training,
+                                steps=self.total_steps, trained_tokens=self.trained_tokens,
+                                final_metrics=self.last_metrics)
 
     def weights(self) -> dict[str, dict[str, np.ndarray]]:
         return lora_to_numpy(self.lora)
