@@ -159,6 +159,24 @@ def test_a_reinforcement_job_runs_grpo_with_a_grader(server, client):
     assert resident["jobs"]["running"] is None
 
 
+def test_a_distillation_job_runs_on_policy_distillation(server, client):
+    train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=MODEL, training_file=train.id,
+        method={"type": "distillation", "distillation": {"teacher": MODEL, "hyperparameters": {"batch_size": 4}}},
+        extra_body={"kiln": {**KILN, "distillation": {"num_generations": 2, "max_completion_tokens": 6,
+                                                      "jsd_beta": 0.5}}})
+    assert job.method.type == "distillation" and job.model_extra["kiln"]["config"]["jsd_beta"] == 0.5
+    done = wait_for(client, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
+    assert len(metrics) == 2 and abs(metrics[-1]["reverse_kl"]) < 1e-3  # the student starts as its base teacher
+    with pytest.raises(openai.BadRequestError) as err:
+        client.fine_tuning.jobs.create(model=MODEL, training_file=train.id,
+                                       method={"type": "distillation", "distillation": {"teacher": "nobody"}})
+    assert err.value.body["param"] == "method.distillation.teacher"
+
+
 def test_bad_reinforcement_jobs_get_a_400(server, client):
     train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
     cases = [

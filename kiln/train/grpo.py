@@ -53,6 +53,7 @@ from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+SEQUENCE_BUCKETS = length_buckets(1 << 16)  # four per octave: a step pads by at most a quarter
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -81,6 +82,7 @@ class GRPOConfig:
     num_iterations: int = 1
     importance_sampling_cap: float = 2.0  # 0: off
     mask_truncated_completions: bool = False
+    ignore_eos: bool = False  # benchmarks: every completion runs to max_completion_tokens
     micro_batch_rows: int = 16  # sequences per forward/backward; a step accumulates them all
     seed: int = 0
 
@@ -156,7 +158,7 @@ def rollout_batches(rollouts: Sequence[Rollout], advantages: np.ndarray, config:
     for start in range(0, n, rows):
         part = range(start, min(start + rows, n))
         longest = max(len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids) - 1 for i in part)
-        S = _bucket(longest, length_buckets(max(32, longest)))
+        S = _bucket(longest, SEQUENCE_BUCKETS)
         tokens, valid = np.zeros((rows, S), np.int32), np.zeros((rows, S), bool)
         index, fields = [], {k: [] for k in ("targets", "weight", "adv", "sampler")}
         for row, i in enumerate(part):
@@ -186,12 +188,16 @@ def completion_logits(params, lora, batch: RolloutBatch, cfg: ModelConfig, scale
     return lm_logits(params, hidden[batch.loss_index])
 
 
-def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config: GRPOConfig):
-    """The jitted pieces of a GRPO step: gradients of one micro-batch, the optimizer update, and
-    token logprobs (old policy, reference) without gradients."""
+def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config: GRPOConfig,
+                      teacher_cfg: ModelConfig | None = None, teacher_scale: float = 1.0):
+    """The jitted pieces of a policy step: gradients of one micro-batch, the optimizer update, and
+    token logprobs (old policy, reference, teacher) without gradients. With `config.jsd_beta`
+    set (distillation), the loss adds the generalized JSD to the teacher's full distribution;
+    the teacher (params, LoRA or None) is then the gradient function's fourth argument."""
     scale, temperature = config.scale, config.temperature
+    jsd_beta = getattr(config, "jsd_beta", None)
 
-    def loss_fn(lora, params, batch: RolloutBatch):
+    def loss_fn(lora, params, batch: RolloutBatch, teacher=None):
         raw = completion_logits(params, lora, batch, cfg, scale)
         logits = raw / temperature
         logprobs = losses.token_logprobs(logits, batch.loss_targets)
@@ -207,13 +213,20 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
                                                                         config.importance_sampling_cap)
         kl = losses.kl_estimate(logprobs, batch.ref_logprobs, "k3") if config.beta else jnp.zeros_like(logprobs)
         w = batch.loss_weight
-        loss = jnp.sum((per_token + config.beta * kl) * w)
-        aux = {"loss": loss, "clipped": jnp.sum(clipped * w), "kl": jnp.sum(kl * w),
+        per_token = per_token + config.beta * kl
+        jsd = jnp.zeros_like(logprobs)
+        if jsd_beta is not None:
+            t_params, t_lora = teacher
+            t_logits = completion_logits(t_params, t_lora, batch, teacher_cfg, teacher_scale) / temperature
+            jsd = losses.generalized_jsd(logits, t_logits, jsd_beta)
+            per_token = per_token + config.jsd_coef * jsd
+        loss = jnp.sum(per_token * w)
+        aux = {"loss": loss, "clipped": jnp.sum(clipped * w), "kl": jnp.sum(kl * w), "jsd": jnp.sum(jsd * w),
                "entropy": jnp.sum(jax.lax.stop_gradient(losses.entropy(logits)) * w), "weight": jnp.sum(w)}
         return loss, aux
 
-    def grads(lora, params, batch: RolloutBatch):
-        return jax.grad(loss_fn, has_aux=True)(lora, params, batch)
+    def grads(lora, params, batch: RolloutBatch, teacher=None):
+        return jax.grad(loss_fn, has_aux=True)(lora, params, batch, teacher)
 
     def update(lora, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, lora)
@@ -263,10 +276,10 @@ class GRPORun:
         self.total_steps = config.max_steps or steps_per_epoch * config.n_epochs
         self.schedule = learning_rate_schedule(config.learning_rate, self.total_steps, config.warmup_ratio,
                                                config.lr_schedule)
-        tx = adamw(self.schedule, config.weight_decay, config.max_grad_norm)
+        self.tx = adamw(self.schedule, config.weight_decay, config.max_grad_norm)
         self.lora = init_lora(self.cfg, config.lora_rank, config.target_modules, config.seed)
-        self.opt_state = tx.init(self.lora)
-        self._grads, self._update, self._logprobs = make_policy_steps(self.cfg, tx, config)
+        self.opt_state = self.tx.init(self.lora)
+        self._grads, self._update, self._logprobs = make_policy_steps(self.cfg, self.tx, config)
         self._executables: dict[tuple, Any] = {}
         self.trained_tokens = 0  # completion tokens in the loss
         self.step = 0
@@ -304,7 +317,7 @@ class GRPORun:
         """G completions per prompt from the engine, on the current policy version."""
         c = self.config
         params = [SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p,
-                                 max_tokens=c.max_completion_tokens, logprobs=0,
+                                 max_tokens=c.max_completion_tokens, logprobs=0, ignore_eos=c.ignore_eos,
                                  seed=(c.seed * 1_000_003 + self.step * 1009 + j) % (1 << 31))
                   for j in range(len(indices))]
         prompts = [self.prompts[i] for i in indices]
@@ -321,22 +334,16 @@ class GRPORun:
         advantages = np.asarray(losses.group_advantages(jnp.asarray(rewards), c.scale_rewards)).reshape(-1)
         batches = rollout_batches(rollouts, advantages, c)
         lock = ownership.write if ownership is not None else lambda _: contextlib.nullcontext()
-        stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "entropy": 0.0, "weight": 0.0}
-        if c.num_iterations > 1 or c.beta:
-            old = [self._compiled("logprobs", self.lora, b) for b in batches] if c.num_iterations > 1 else None
-            ref = [self._compiled("logprobs", None, b) for b in batches] if c.beta else None
-            with lock(f"grpo {self.name}: logprobs"):
-                batches = [b._replace(old_logprobs=np.asarray(old[i](self.lora, self.params, b)) if old else
-                                      b.old_logprobs,
-                                      ref_logprobs=np.asarray(ref[i](None, self.params, b)) if ref else b.ref_logprobs)
-                           for i, b in enumerate(batches)]
-        steps = [self._compiled("grads", self.lora, b) for b in batches]  # compiled outside ownership
+        batches, extra = self._with_logprobs(batches, lock)
+        teacher = self._teacher_arg()
+        steps = [self._compiled("grads", self.lora, b, teacher) for b in batches]  # compiled outside ownership
+        stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "jsd": 0.0, "entropy": 0.0, "weight": 0.0}
         grad_norm = 0.0
         for _ in range(c.num_iterations):
-            with lock(f"grpo {self.name}: step {self.step + 1}"):
+            with lock(f"{self.kind} {self.name}: step {self.step + 1}"):
                 total = None
                 for b, step in zip(batches, steps, strict=True):
-                    g, aux = step(self.lora, self.params, b)
+                    g, aux = step(self.lora, self.params, b, teacher)
                     total = g if total is None else jax.tree.map(jnp.add, total, g)
                     for k in stats:
                         stats[k] += float(aux[k])
@@ -353,9 +360,31 @@ class GRPORun:
             "kl": stats["kl"] / weight, "clip_fraction": stats["clipped"] / weight,
             "entropy": stats["entropy"] / weight, "completion_length": float(np.mean(lengths)),
             "truncated_fraction": float(np.mean([r.truncated for g in groups for r in g])),
-            "grad_norm": grad_norm, "learning_rate": float(self.schedule(self.step - 1)),
+            "grad_norm": grad_norm, "learning_rate": float(self.schedule(self.step - 1)), **extra,
         }
         return self.last_metrics
+
+    kind = "grpo"  # the trainer, in logs and provenance
+    method = "reinforcement"  # the OpenAI method type
+
+    def _manifest_config(self) -> dict:
+        return self.config.to_json()
+
+    def _with_logprobs(self, batches: list[RolloutBatch], lock) -> tuple[list[RolloutBatch], dict]:
+        """The batches with what the loss needs besides the rollouts: the old policy's logprobs
+        (num_iterations > 1) and the reference's (beta > 0); and extra metrics."""
+        c = self.config
+        if c.num_iterations == 1 and not c.beta:
+            return batches, {}
+        old = [self._compiled("logprobs", self.lora, b) for b in batches] if c.num_iterations > 1 else None
+        ref = [self._compiled("logprobs", None, b) for b in batches] if c.beta else None
+        with lock(f"grpo {self.name}: logprobs"):
+            return [b._replace(old_logprobs=np.asarray(old[i](self.lora, self.params, b)) if old else b.old_logprobs,
+                               ref_logprobs=np.asarray(ref[i](None, self.params, b)) if ref else b.ref_logprobs)
+                    for i, b in enumerate(batches)], {}
+
+    def _teacher_arg(self):
+        return None
 
     def run_step(self, ownership=None) -> dict:
         """Sample, score, train: one GRPO step. Returns its metrics, timings included."""
@@ -377,14 +406,16 @@ class GRPORun:
                        tokens_per_second=tokens / (t3 - t0))
         return metrics
 
-    def _compiled(self, kind: str, lora, batch: RolloutBatch):
+    def _compiled(self, kind: str, lora, batch: RolloutBatch, teacher=None):
         """The executable of `kind` ("grads" or "logprobs", with or without the adapter) for the
         batch's shape, compiled on first need: a job compiles outside accelerator ownership, so
         serving never waits for a compile."""
         key = (kind, lora is None, batch.tokens.shape, batch.loss_index.shape)
         if key not in self._executables:
-            fn = self._grads if kind == "grads" else self._logprobs
-            self._executables[key] = fn.lower(lora, self.params, batch).compile()
+            if kind == "grads":
+                self._executables[key] = self._grads.lower(lora, self.params, batch, teacher).compile()
+            else:
+                self._executables[key] = self._logprobs.lower(lora, self.params, batch).compile()
         return self._executables[key]
 
     @property
@@ -404,7 +435,7 @@ class GRPORun:
     def manifest(self, name: str, model, inputs: list[dict], training: dict):
         """The adapter manifest of this run's result (see `artifact.adapter_manifest`)."""
         c = self.config
-        return adapter_manifest(name, model, method="reinforcement", source="grpo", config=c.to_json(),
+        return adapter_manifest(name, model, method=self.method, source=self.kind, config=self._manifest_config(),
                                 rank=c.lora_rank, alpha=c.lora_alpha, modules=c.target_modules, inputs=inputs,
                                 training=training, steps=self.total_steps, trained_tokens=self.trained_tokens,
                                 final_metrics=self.last_metrics)

@@ -28,6 +28,7 @@ from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
 from kiln.train.data import DataError, load_examples, load_prompts
 from kiln.train.grpo import GRPOConfig, GRPORun, as_reward
+from kiln.train.opd import OPDConfig, OPDRun, Teacher
 from kiln.train.sft import SFTConfig, SFTRun
 from kiln.train.store import TrainingStore, new_id, now
 
@@ -36,7 +37,7 @@ log = logging.getLogger("kiln.train")
 ACTIVE = ("validating_files", "queued", "running")
 FINAL = ("succeeded", "failed", "cancelled")
 _SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
-METHODS = ("supervised", "reinforcement")
+METHODS = ("supervised", "reinforcement", "distillation")
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 GRPO_KNOBS = ("num_generations", "max_completion_tokens", "temperature", "top_p", "loss_type", "scale_rewards", "beta",
               "epsilon", "epsilon_high", "num_iterations", "importance_sampling_cap", "mask_truncated_completions",
@@ -148,14 +149,20 @@ class JobManager:
             method_out = {"type": kind, kind: {"hyperparameters": hyperparameters}}
             remat_setting = config.remat
         else:
-            grader = graders.validate(options.get("grader"), f"method.{kind}.grader")
-            for key, lo, hi, kind_ in (("eval_interval", 1, 1 << 20, int), ("eval_samples", 1, 64, int),
-                                       ("compute_multiplier", 0.25, 16, float)):
-                hyperparameters[key] = _choose(hp.get(key), {"eval_interval": 10, "eval_samples": 1,
-                                                             "compute_multiplier": 1.0}[key], kind_, lo, hi,
-                                               f"hyperparameters.{key}")
-            config = self._grpo_config(kiln.get("grpo") or {}, common, batch_size,
-                                       hyperparameters["compute_multiplier"])
+            section = "grpo" if kind == "reinforcement" else "distillation"
+            if kind == "reinforcement":
+                grader = graders.validate(options.get("grader"), f"method.{kind}.grader")
+                for key, lo, hi, kind_ in (("eval_interval", 1, 1 << 20, int), ("eval_samples", 1, 64, int),
+                                           ("compute_multiplier", 0.25, 16, float)):
+                    hyperparameters[key] = _choose(hp.get(key), {"eval_interval": 10, "eval_samples": 1,
+                                                                 "compute_multiplier": 1.0}[key], kind_, lo, hi,
+                                                   f"hyperparameters.{key}")
+                details = {"grader": grader.to_json()}
+            else:
+                details = {"teacher": self._teacher(options.get("teacher"), f"method.{kind}.teacher").name}
+            config = self._policy_config(GRPOConfig if kind == "reinforcement" else OPDConfig, section,
+                                         kiln.get(section) or {}, common, batch_size,
+                                         hyperparameters.get("compute_multiplier", 1.0))
             prompts = self._prompts(training, max_seq_len, "training_file")
             if validation:
                 self._prompts(validation, max_seq_len, "validation_file")
@@ -165,8 +172,8 @@ class JobManager:
                 raise InvalidRequest(f"the longest prompt ({seq_len - config.max_completion_tokens} tokens) and "
                                      f"max_completion_tokens ({config.max_completion_tokens}) exceed the "
                                      f"{self.engine.max_model_len}-token context", code="invalid_hyperparameter",
-                                     param="kiln.grpo.max_completion_tokens")
-            method_out = {"type": kind, kind: {"grader": grader.to_json(), "hyperparameters": hyperparameters}}
+                                     param=f"kiln.{section}.max_completion_tokens")
+            method_out = {"type": kind, kind: {**details, "hyperparameters": hyperparameters}}
             remat_setting = "off"
         plan = memory.plan(self.model.config, rank, modules, rows, seq_len, accumulation, self.serving_bytes,
                            self.settings.train.memory_budget_bytes)
@@ -192,40 +199,55 @@ class JobManager:
             self._cv.notify_all()
         return job
 
-    def _grpo_config(self, knobs: dict, common: dict, prompts_per_step: int, compute_multiplier: float) -> GRPOConfig:
-        """GRPO's own knobs (the `kiln.grpo` object) on top of the job's common settings."""
+    def _policy_config(self, cls, section: str, knobs: dict, common: dict, prompts_per_step: int,
+                       compute_multiplier: float) -> GRPOConfig:
+        """GRPO's or distillation's own knobs (the `kiln.grpo` or `kiln.distillation` object) on
+        top of the job's common settings; a 400 names the knob at fault."""
+        at = f"kiln.{section}"
         if not isinstance(knobs, dict):
-            raise InvalidRequest("kiln.grpo must be an object", param="kiln.grpo")
-        unknown = sorted(set(knobs) - set(GRPO_KNOBS))
+            raise InvalidRequest(f"{at} must be an object", param=at)
+        known = GRPO_KNOBS + (("jsd_beta", "jsd_coef") if cls is OPDConfig else ())
+        unknown = sorted(set(knobs) - set(known))
         if unknown:
-            raise InvalidRequest(f"unknown kiln.grpo setting {unknown[0]!r}; known: {', '.join(GRPO_KNOBS)}",
-                                 code="invalid_hyperparameter", param=f"kiln.grpo.{unknown[0]}")
+            raise InvalidRequest(f"unknown {at} setting {unknown[0]!r}; known: {', '.join(known)}",
+                                 code="invalid_hyperparameter", param=f"{at}.{unknown[0]}")
         if "max_completion_tokens" not in knobs:  # the default, within what the engine's context allows
-            knobs = {**knobs, "max_completion_tokens": min(GRPOConfig.max_completion_tokens,
-                                                           self.engine.max_model_len // 2)}
-        generations = knobs.get("num_generations", max(2, round(GRPOConfig.num_generations * compute_multiplier)))
+            knobs = {**knobs, "max_completion_tokens": min(cls.max_completion_tokens, self.engine.max_model_len // 2)}
+        generations = knobs.get("num_generations", max(cls.num_generations // 4,
+                                                       round(cls.num_generations * compute_multiplier)))
         for key, value in knobs.items():
-            default = getattr(GRPOConfig, key)
+            default = getattr(cls, key)
             expected = float if default is None else type(default)
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
             ok = {float: number, int: number and float(value).is_integer(), bool: isinstance(value, bool),
                   str: isinstance(value, str)}[expected]
             if not ok:
-                raise InvalidRequest(f"kiln.grpo.{key} must be {_KIND_NAMES[expected]}, got {value!r}",
-                                     code="invalid_hyperparameter", param=f"kiln.grpo.{key}")
+                raise InvalidRequest(f"{at}.{key} must be {_KIND_NAMES[expected]}, got {value!r}",
+                                     code="invalid_hyperparameter", param=f"{at}.{key}")
         try:
-            config = GRPOConfig(**common, prompts_per_step=prompts_per_step, **{
+            config = cls(**common, prompts_per_step=prompts_per_step, **{
                 **knobs, "num_generations": int(generations),
-                **{k: int(v) for k, v in knobs.items() if type(getattr(GRPOConfig, k)) is int}})
+                **{k: int(v) for k, v in knobs.items() if type(getattr(cls, k)) is int}})
         except (TypeError, ValueError) as exc:
-            raise InvalidRequest(f"kiln.grpo: {exc}", code="invalid_hyperparameter", param="kiln.grpo") from None
-        for key, lo, hi in (("max_completion_tokens", 1, self.engine.max_model_len - 1), ("num_generations", 2, 256),
+            raise InvalidRequest(f"{at}: {exc}", code="invalid_hyperparameter", param=at) from None
+        for key, lo, hi in (("max_completion_tokens", 1, self.engine.max_model_len - 1), ("num_generations", 1, 256),
                             ("epsilon", 0.0, 10.0), ("beta", 0.0, 100.0), ("num_iterations", 1, 16),
-                            ("temperature", 1e-3, 10.0), ("top_p", 1e-3, 1.0), ("importance_sampling_cap", 0.0, 1e6)):
+                            ("temperature", 1e-3, 10.0), ("top_p", 1e-3, 1.0), ("importance_sampling_cap", 0.0, 1e6),
+                            ("micro_batch_rows", 1, 256)):
             if not lo <= getattr(config, key) <= hi:
-                raise InvalidRequest(f"kiln.grpo.{key} must be from {lo:g} to {hi:g}", code="invalid_hyperparameter",
-                                     param=f"kiln.grpo.{key}")
+                raise InvalidRequest(f"{at}.{key} must be from {lo:g} to {hi:g}", code="invalid_hyperparameter",
+                                     param=f"{at}.{key}")
         return config
+
+    def _teacher(self, teacher, param: str) -> Teacher:
+        """The distillation teacher a job names: this server's base model or a loaded adapter."""
+        if teacher in (None, "", self.model.model_id):
+            return Teacher.base(self.model)
+        adapter = self.registry.get(teacher) if isinstance(teacher, str) else None
+        if adapter is None:
+            raise InvalidRequest(f"the teacher must be the base model {self.model.model_id!r} or a loaded adapter; "
+                                 f"got {teacher!r}", code="model_not_found", param=param)
+        return Teacher.adapter(self.model, adapter.weights)
 
     def get(self, job_id: str) -> dict:
         job = self.store.get_job(job_id)
@@ -413,8 +435,11 @@ class JobManager:
                 else:  # rollouts are served by the engine; the training part takes ownership itself
                     metrics = run.run_step(ownership)
                     held = metrics["train_seconds"]
-                    self._evaluate_policy(job, run, metrics)
-                    summary = f"reward={metrics['reward_mean']:.4f}"
+                    if isinstance(run, OPDRun):
+                        summary = f"reverse KL to the teacher={metrics['reverse_kl']:.4f}"
+                    else:
+                        self._evaluate_policy(job, run, metrics)
+                        summary = f"reward={metrics['reward_mean']:.4f}"
                 self._leave_time_to_serving(job_id, held)
                 if metrics is None:
                     continue
@@ -443,12 +468,17 @@ class JobManager:
             valid = (self._examples(self.store.get_file(job["validation_file"]), config, "validation_file")
                      if job["validation_file"] else None)
             return SFTRun(self.model.params, self.model.config, examples, config, valid, remat=spec["plan"]["remat"])
-        config = GRPOConfig(**{**spec["config"], "target_modules": modules})
-        options = job["method"]["reinforcement"]
         prompts = self._prompts(self.store.get_file(job["training_file"]), spec["max_seq_len"], "training_file")
-        reward = as_reward(options["grader"], self.judge)
-        run = GRPORun(self.engine, [p.ids for p in prompts], [p.item for p in prompts], reward, config,
-                      name=f"{spec['adapter_name']}:training")
+        name = f"{spec['adapter_name']}:training"
+        if job["method"]["type"] == "reinforcement":
+            config = GRPOConfig(**{**spec["config"], "target_modules": modules})
+            reward = as_reward(job["method"]["reinforcement"]["grader"], self.judge)
+            run = GRPORun(self.engine, [p.ids for p in prompts], [p.item for p in prompts], reward, config, name=name)
+        else:
+            config = OPDConfig(**{**spec["config"], "target_modules": modules})
+            teacher = self._teacher(job["method"]["distillation"]["teacher"], "method.distillation.teacher")
+            run = OPDRun(self.engine, [p.ids for p in prompts], teacher, config, name=name,
+                         items=[p.item for p in prompts])
         run.validation = (self._prompts(self.store.get_file(job["validation_file"]), spec["max_seq_len"],
                                         "validation_file") if job["validation_file"] else None)
         return run
@@ -546,7 +576,7 @@ class JobManager:
                 "step_number": run.step,
                 "metrics": {k: float(metrics[k]) for k in ("train_loss", "train_mean_token_accuracy", "valid_loss",
                                                            "valid_mean_token_accuracy", "reward_mean",
-                                                           "valid_reward_mean") if k in metrics}
+                                                           "valid_reward_mean", "reverse_kl") if k in metrics}
                 | {"step": float(run.step)}})
             self.store.add_event(job["id"], f"Checkpoint created at step {run.step}")
 

@@ -120,3 +120,18 @@ def reverse_kl(student_logprobs: jax.Array, teacher_logprobs: jax.Array) -> jax.
 
 def distillation_advantages(student_logprobs: jax.Array, teacher_logprobs: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(-reverse_kl(student_logprobs, teacher_logprobs))
+
+
+def generalized_jsd(student_logits: jax.Array, teacher_logits: jax.Array, beta: float = 0.5) -> jax.Array:
+    """Per-token generalized Jensen-Shannon divergence over the full vocabulary (GKD's):
+    with M = beta * P_teacher + (1 - beta) * P_student, beta KL(teacher || M) + (1 - beta)
+    KL(student || M). beta = 0 is KL(teacher || student) (forward), beta = 1 KL(student ||
+    teacher) (reverse); the teacher is held constant."""
+    s = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+    t = jax.lax.stop_gradient(jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1))
+    if beta == 0.0:
+        return jnp.sum(jnp.exp(t) * (t - s), axis=-1)
+    if beta == 1.0:
+        return jnp.sum(jnp.exp(s) * (s - t), axis=-1)
+    m = jnp.logaddexp(s + jnp.log1p(-beta), t + jnp.log(beta))
+    return beta * jnp.sum(jnp.exp(t) * (t - m), axis=-1) + (1 - beta) * jnp.sum(jnp.exp(s) * (s - m), axis=-1)

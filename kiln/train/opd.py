@@ -1,0 +1,146 @@
+"""On-policy distillation: a student LoRA adapter learns from a teacher on its own samples.
+
+The student samples completions through the serving engine (like GRPO's policy). The teacher
+scores each sampled token; the per-token reverse KL, log p_student - log p_teacher, negated and
+held constant, is that token's advantage in the shared clipped policy-gradient loss, so the
+student moves towards the teacher exactly where its own samples disagree with it. Optionally
+(`jsd_beta`), the loss adds the generalized JSD between the two full next-token distributions
+at every sampled position (GKD's; `jsd_beta` 0 is forward KL, 1 reverse KL).
+
+The teacher is the base model (the student's adapter off), another adapter of the same base,
+or another model loaded in this process that shares the student's tokenizer; any other
+teacher is refused, since its logprobs would be of other tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from kiln.errors import InvalidRequest
+from kiln.models.config import ModelConfig
+from kiln.train import losses
+from kiln.train.grpo import GRPOConfig, GRPORun, RolloutBatch, completion_logits, make_policy_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class OPDConfig(GRPOConfig):
+    num_generations: int = 4  # samples per prompt; advantages are per token, so 1 works too
+    jsd_beta: float | None = None  # None: the reverse-KL advantage alone
+    jsd_coef: float = 1.0
+    baseline: bool = True  # subtract the batch's mean reverse KL from the per-token advantages
+
+    def __post_init__(self):
+        if self.num_generations < 1:
+            raise ValueError("num_generations must be at least 1")
+        if self.jsd_beta is not None and not 0.0 <= self.jsd_beta <= 1.0:
+            raise ValueError("jsd_beta must be from 0 to 1")
+        if self.loss_type not in ("grpo", "dr_grpo", "dapo", "bnpo"):
+            raise ValueError("loss_type must be one of grpo, dr_grpo, dapo, bnpo")
+
+
+@dataclasses.dataclass
+class Teacher:
+    """Whose logprobs the student learns: params and config of a model, with an optional LoRA."""
+
+    name: str
+    params: dict
+    cfg: ModelConfig
+    lora: dict | None = None
+    scale: float = 1.0
+
+    @classmethod
+    def base(cls, model) -> Teacher:
+        """The student's own base model, adapter off."""
+        return cls(model.model_id, model.params, model.config)
+
+    @classmethod
+    def adapter(cls, model, weights) -> Teacher:
+        """An adapter of the student's base model (`AdapterWeights`)."""
+        lora = jax.tree.map(lambda x: jax.numpy.asarray(x, jax.numpy.float32), weights.weights)
+        return cls(weights.name, model.params, model.config, lora, weights.scale)
+
+    @classmethod
+    def model(cls, student_model, teacher_model) -> Teacher:
+        """Another model in this process; it must share the student's tokenizer."""
+        check_same_tokenizer(student_model, teacher_model)
+        return cls(teacher_model.model_id, teacher_model.params, teacher_model.config)
+
+
+def check_same_tokenizer(student_model, teacher_model) -> None:
+    a, b = student_model.tokenizer.tokenizer, teacher_model.tokenizer.tokenizer
+    if a.get_vocab(with_added_tokens=True) != b.get_vocab(with_added_tokens=True):
+        raise InvalidRequest(f"the teacher {teacher_model.model_id!r} does not share the student's tokenizer "
+                             f"({student_model.model_id!r}): distillation compares logprobs of the same tokens",
+                             code="teacher_tokenizer_mismatch", param="teacher")
+
+
+class OPDRun(GRPORun):
+    """One on-policy distillation run: GRPO's machinery (rollouts from the engine on the student
+    adapter, micro-batches, the loss core, publishing each step's weights), with advantages
+    from the teacher instead of a reward."""
+
+    kind = "opd"
+    method = "distillation"
+
+    def __init__(self, engine, prompts: list[list[int]], teacher: Teacher, config: OPDConfig,
+                 name: str = "opd-student", items: list[Any] | None = None):
+        if teacher.cfg.vocab_size != engine.model.config.vocab_size:
+            raise InvalidRequest("the teacher's vocabulary differs from the student's", param="teacher",
+                                 code="teacher_tokenizer_mismatch")
+        super().__init__(engine, prompts, items or [None] * len(prompts), None, config, name)
+        self.teacher = teacher
+        self._grads, self._update, self._logprobs = make_policy_steps(self.cfg, self.tx, config, teacher.cfg,
+                                                                      teacher.scale)
+        temperature = config.temperature
+
+        def teacher_logprobs(params, lora, batch: RolloutBatch):
+            logits = completion_logits(params, lora, batch, teacher.cfg, teacher.scale) / temperature
+            return losses.token_logprobs(logits, batch.loss_targets)
+
+        self._teacher_logprobs = jax.jit(teacher_logprobs)
+
+    def _teacher_arg(self):
+        return (self.teacher.params, self.teacher.lora) if self.config.jsd_beta is not None else None
+
+    def _with_logprobs(self, batches: list[RolloutBatch], lock) -> tuple[list[RolloutBatch], dict]:
+        """Per-token advantages teacher - student logprob (the student's: the engine's, of the
+        tokens it sampled); metric `reverse_kl`, their negated weighted mean."""
+        t = self.teacher
+        key = lambda b: ("teacher", b.tokens.shape, b.loss_index.shape)  # noqa: E731
+        for b in batches:
+            if key(b) not in self._executables:
+                self._executables[key(b)] = self._teacher_logprobs.lower(t.params, t.lora, b).compile()
+        with lock(f"opd {self.name}: teacher logprobs"):
+            teacher = [np.asarray(self._executables[key(b)](t.params, t.lora, b)) for b in batches]
+        gaps = [np.where(b.loss_weight > 0, b.sampler_logprobs - lp, 0.0) for b, lp in zip(batches, teacher,
+                                                                                            strict=True)]
+        weight = max(sum(float(np.sum(b.loss_weight)) for b in batches), 1e-9)
+        reverse_kl = sum(float(np.sum(g * b.loss_weight)) for g, b in zip(gaps, batches, strict=True)) / weight
+        # the batch's mean gap is subtracted as a baseline: unbiased (it does not depend on which
+        # token was sampled), and without it every sampled token is pushed down at once
+        baseline = reverse_kl if self.config.baseline else 0.0
+        out = [b._replace(advantages=np.where(b.loss_weight > 0, baseline - g, 0.0).astype(np.float32))
+               for g, b in zip(gaps, batches, strict=True)]
+        return out, {"reverse_kl": reverse_kl}
+
+    def run_step(self, ownership=None) -> dict:
+        """Sample from the student, score with the teacher, train: one distillation step."""
+        t0 = time.perf_counter()
+        groups = self.sample(self.step_prompts())
+        t1 = time.perf_counter()
+        metrics = self.train_step(groups, ownership)
+        t2 = time.perf_counter()
+        tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for g in groups for r in g)
+        metrics.update(step=self.step, rollout_seconds=t1 - t0, train_seconds=t2 - t1,
+                       tokens_per_second=tokens / (t2 - t0))
+        for key in ("reward_mean", "reward_std"):
+            metrics.pop(key, None)
+        return metrics
+
+    def _manifest_config(self) -> dict:
+        return {**self.config.to_json(), "teacher": self.teacher.name}
