@@ -49,3 +49,26 @@ def expressive_model(tmp_path_factory, kiln_cache):
     hf = make_hf_model("llama", vocab_size=260, seed=3, initializer_range=0.25)
     return load_model(write_gguf(hf, tmp_path_factory.mktemp("expressive") / "tiny.gguf"), show_progress=False,
                       model_id="tiny-llama")
+
+
+POLICY_ENGINE = dict(num_kv_blocks=256, block_size=16, max_loras=2, max_lora_rank=8, decode_row_buckets=(8, 16, 32),
+                     prefill_token_buckets=(32, 64, 128), max_num_seqs=32, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="module")
+def policy_engine(expressive_model):
+    """An engine on the expressive tiny llama with LoRA slots, for GRPO and distillation rollouts."""
+    from kiln.engine.client import AsyncEngine
+    from kiln.engine.config import EngineConfig
+
+    eng = AsyncEngine(expressive_model, EngineConfig(**POLICY_ENGINE))
+    yield eng
+    eng.shutdown()
+
+
+def random_prompts(n, seed=0):
+    """n prompts of 4-11 random byte tokens."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(3, 250, size=int(rng.integers(4, 12))))) for _ in range(n)]

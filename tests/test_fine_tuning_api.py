@@ -302,6 +302,38 @@ def test_a_killed_server_resumes_the_job_from_its_checkpoint(expressive_model, k
         srv.stop_cleanly()
 
 
+def test_a_killed_server_resumes_a_reinforcement_job(expressive_model, kiln_cache, tmp_path):
+    data_dir, store = tmp_path / "data", tmp_path / "store"
+    srv = start(expressive_model, kiln_cache, data_dir, store)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(
+            model=MODEL, training_file=train.id, method=reinforcement(HAS_K, n_epochs=4, batch_size=2),
+            extra_body={"kiln": {**KILN, "checkpoint_every": 2, "grpo": {"num_generations": 2,
+                                                                          "max_completion_tokens": 4}}})
+        deadline = time.monotonic() + 300
+        while not client.fine_tuning.jobs.checkpoints.list(job.id).data:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(30)
+    finally:
+        srv.stop()
+    srv = start(expressive_model, kiln_cache, data_dir, store)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        done = wait_for(client, job.id, ("succeeded", "failed"))
+        assert done.status == "succeeded", done.error
+        messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data]
+        resumed = next(m for m in messages if m.startswith("Resumed from the checkpoint at step"))
+        assert int(resumed.rsplit(" ", 1)[1]) >= 2
+        metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
+        assert max(m["step"] for m in metrics) == 16
+    finally:
+        srv.stop_cleanly()
+
+
 def test_under_maintenance_jobs_train_while_inference_is_refused(expressive_model, kiln_cache, tmp_path):
     srv = start(expressive_model, kiln_cache, tmp_path / "data", tmp_path / "store",
                 KILN_SERVER_SERVING_PROFILE="maintenance")

@@ -8,26 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_prompts
 
-from kiln.engine.client import AsyncEngine
-from kiln.engine.config import EngineConfig
 from kiln.train import losses
 from kiln.train.grpo import GRPOConfig, GRPORun, Rollout, rollout_batches
-
-ENGINE = dict(num_kv_blocks=256, block_size=16, max_loras=2, max_lora_rank=8, decode_row_buckets=(8, 16, 32),
-              prefill_token_buckets=(32, 64, 128), max_num_seqs=32, max_num_batched_tokens=128)
-
-
-@pytest.fixture(scope="module")
-def engine(expressive_model):
-    eng = AsyncEngine(expressive_model, EngineConfig(**ENGINE))
-    yield eng
-    eng.shutdown()
-
-
-def prompts(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [list(map(int, rng.integers(3, 250, size=int(rng.integers(4, 12))))) for _ in range(n)]
 
 
 def test_group_advantages_and_loss_weights():
@@ -64,10 +48,10 @@ def test_micro_batches_add_up_to_the_generation_batch():
     assert (row, pos) == (0, 2) and b.loss_targets[0] == 8  # the first completion token is predicted at 2
 
 
-def test_engine_logprobs_of_sampled_tokens_equal_the_trainers(engine):
+def test_engine_logprobs_of_sampled_tokens_equal_the_trainers(policy_engine):
     config = GRPOConfig(lora_rank=8, lora_alpha=16, num_generations=4, prompts_per_step=3, max_completion_tokens=12,
                         micro_batch_rows=8)
-    run = GRPORun(engine, prompts(3, seed=1), [None] * 3, None, config, name="policy-logprobs")
+    run = GRPORun(policy_engine, random_prompts(3, seed=1), [None] * 3, None, config, name="policy-logprobs")
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 64))
     run.lora = jax.tree.map(lambda x: 0.05 * jax.random.normal(next(keys), x.shape), run.lora)  # adapter on
     run.publish()
@@ -82,40 +66,40 @@ def test_engine_logprobs_of_sampled_tokens_equal_the_trainers(engine):
         assert np.abs(base[real] - batch.sampler_logprobs[real]).max() > 1e-2  # the adapter matters
 
 
-def test_each_step_publishes_a_new_policy_version(engine):
+def test_each_step_publishes_a_new_policy_version(policy_engine):
     config = GRPOConfig(lora_rank=8, lora_alpha=16, num_generations=2, prompts_per_step=2, max_completion_tokens=4,
                         learning_rate=1e-2)
-    run = GRPORun(engine, prompts(2, seed=2), [None] * 2, lambda texts, items: [len(t) for t in texts], config,
-                  name="policy-versions")
+    run = GRPORun(policy_engine, random_prompts(2, seed=2), [None] * 2,
+                  lambda texts, items: [len(t) for t in texts], config, name="policy-versions")
     first = run.adapter
-    metrics = run.run_step(engine.core.ownership)
+    metrics = run.run_step(policy_engine.core.ownership)
     assert run.adapter is not first and first.retired and run.adapter.version == "step-1"
-    resident = engine.at_boundary(engine.core.lora_slots.resident).result()
+    resident = policy_engine.at_boundary(policy_engine.core.lora_slots.resident).result()
     assert [r["version"] for r in resident if r["adapter"] == "policy-versions"] == ["step-1"]
     assert {"reward_mean", "reward_std", "kl", "clip_fraction", "entropy", "completion_length", "rollout_seconds",
             "train_seconds", "tokens_per_second"} <= set(metrics)
-    engine.retire_adapter(run.adapter).result()
+    policy_engine.retire_adapter(run.adapter).result()
 
 
-def test_a_learnable_reward_rises(engine):
+def test_a_learnable_reward_rises(policy_engine):
     """Reward: the share of completion tokens equal to the token the base model samples most.
     A fixed, seeded run on the tiny model raises it in trend."""
-    ps = prompts(8, seed=3)
+    ps = random_prompts(8, seed=3)
     config = GRPOConfig(lora_rank=8, lora_alpha=16, num_generations=8, prompts_per_step=4, max_completion_tokens=8,
                         learning_rate=2e-2, max_steps=14, micro_batch_rows=32, seed=5)
-    probe = GRPORun(engine, ps, [None] * 8, None, config, name="policy-probe")
+    probe = GRPORun(policy_engine, ps, [None] * 8, None, config, name="policy-probe")
     counts = collections.Counter(t for g in probe.sample(list(range(4))) for r in g for t in r.completion_ids)
-    engine.retire_adapter(probe.adapter).result()
+    policy_engine.retire_adapter(probe.adapter).result()
     target = counts.most_common(1)[0][0]
-    run = GRPORun(engine, ps, [None] * 8, None, config, name="policy-learns")
+    run = GRPORun(policy_engine, ps, [None] * 8, None, config, name="policy-learns")
     history = []
     while not run.done:  # rollouts scored by the caller, from their token ids
         groups = run.sample(run.step_prompts())
         for r in (r for g in groups for r in g):
             r.reward = float(np.mean([t == target for t in r.completion_ids]))
-        history.append(run.train_step(groups, engine.core.ownership)["reward_mean"])
+        history.append(run.train_step(groups, policy_engine.core.ownership)["reward_mean"])
     assert run.done
     first, last = np.mean(history[:3]), np.mean(history[-3:])
     assert last > first + 0.2, history
     assert np.polyfit(np.arange(len(history)), history, 1)[0] > 0, history
-    engine.retire_adapter(run.adapter).result()
+    policy_engine.retire_adapter(run.adapter).result()

@@ -8,9 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_prompts
 
-from kiln.engine.client import AsyncEngine
-from kiln.engine.config import EngineConfig
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.errors import InvalidRequest
 from kiln.train import losses
@@ -18,21 +17,6 @@ from kiln.train.data import load_examples
 from kiln.train.grpo import rollout_batches
 from kiln.train.opd import OPDConfig, OPDRun, Teacher
 from kiln.train.sft import SFTConfig, SFTRun
-
-ENGINE = dict(num_kv_blocks=256, block_size=16, max_loras=2, max_lora_rank=8, decode_row_buckets=(8, 16, 32),
-              prefill_token_buckets=(32, 64, 128), max_num_seqs=32, max_num_batched_tokens=128)
-
-
-@pytest.fixture(scope="module")
-def engine(expressive_model):
-    eng = AsyncEngine(expressive_model, EngineConfig(**ENGINE))
-    yield eng
-    eng.shutdown()
-
-
-def prompts(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [list(map(int, rng.integers(3, 250, size=int(rng.integers(4, 12))))) for _ in range(n)]
 
 
 def test_generalized_jsd_spans_forward_and_reverse_kl():
@@ -59,26 +43,26 @@ def sft_teacher(model, ps):
     return AdapterWeights("teacher", "v1", run.weights(), 2.0, 8)
 
 
-def test_the_student_closes_the_gap_to_the_teacher(engine, expressive_model):
+def test_the_student_closes_the_gap_to_the_teacher(policy_engine, expressive_model):
     """The full-distribution term pulls the student to the teacher on the student's own
     samples; the sampled-token reverse KL is the metric (and the policy-gradient advantage)."""
-    ps = prompts(8, seed=11)
+    ps = random_prompts(8, seed=11)
     teacher = Teacher.adapter(expressive_model, sft_teacher(expressive_model, ps))
     config = OPDConfig(lora_rank=8, lora_alpha=16, num_generations=4, prompts_per_step=4, max_completion_tokens=8,
                        learning_rate=1e-2, max_steps=16, micro_batch_rows=16, jsd_beta=1.0, jsd_coef=100.0, seed=1)
-    run = OPDRun(engine, ps, teacher, config, name="student")
-    gaps = [run.run_step(engine.core.ownership)["reverse_kl"] for _ in range(config.max_steps)]
+    run = OPDRun(policy_engine, ps, teacher, config, name="student")
+    gaps = [run.run_step(policy_engine.core.ownership)["reverse_kl"] for _ in range(config.max_steps)]
     assert np.mean(gaps[-4:]) < 0.8 * np.mean(gaps[:4]), gaps
     assert run.done and run.trained_tokens > 0
-    engine.retire_adapter(run.adapter).result()
+    policy_engine.retire_adapter(run.adapter).result()
 
 
-def test_the_sampled_token_advantage_is_the_teachers_minus_the_students(engine, expressive_model):
-    ps = prompts(4, seed=13)
+def test_the_sampled_token_advantage_is_the_teachers_minus_the_students(policy_engine, expressive_model):
+    ps = random_prompts(4, seed=13)
     teacher = Teacher.adapter(expressive_model, sft_teacher(expressive_model, ps))
     config = OPDConfig(lora_rank=8, lora_alpha=16, num_generations=2, prompts_per_step=4, max_completion_tokens=6,
                        micro_batch_rows=16, baseline=False)
-    run = OPDRun(engine, ps, teacher, config, name="student-advantages")
+    run = OPDRun(policy_engine, ps, teacher, config, name="student-advantages")
     rollouts = [r for g in run.sample([0, 1, 2, 3]) for r in g]
     [batch] = rollout_batches(rollouts, np.zeros(len(rollouts), np.float32), config)
     [scored], extra = run._with_logprobs([batch], lambda _: contextlib.nullcontext())
@@ -87,7 +71,7 @@ def test_the_sampled_token_advantage_is_the_teachers_minus_the_students(engine, 
     np.testing.assert_allclose(scored.advantages[real], teacher_lp[real] - batch.sampler_logprobs[real], atol=1e-5)
     assert extra["reverse_kl"] == pytest.approx(float(np.mean(-scored.advantages[real])), rel=1e-5)
     assert extra["reverse_kl"] > 1.0  # the fresh student is far from the teacher's one reply
-    engine.retire_adapter(run.adapter).result()
+    policy_engine.retire_adapter(run.adapter).result()
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(expressive_model, tmp_path):

@@ -94,7 +94,9 @@ def _text(content, where: str) -> str:
     raise DataError(f"{where}: content must be a string or a list of text parts")
 
 
-def _check_messages(record: dict, where: str) -> list[dict]:
+def _check_messages(record: dict, where: str, to_train: bool = True) -> list[dict]:
+    """The record's messages, checked, with text contents; `to_train`: it must hold an assistant
+    message to learn (else: a prompt, which must not end with one)."""
     messages = record.get("messages")
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: 'messages' must be a non-empty list")
@@ -108,8 +110,10 @@ def _check_messages(record: dict, where: str) -> list[dict]:
         if "weight" in m and (m["role"] != "assistant" or m["weight"] not in (0, 1)):
             raise DataError(f"{at}: 'weight' is 0 or 1, on assistant messages only")
         out.append({**m, "content": _text(m.get("content"), at)})
-    if not any(m["role"] == "assistant" for m in out):
+    if to_train and not any(m["role"] == "assistant" for m in out):
         raise DataError(f"{where}: no assistant message to train on")
+    if not to_train and out[-1]["role"] == "assistant":
+        raise DataError(f"{where}: the conversation ends with an assistant turn; the model writes that one")
     return out
 
 
@@ -185,18 +189,7 @@ def encode_prompt(record: dict, tokenizer: KilnTokenizer, max_prompt_len: int, w
     conversation must not end with an assistant turn), or `{"prompt": "text", ...}` as is. The
     whole record is the grader's `item`."""
     if "messages" in record:
-        messages = record.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: 'messages' must be a non-empty list")
-        checked = []
-        for i, m in enumerate(messages):
-            at = f"{where}, messages[{i}]"
-            if not isinstance(m, dict) or m.get("role") not in ROLES:
-                raise DataError(f"{at}: expected an object whose role is one of {', '.join(ROLES)}")
-            checked.append({**m, "content": _text(m.get("content"), at)})
-        if checked[-1]["role"] == "assistant":
-            raise DataError(f"{where}: the conversation ends with an assistant turn; the model writes that one")
-        text = _render(tokenizer, checked, record.get("tools"), True, where)
+        text = _render(tokenizer, _check_messages(record, where, to_train=False), record.get("tools"), True, where)
     elif isinstance(record.get("prompt"), str):
         text = record["prompt"]
     else:
