@@ -177,6 +177,38 @@ def test_a_distillation_job_runs_on_policy_distillation(server, client):
     assert err.value.body["param"] == "method.distillation.teacher"
 
 
+def test_a_reinforcement_job_trains_on_rollouts_a_client_scores(server, client):
+    """kiln.rollouts = "external": the client samples and scores; each POST of scored groups is
+    one training step, answered with its metrics; `final` ends the job."""
+    train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=MODEL, training_file=train.id, method={"type": "reinforcement", "reinforcement": {}},
+        extra_body={"kiln": {**KILN, "rollouts": "external", "grpo": {"max_steps": 10}}})
+    url = f"{server.url}/v1/fine_tuning/jobs/{job.id}/rollouts"
+    group = {"messages": [{"role": "user", "content": "say k"}],
+             "completions": [{"text": "k", "reward": 1.0}, {"text": "no", "reward": 0.0},
+                             {"text": "kk", "reward": 1.0, "truncated": True}]}
+    first = httpx.post(url, json={"groups": [group, {**group, "prompt": "k?", "messages": None}]}, timeout=300)
+    assert first.status_code == 400 and first.json()["error"]["param"] == "groups[1]"
+    first = httpx.post(url, json={"groups": [group]}, timeout=300)
+    assert first.status_code == 200, first.text
+    assert first.json()["step"] == 1 and first.json()["metrics"]["reward_mean"] == pytest.approx(2 / 3)
+    last = httpx.post(url, json={"groups": [group, {"prompt": "k?", "completions": group["completions"]}],
+                                 "final": True}, timeout=300)
+    assert last.status_code == 200 and last.json()["step"] == 2 and last.json()["final"]
+    done = wait_for(client, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error and done.fine_tuned_model
+    bad = httpx.post(url, json={"groups": [group]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "job_not_active"
+    short = {**group, "completions": group["completions"][:1]}
+    other = client.fine_tuning.jobs.create(
+        model=MODEL, training_file=train.id, method={"type": "reinforcement", "reinforcement": {}},
+        extra_body={"kiln": {**KILN, "rollouts": "external"}})
+    r = httpx.post(f"{server.url}/v1/fine_tuning/jobs/{other.id}/rollouts", json={"groups": [short]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "groups[0].completions"
+    client.fine_tuning.jobs.cancel(other.id)
+
+
 def test_bad_reinforcement_jobs_get_a_400(server, client):
     train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
     cases = [

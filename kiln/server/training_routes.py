@@ -119,6 +119,13 @@ def cancel_job(request: Request, job_id: str) -> dict[str, Any]:
     return _jobs(request).cancel(job_id)
 
 
+@post("/v1/fine_tuning/jobs/{job_id:str}/rollouts", status_code=200, sync_to_thread=True)
+def submit_rollouts(request: Request, job_id: str, data: dict[str, Any]) -> dict[str, Any]:
+    """Kiln extension: scored rollouts for a reinforcement job created with kiln.rollouts =
+    "external"; answers once the job has trained on them."""
+    return _jobs(request).submit_rollouts(job_id, data)
+
+
 @post("/v1/fine_tuning/jobs/{job_id:str}/pause", status_code=200, sync_to_thread=True)
 def pause_job(request: Request, job_id: str) -> dict[str, Any]:
     return _jobs(request).pause(job_id)
@@ -158,4 +165,4 @@ def runtime(request: Request) -> dict[str, Any]:
 
 
 ROUTES = [upload_file, list_files, retrieve_file, file_content, delete_file, create_job, list_jobs, retrieve_job,
-          cancel_job, pause_job, resume_job, job_events, job_checkpoints, runtime]
+          cancel_job, pause_job, resume_job, job_events, job_checkpoints, submit_rollouts, runtime]

@@ -11,7 +11,10 @@ saves its adapter to the store and, unless `auto_load` is false, loads it for se
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
+import math
 import re
 import shutil
 import threading
@@ -26,8 +29,8 @@ from kiln.adapters.manifest import validate_name
 from kiln.errors import InvalidRequest, KilnError, NotFound
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
-from kiln.train.data import DataError, load_examples, load_prompts
-from kiln.train.grpo import GRPOConfig, GRPORun, as_reward
+from kiln.train.data import DataError, encode_prompt, load_examples, load_prompts
+from kiln.train.grpo import GRPOConfig, GRPORun, Rollout, as_reward
 from kiln.train.opd import OPDConfig, OPDRun, Teacher
 from kiln.train.sft import SFTConfig, SFTRun
 from kiln.train.store import TrainingStore, new_id, now
@@ -41,7 +44,7 @@ METHODS = ("supervised", "reinforcement", "distillation")
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 GRPO_KNOBS = ("num_generations", "max_completion_tokens", "temperature", "top_p", "loss_type", "scale_rewards", "beta",
               "epsilon", "epsilon_high", "num_iterations", "importance_sampling_cap", "mask_truncated_completions",
-              "micro_batch_rows", "lr_schedule", "warmup_ratio", "weight_decay", "max_grad_norm")
+              "micro_batch_rows", "lr_schedule", "warmup_ratio", "weight_decay", "max_grad_norm", "max_steps")
 
 
 def _choose(value: Any, auto: Any, kind: type, lo: float, hi: float, param: str) -> Any:
@@ -65,6 +68,7 @@ class JobManager:
         self.model = engine.model
         self._cv = threading.Condition()
         self._flags: dict[str, str] = {}  # job id -> "cancel" | "pause"
+        self._submissions: dict[str, list] = {}  # job id -> scored rollouts waiting for a step
         self._stopping = False
         self.current: str | None = None
         core = engine.core  # fixed allocations, read once here (the engine thread owns the core)
@@ -150,7 +154,15 @@ class JobManager:
             remat_setting = config.remat
         else:
             section = "grpo" if kind == "reinforcement" else "distillation"
-            if kind == "reinforcement":
+            rollouts = kiln.get("rollouts", "engine")
+            if rollouts not in ("engine", "external") or (rollouts == "external" and kind != "reinforcement"):
+                raise InvalidRequest("kiln.rollouts is \"engine\" or, for reinforcement, \"external\"",
+                                     param="kiln.rollouts")
+            if kind == "reinforcement" and rollouts == "external" and options.get("grader") is None:
+                details = {"grader": None}  # the client scores its rollouts
+                for key, default in (("eval_interval", 10), ("eval_samples", 1), ("compute_multiplier", 1.0)):
+                    hyperparameters[key] = default
+            elif kind == "reinforcement":
                 grader = graders.validate(options.get("grader"), f"method.{kind}.grader")
                 for key, lo, hi, kind_ in (("eval_interval", 1, 1 << 20, int), ("eval_samples", 1, 64, int),
                                            ("compute_multiplier", 0.25, 16, float)):
@@ -163,6 +175,8 @@ class JobManager:
             config = self._policy_config(GRPOConfig if kind == "reinforcement" else OPDConfig, section,
                                          kiln.get(section) or {}, common, batch_size,
                                          hyperparameters.get("compute_multiplier", 1.0))
+            if rollouts == "external":  # no engine logprobs to correct against
+                config = dataclasses.replace(config, importance_sampling_cap=0.0)
             prompts = self._prompts(training, max_seq_len, "training_file")
             if validation:
                 self._prompts(validation, max_seq_len, "validation_file")
@@ -190,7 +204,8 @@ class JobManager:
             "method": method_out,
             "kiln": {"adapter_name": name, "auto_load": bool(kiln.get("auto_load", True)),
                      "checkpoint_every": checkpoint_every, "config": config.to_json(), "plan": plan,
-                     "max_seq_len": max_seq_len, "gate": kiln.get("gate"), "step": 0, "total_steps": None},
+                     "max_seq_len": max_seq_len, "gate": kiln.get("gate"), "step": 0, "total_steps": None,
+                     "rollouts": kiln.get("rollouts", "engine") if kind != "supervised" else None},
         }
         self.store.put_job(job)
         self.store.add_event(job_id, f"Validated training file: {training['id']}")
@@ -432,6 +447,11 @@ class JobManager:
                         metrics = run.train_micro_step()
                         held = time.monotonic() - started
                     summary = None if metrics is None else f"training loss={metrics['train_loss']:.4f}"
+                elif spec.get("rollouts") == "external":
+                    metrics = self._external_step(job_id, run, ownership)
+                    if metrics is None:
+                        continue
+                    held, summary = metrics["train_seconds"], f"reward={metrics['reward_mean']:.4f} (submitted)"
                 else:  # rollouts are served by the engine; the training part takes ownership itself
                     metrics = run.run_step(ownership)
                     held = metrics["train_seconds"]
@@ -454,6 +474,10 @@ class JobManager:
             self._finish(job, run)
         finally:
             manager.close()
+            with self._cv:  # submitted rollouts the job will not take
+                for _, _, future in self._submissions.pop(job_id, []):
+                    future.set_exception(InvalidRequest(f"job {job_id} stopped before taking these rollouts",
+                                                        code="job_not_active", param="fine_tuning_job_id"))
             if isinstance(run, GRPORun):  # the policy's training versions leave their slot
                 self.engine.retire_adapter(run.adapter).result()
             if shrunk:
@@ -472,7 +496,8 @@ class JobManager:
         name = f"{spec['adapter_name']}:training"
         if job["method"]["type"] == "reinforcement":
             config = GRPOConfig(**{**spec["config"], "target_modules": modules})
-            reward = as_reward(job["method"]["reinforcement"]["grader"], self.judge)
+            grader = job["method"]["reinforcement"]["grader"]
+            reward = as_reward(grader, self.judge) if grader is not None else None
             run = GRPORun(self.engine, [p.ids for p in prompts], [p.item for p in prompts], reward, config, name=name)
         else:
             config = OPDConfig(**{**spec["config"], "target_modules": modules})
@@ -482,6 +507,78 @@ class JobManager:
         run.validation = (self._prompts(self.store.get_file(job["validation_file"]), spec["max_seq_len"],
                                         "validation_file") if job["validation_file"] else None)
         return run
+
+    def submit_rollouts(self, job_id: str, body: dict, timeout: float = 600.0) -> dict:
+        """Scored rollouts for a reinforcement job with `kiln.rollouts = "external"`: one training
+        step on them, taken by the job at its next step; returns the step's metrics. `final`
+        ends the job after this step (its adapter is saved as usual)."""
+        job = self.get(job_id)
+        if job["kiln"].get("rollouts") != "external":
+            raise InvalidRequest(f"job {job_id} samples its own rollouts; scored rollouts go to a reinforcement job "
+                                 "created with kiln.rollouts = \"external\"", param="fine_tuning_job_id")
+        if job["status"] not in ("queued", "running"):
+            raise InvalidRequest(f"job {job_id} is {job['status']}", code="job_not_active", param="fine_tuning_job_id")
+        groups = body.get("groups")
+        if not isinstance(groups, list) or not groups:
+            raise InvalidRequest("groups must be a non-empty list", param="groups")
+        parsed = [self._scored_group(g, f"groups[{i}]") for i, g in enumerate(groups)]
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._submissions.setdefault(job_id, []).append((parsed, bool(body.get("final")), future))
+            self._cv.notify_all()
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise InvalidRequest(f"job {job_id} did not take the rollouts within {timeout:.0f} s",
+                                 code="job_busy", param="fine_tuning_job_id") from None
+
+    def _scored_group(self, group, at: str) -> list[Rollout]:
+        if not isinstance(group, dict):
+            raise InvalidRequest(f"{at} must be an object", param=at)
+        try:
+            prompt = encode_prompt({k: v for k, v in group.items() if k in ("prompt", "messages", "tools")},
+                                   self.model.tokenizer, self.engine.max_model_len - 1, at)
+        except DataError as exc:
+            raise InvalidRequest(exc.message, param=at) from None
+        completions = group.get("completions")
+        if not isinstance(completions, list) or len(completions) < 2:
+            raise InvalidRequest(f"{at}.completions must list at least two scored completions (advantages are "
+                                 "relative to the group)", param=f"{at}.completions")
+        out, eos = [], self.model.tokenizer.eos_token_id
+        for j, c in enumerate(completions):
+            where = f"{at}.completions[{j}]"
+            reward = c.get("reward") if isinstance(c, dict) else None
+            if not isinstance(c, dict) or not isinstance(c.get("text"), str) or not isinstance(
+                    reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+                raise InvalidRequest(f"{where} must be {{\"text\": string, \"reward\": number}}", param=where)
+            truncated = bool(c.get("truncated", False))
+            ids = self.model.tokenizer.encode(c["text"], add_special_tokens=False)
+            ids = ids + ([eos] if eos is not None and not truncated else [])
+            if not ids or len(prompt.ids) + len(ids) > self.engine.max_model_len:
+                raise InvalidRequest(f"{where}: empty, or longer than the context", param=where)
+            out.append(Rollout(prompt.ids, ids, None, truncated, float(reward), c["text"]))
+        return out
+
+    def _external_step(self, job_id: str, run, ownership) -> dict | None:
+        """The next submitted batch of scored rollouts, trained on (None while none waits)."""
+        with self._cv:
+            waiting = self._submissions.get(job_id)
+            if not waiting:
+                self._cv.wait(timeout=0.5)
+                return None
+            groups, final, future = waiting.pop(0)
+        try:
+            started = time.perf_counter()
+            metrics = run.train_step(groups, ownership)
+            metrics.update(step=run.step, train_seconds=time.perf_counter() - started)
+        except Exception as exc:
+            future.set_exception(exc)
+            raise
+        if final:
+            run.total_steps = run.step
+        future.set_result({"object": "fine_tuning.job.rollouts", "step": run.step, "final": final or run.done,
+                           "metrics": metrics})
+        return metrics
 
     def judge(self, model: str, messages: list[dict], params: dict):
         """Model graders' judge: a model this process serves, the base or a loaded adapter."""
