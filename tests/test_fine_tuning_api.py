@@ -300,23 +300,29 @@ def test_bad_jobs_get_a_400_and_leave_nothing_behind(server, client):
     assert reply.choices[0].finish_reason == "length"
 
 
-def test_a_killed_server_resumes_the_job_from_its_checkpoint(expressive_model, kiln_cache, tmp_path):
+def kill_after_first_checkpoint(expressive_model, kiln_cache, tmp_path, data: bytes, **create) -> tuple:
+    """Starts a server, creates a job, SIGKILLs the server once the job has a checkpoint, and
+    starts a new server on the same data and store; returns (the new server, the job id)."""
     data_dir, store = tmp_path / "data", tmp_path / "store"
     srv = start(expressive_model, kiln_cache, data_dir, store)
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
     try:
-        train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
-        job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(15),
-                                             extra_body={"kiln": {**KILN, "checkpoint_every": 4}})
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        train = client.files.create(file=("train.jsonl", data), purpose="fine-tune")
+        job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, **create)
         deadline = time.monotonic() + 300
         while not client.fine_tuning.jobs.checkpoints.list(job.id).data:
             assert time.monotonic() < deadline
-            time.sleep(0.3)
+            time.sleep(0.2)
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait(30)
     finally:
         srv.stop()
-    srv = start(expressive_model, kiln_cache, data_dir, store)
+    return start(expressive_model, kiln_cache, data_dir, store), job
+
+
+def test_a_killed_server_resumes_the_job_from_its_checkpoint(expressive_model, kiln_cache, tmp_path):
+    srv, job = kill_after_first_checkpoint(expressive_model, kiln_cache, tmp_path, TRAIN, method=method(15),
+                                           extra_body={"kiln": {**KILN, "checkpoint_every": 4}})
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         events = client.fine_tuning.jobs.list_events(job.id, limit=100).data
@@ -335,24 +341,10 @@ def test_a_killed_server_resumes_the_job_from_its_checkpoint(expressive_model, k
 
 
 def test_a_killed_server_resumes_a_reinforcement_job(expressive_model, kiln_cache, tmp_path):
-    data_dir, store = tmp_path / "data", tmp_path / "store"
-    srv = start(expressive_model, kiln_cache, data_dir, store)
-    try:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
-        train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
-        job = client.fine_tuning.jobs.create(
-            model=MODEL, training_file=train.id, method=reinforcement(HAS_K, n_epochs=4, batch_size=2),
-            extra_body={"kiln": {**KILN, "checkpoint_every": 2, "grpo": {"num_generations": 2,
-                                                                          "max_completion_tokens": 4}}})
-        deadline = time.monotonic() + 300
-        while not client.fine_tuning.jobs.checkpoints.list(job.id).data:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        srv.proc.send_signal(signal.SIGKILL)
-        srv.proc.wait(30)
-    finally:
-        srv.stop()
-    srv = start(expressive_model, kiln_cache, data_dir, store)
+    srv, job = kill_after_first_checkpoint(
+        expressive_model, kiln_cache, tmp_path, PROMPTS, method=reinforcement(HAS_K, n_epochs=4, batch_size=2),
+        extra_body={"kiln": {**KILN, "checkpoint_every": 2, "grpo": {"num_generations": 2,
+                                                                      "max_completion_tokens": 4}}})
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         done = wait_for(client, job.id, ("succeeded", "failed"))
