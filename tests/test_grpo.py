@@ -103,3 +103,28 @@ def test_a_learnable_reward_rises(policy_engine):
     assert last > first + 0.2, history
     assert np.polyfit(np.arange(len(history)), history, 1)[0] > 0, history
     policy_engine.retire_adapter(run.adapter).result()
+
+
+def test_grpo_in_process_trains_and_saves_a_policy(policy_engine, tmp_path):
+    """`grpo()`: prompts from JSONL, an OpenAI grader as reward (a score_model judged by the
+    served base model, combined in a multi), the adapter saved with its manifest."""
+    import json
+
+    from kiln.adapters.store import AdapterStore
+    from kiln.train.grpo import grpo
+
+    data = "\n".join(json.dumps({"messages": [{"role": "user", "content": q}], "answer": "k"})
+                     for q in ("hi", "say k", "k?", "hello"))
+    grader = {"type": "multi", "name": "both", "calculate_output": "0.5 * has_k + 0.5 * judged", "graders": {
+        "has_k": {"type": "string_check", "name": "has_k", "input": "{{ sample.output_text }}",
+                  "reference": "{{ item.answer }}", "operation": "like"},
+        "judged": {"type": "score_model", "name": "judged", "model": "tiny-llama", "range": [0, 1],
+                   "input": [{"role": "user", "content": "Score {{ sample.output_text }}"}]}}}
+    result = grpo(data, grader, "tiny-grpo", engine=policy_engine, store=tmp_path / "store", progress=False,
+                  lora_rank=8, lora_alpha=16, num_generations=2, prompts_per_step=2, max_completion_tokens=4,
+                  max_steps=2)
+    assert [h["step"] for h in result.history] == [1, 2]
+    assert all(0.0 <= h["reward_mean"] <= 1.0 for h in result.history)
+    artifact = AdapterStore(tmp_path / "store").latest("tiny-grpo")
+    assert artifact.version == result.artifact.version and artifact.manifest.config["method"] == "reinforcement"
+    assert artifact.manifest.provenance.source == "training:grpo" and artifact.manifest.training["steps"] == 2

@@ -472,7 +472,8 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
     the chat template) or `{"prompt": "...", ...}`; the whole line is the grader's `item`.
     reward: OpenAI grader JSON, a kiln Grader, or a `(sample, item) -> float` callable. model:
     a LoadedModel, a path, or None for the default model; engine: an AsyncEngine to sample
-    from (default: one started here, and stopped at the end). judge: for model graders. Keyword
+    from (default: one started here, and stopped at the end). judge: for model graders
+    (default: the engine's base model). Keyword
     overrides replace GRPOConfig fields. Returns the metrics history and the saved artifact."""
     import datetime
 
@@ -501,6 +502,17 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
                                             max_lora_rank=max(engine_config.max_lora_rank, config.lora_rank))
         engine = AsyncEngine(model, engine_config)
     try:
+        if judge is None:  # model graders are judged by the base model this engine serves
+            from kiln.errors import NotFound
+            from kiln.graders.engine_judge import engine_judge
+
+            def base_only(model_name: str):
+                if model_name in (None, "", engine.model.model_id):
+                    return None
+                raise NotFound(f"in-process GRPO judges with the base model {engine.model.model_id!r}; pass judge= "
+                               f"for {model_name!r}", code="model_not_found", param="model")
+
+            judge = engine_judge(engine, base_only)
         name = name or "grpo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         data = _as_source(data)
         prompts = load_prompts(data, engine.model.tokenizer, max_prompt_len)
