@@ -118,10 +118,14 @@ class EngineCore:
 
     def update_from_output(self, plan: StepPlan, results: list[StepResult | StepFailure | None]) -> list[Delta]:
         outputs = self.scheduler.update_from_output(plan, results)
+        self._publish_events()
+        return outputs
+
+    def _publish_events(self) -> None:
+        """Sends the KV events the pool raised since the last call (stored and removed blocks)."""
         if self._events:
             self.publisher.publish(self._events)
             self._events = []
-        return outputs
 
     # ---- dynamic KV resize -------------------------------------------------------------------
 
@@ -150,9 +154,7 @@ class EngineCore:
             self.runner.resize_kv(num_blocks, moves, executables or {})
         for req in self.scheduler.running:
             req.block_ids = [moves.get(b, b) for b in req.block_ids]
-        if self._events:
-            self.publisher.publish(self._events)
-            self._events = []
+        self._publish_events()
         log.info("KV pool resized from %d to %d blocks (%d moved)", current, num_blocks, len(moves))
         return True
 

@@ -30,6 +30,16 @@ def load_model_from_settings(settings: Settings, show_progress: bool = True) -> 
                       model_id=m.served_model_name or None, cache_root=settings.cache_dir())
 
 
+def resolve_model(model, settings: Settings, show_progress: bool = True) -> LoadedModel:
+    """A LoadedModel as is; a path loaded with the settings' dtype and cache; None: the configured
+    model (the Python training APIs take any of the three)."""
+    if model is None:
+        return load_model_from_settings(settings, show_progress)
+    if isinstance(model, LoadedModel):
+        return model
+    return load_model(model, dtype=settings.model.dtype, show_progress=show_progress, cache_root=settings.cache_dir())
+
+
 def build_engine(settings: Settings, show_progress: bool = True) -> AsyncEngine:
     configure_compilation_cache(settings.compilation_dir())
     model = load_model_from_settings(settings, show_progress)

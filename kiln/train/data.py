@@ -229,14 +229,15 @@ def length_buckets(max_seq_len: int) -> list[int]:
     return [b for b in buckets if b < max_seq_len] + [max_seq_len]
 
 
-def _bucket(n: int, buckets: list[int]) -> int:
+def bucket(n: int, buckets: list[int]) -> int:
+    """The smallest bucket that holds n (the largest when none does)."""
     return next((b for b in buckets if b >= n), buckets[-1])
 
 
 def make_batch(examples: list[Example], rows: int, buckets: list[int]) -> Batch:
     """Rows of inputs ids[:-1] padded to `rows` and a length bucket; the trained positions
     (targets ids[1:] where trained) padded to a bucket of their own."""
-    S = _bucket(max(len(e.ids) - 1 for e in examples), buckets)
+    S = bucket(max(len(e.ids) - 1 for e in examples), buckets)
     tokens, valid = np.zeros((rows, S), np.int32), np.zeros((rows, S), bool)
     index, targets = [], []
     for i, e in enumerate(examples):
@@ -246,7 +247,7 @@ def make_batch(examples: list[Example], rows: int, buckets: list[int]) -> Batch:
         index.append(i * S + positions)
         targets.append(e.ids[1:][positions])
     index, targets = np.concatenate(index).astype(np.int32), np.concatenate(targets).astype(np.int32)
-    K = _bucket(max(len(index), 1), length_buckets(rows * S))
+    K = bucket(max(len(index), 1), length_buckets(rows * S))
     pad = K - len(index)
     return Batch(tokens, valid, np.pad(index, (0, pad)), np.pad(targets, (0, pad)),
                  np.pad(np.ones(len(index), np.float32), (0, pad)))

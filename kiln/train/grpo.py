@@ -48,7 +48,7 @@ from kiln.models.decoder import logits as lm_logits
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import losses
 from kiln.train.artifact import adapter_manifest
-from kiln.train.data import length_buckets
+from kiln.train.data import bucket, length_buckets
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
 
@@ -133,10 +133,6 @@ class Rollout:
     text: str = ""
 
 
-def _bucket(n: int, buckets: list[int]) -> int:
-    return next((b for b in buckets if b >= n), n)
-
-
 def _pad(parts: list[np.ndarray], K: int, dtype=np.float32) -> np.ndarray:
     flat = np.concatenate(parts).astype(dtype)
     return np.pad(flat, (0, K - len(flat)))
@@ -158,7 +154,7 @@ def rollout_batches(rollouts: Sequence[Rollout], advantages: np.ndarray, config:
     for start in range(0, n, rows):
         part = range(start, min(start + rows, n))
         longest = max(len(rollouts[i].prompt_ids) + len(rollouts[i].completion_ids) - 1 for i in part)
-        S = _bucket(longest, SEQUENCE_BUCKETS)
+        S = bucket(longest, SEQUENCE_BUCKETS)
         tokens, valid = np.zeros((rows, S), np.int32), np.zeros((rows, S), bool)
         index, fields = [], {k: [] for k in ("targets", "weight", "adv", "sampler")}
         for row, i in enumerate(part):
@@ -174,7 +170,7 @@ def rollout_batches(rollouts: Sequence[Rollout], advantages: np.ndarray, config:
             fields["sampler"].append(np.asarray(r.logprobs if r.logprobs is not None else
                                                 np.zeros(len(r.completion_ids)), np.float32))
         flat = np.concatenate(index).astype(np.int32)
-        K = _bucket(max(len(flat), 1), length_buckets(rows * S))
+        K = bucket(max(len(flat), 1), length_buckets(rows * S))
         zeros = np.zeros(K, np.float32)
         out.append(RolloutBatch(tokens, valid, _pad([flat], K, np.int32), _pad(fields["targets"], K, np.int32),
                                 _pad(fields["weight"], K), _pad(fields["adv"], K), _pad(fields["sampler"], K), zeros,
@@ -186,6 +182,13 @@ def completion_logits(params, lora, batch: RolloutBatch, cfg: ModelConfig, scale
     """Raw logits [K, vocab] at the completion positions (the LM head runs nowhere else)."""
     hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale)
     return lm_logits(params, hidden[batch.loss_index])
+
+
+def completion_logprobs(params, lora, batch: RolloutBatch, cfg: ModelConfig, scale: float,
+                        temperature: float) -> jax.Array:
+    """log p of each completion token [K] under the model (params + LoRA) at `temperature`."""
+    logits = completion_logits(params, lora, batch, cfg, scale) / temperature
+    return losses.token_logprobs(logits, batch.loss_targets)
 
 
 def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config: GRPOConfig,
@@ -233,8 +236,7 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
         return optax.apply_updates(lora, updates), opt_state, optax.tree.norm(grads)
 
     def logprobs(lora, params, batch: RolloutBatch):
-        raw = completion_logits(params, lora, batch, cfg, scale)
-        return losses.token_logprobs(raw / temperature, batch.loss_targets)
+        return completion_logprobs(params, lora, batch, cfg, scale, temperature)
 
     return jax.jit(grads), jax.jit(update, donate_argnums=(0, 1)), jax.jit(logprobs)
 
@@ -279,7 +281,7 @@ class GRPORun:
         self.tx = adamw(self.schedule, config.weight_decay, config.max_grad_norm)
         self.lora = init_lora(self.cfg, config.lora_rank, config.target_modules, config.seed)
         self.opt_state = self.tx.init(self.lora)
-        self._grads, self._update, self._logprobs = make_policy_steps(self.cfg, self.tx, config)
+        self._set_steps(make_policy_steps(self.cfg, self.tx, config))
         self._executables: dict[tuple, Any] = {}
         self.trained_tokens = 0  # completion tokens in the loss
         self.step = 0
@@ -287,6 +289,15 @@ class GRPORun:
         self.validation = None  # prompts a job evaluates the policy on
         self.last_metrics: dict = {}
         self.publish()
+
+    @property
+    def micro_step(self) -> int:
+        """Checkpoints are numbered in micro-steps; a policy step is one."""
+        return self.step
+
+    def _set_steps(self, steps) -> None:
+        self._grads, self._update, self._logprobs = steps
+        self._jitted = {"grads": self._grads, "logprobs": self._logprobs}
 
     @property
     def done(self) -> bool:
@@ -406,16 +417,15 @@ class GRPORun:
                        tokens_per_second=tokens / (t3 - t0))
         return metrics
 
-    def _compiled(self, kind: str, lora, batch: RolloutBatch, teacher=None):
-        """The executable of `kind` ("grads" or "logprobs", with or without the adapter) for the
-        batch's shape, compiled on first need: a job compiles outside accelerator ownership, so
-        serving never waits for a compile."""
+    def _compiled(self, kind: str, lora, batch: RolloutBatch, *extra, params=None):
+        """The executable of `kind` (a key of `self._jitted`: "grads", "logprobs", ...; with or
+        without the adapter) for the batch's shape, compiled on first need: a job compiles
+        outside accelerator ownership, so serving never waits for a compile. `extra`: arguments
+        after the batch; `params`: other than the served model's (a teacher's)."""
         key = (kind, lora is None, batch.tokens.shape, batch.loss_index.shape)
         if key not in self._executables:
-            if kind == "grads":
-                self._executables[key] = self._grads.lower(lora, self.params, batch, teacher).compile()
-            else:
-                self._executables[key] = self._logprobs.lower(lora, self.params, batch).compile()
+            args = (lora, self.params if params is None else params, batch, *extra)
+            self._executables[key] = self._jitted[kind].lower(*args).compile()
         return self._executables[key]
 
     @property
@@ -483,8 +493,7 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
     from kiln.config import resolve_settings
     from kiln.engine.client import AsyncEngine
     from kiln.engine.config import EngineConfig
-    from kiln.engine.setup import load_model_from_settings
-    from kiln.models.loader import LoadedModel, load_model
+    from kiln.engine.setup import resolve_model
     from kiln.train.data import load_prompts
     from kiln.train.sft import _as_source, file_digest
 
@@ -492,11 +501,7 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
     config = dataclasses.replace(config or GRPOConfig(), **overrides)
     own_engine = engine is None
     if engine is None:
-        if model is None:
-            model = load_model_from_settings(settings, show_progress=progress)
-        elif not isinstance(model, LoadedModel):
-            model = load_model(model, dtype=settings.model.dtype, show_progress=progress,
-                               cache_root=settings.cache_dir())
+        model = resolve_model(model, settings, progress)
         engine_config = EngineConfig.from_settings(settings)
         engine_config = dataclasses.replace(engine_config, max_loras=max(engine_config.max_loras, 1),
                                             max_lora_rank=max(engine_config.max_lora_rank, config.lora_rank))

@@ -158,18 +158,16 @@ class JobManager:
             if rollouts not in ("engine", "external") or (rollouts == "external" and kind != "reinforcement"):
                 raise InvalidRequest("kiln.rollouts is \"engine\" or, for reinforcement, \"external\"",
                                      param="kiln.rollouts")
-            if kind == "reinforcement" and rollouts == "external" and options.get("grader") is None:
-                details = {"grader": None}  # the client scores its rollouts
-                for key, default in (("eval_interval", 10), ("eval_samples", 1), ("compute_multiplier", 1.0)):
-                    hyperparameters[key] = default
-            elif kind == "reinforcement":
-                grader = graders.validate(options.get("grader"), f"method.{kind}.grader")
-                for key, lo, hi, kind_ in (("eval_interval", 1, 1 << 20, int), ("eval_samples", 1, 64, int),
-                                           ("compute_multiplier", 0.25, 16, float)):
-                    hyperparameters[key] = _choose(hp.get(key), {"eval_interval": 10, "eval_samples": 1,
-                                                                 "compute_multiplier": 1.0}[key], kind_, lo, hi,
-                                                   f"hyperparameters.{key}")
-                details = {"grader": grader.to_json()}
+            if kind == "reinforcement":
+                for key, default, lo, hi, kind_ in (("eval_interval", 10, 1, 1 << 20, int),
+                                                    ("eval_samples", 1, 1, 64, int),
+                                                    ("compute_multiplier", 1.0, 0.25, 16, float)):
+                    hyperparameters[key] = _choose(hp.get(key), default, kind_, lo, hi, f"hyperparameters.{key}")
+                grader = options.get("grader")
+                if grader is None and rollouts == "external":
+                    details = {"grader": None}  # the client scores its rollouts
+                else:
+                    details = {"grader": graders.validate(grader, f"method.{kind}.grader").to_json()}
             else:
                 details = {"teacher": self._teacher(options.get("teacher"), f"method.{kind}.teacher").name}
             config = self._policy_config(GRPOConfig if kind == "reinforcement" else OPDConfig, section,
@@ -329,18 +327,18 @@ class JobManager:
         return file
 
     def _prompts(self, file: dict, max_prompt_len: int, param: str):
-        what = "training file" if param == "training_file" else "validation file"
-        try:
-            return load_prompts(self.store.file_content(file["id"]), self.model.tokenizer, max_prompt_len,
-                                f"{what} {file['id']}")
-        except DataError as exc:
-            raise DataError(exc.message, code=exc.code, param=param) from None
+        return self._read(file, param, lambda content, what: load_prompts(content, self.model.tokenizer,
+                                                                          max_prompt_len, what))
 
     def _examples(self, file: dict, config: SFTConfig, param: str):
+        return self._read(file, param, lambda content, what: load_examples(content, self.model.tokenizer,
+                                                                           config.max_seq_len, what))
+
+    def _read(self, file: dict, param: str, load):
+        """A stored input file through `load(content, what)`; a DataError names `param`."""
         what = "training file" if param == "training_file" else "validation file"
         try:
-            return load_examples(self.store.file_content(file["id"]), self.model.tokenizer, config.max_seq_len,
-                                 f"{what} {file['id']}")
+            return load(self.store.file_content(file["id"]), f"{what} {file['id']}")
         except DataError as exc:
             raise DataError(exc.message, code=exc.code, param=param) from None
 
@@ -470,7 +468,8 @@ class JobManager:
                 if run.step % spec["checkpoint_every"] == 0 and not run.done:
                     self._save_checkpoint(manager, run, job, metrics)
             if shrunk:  # before the job reads as finished
-                shrunk = not self._grow_kv(job_id)
+                self._grow_kv(job_id)
+                shrunk = False
             self._finish(job, run)
         finally:
             manager.close()
@@ -603,10 +602,9 @@ class JobManager:
         metrics["valid_reward_mean"] = run.evaluate([p.ids for p in run.validation],
                                                     [p.item for p in run.validation], hp["eval_samples"])
 
-    def _grow_kv(self, job_id: str) -> bool:
+    def _grow_kv(self, job_id: str) -> None:
         self._resize_kv(self.kv_blocks)
         self.store.add_event(job_id, f"KV pool grown back to {self.kv_blocks} blocks")
-        return True
 
     def _resize_kv(self, blocks: int, attempts: int = 1, give_up=lambda: False) -> bool:
         """Resizes the KV pool at an iteration boundary; the new size's step buckets compile here
@@ -663,7 +661,7 @@ class JobManager:
         import orbax.checkpoint as ocp
 
         with self.engine.core.ownership.write(f"checkpoint {job['id']}"):
-            manager.save(getattr(run, "micro_step", run.step), args=ocp.args.StandardSave(run.state()), force=True)
+            manager.save(run.micro_step, args=ocp.args.StandardSave(run.state()), force=True)
             manager.wait_until_finished()
         if metrics is not None:
             name = job["kiln"]["adapter_name"]

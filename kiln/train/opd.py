@@ -24,7 +24,7 @@ import numpy as np
 from kiln.errors import InvalidRequest
 from kiln.models.config import ModelConfig
 from kiln.train import losses
-from kiln.train.grpo import GRPOConfig, GRPORun, RolloutBatch, completion_logits, make_policy_steps
+from kiln.train.grpo import GRPOConfig, GRPORun, RolloutBatch, completion_logprobs, make_policy_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,15 +94,10 @@ class OPDRun(GRPORun):
                                  code="teacher_tokenizer_mismatch")
         super().__init__(engine, prompts, items or [None] * len(prompts), None, config, name)
         self.teacher = teacher
-        self._grads, self._update, self._logprobs = make_policy_steps(self.cfg, self.tx, config, teacher.cfg,
-                                                                      teacher.scale)
-        temperature = config.temperature
-
-        def teacher_logprobs(params, lora, batch: RolloutBatch):
-            logits = completion_logits(params, lora, batch, teacher.cfg, teacher.scale) / temperature
-            return losses.token_logprobs(logits, batch.loss_targets)
-
-        self._teacher_logprobs = jax.jit(teacher_logprobs)
+        self._set_steps(make_policy_steps(self.cfg, self.tx, config, teacher.cfg, teacher.scale))
+        self._teacher_logprobs = jax.jit(lambda lora, params, batch: completion_logprobs(
+            params, lora, batch, teacher.cfg, teacher.scale, config.temperature))
+        self._jitted["teacher"] = self._teacher_logprobs
 
     def _teacher_arg(self):
         return (self.teacher.params, self.teacher.lora) if self.config.jsd_beta is not None else None
@@ -111,14 +106,11 @@ class OPDRun(GRPORun):
         """Per-token advantages teacher - student logprob (the student's: the engine's, of the
         tokens it sampled); metric `reverse_kl`, their negated weighted mean."""
         t = self.teacher
-        key = lambda b: ("teacher", b.tokens.shape, b.loss_index.shape)  # noqa: E731
-        for b in batches:
-            if key(b) not in self._executables:
-                self._executables[key(b)] = self._teacher_logprobs.lower(t.params, t.lora, b).compile()
+        steps = [self._compiled("teacher", t.lora, b, params=t.params) for b in batches]
         with lock(f"opd {self.name}: teacher logprobs"):
-            teacher = [np.asarray(self._executables[key(b)](t.params, t.lora, b)) for b in batches]
-        gaps = [np.where(b.loss_weight > 0, b.sampler_logprobs - lp, 0.0) for b, lp in zip(batches, teacher,
-                                                                                            strict=True)]
+            teacher = [np.asarray(step(t.lora, t.params, b)) for step, b in zip(steps, batches, strict=True)]
+        gaps = [np.where(b.loss_weight > 0, losses.reverse_kl(b.sampler_logprobs, lp), 0.0)
+                for b, lp in zip(batches, teacher, strict=True)]
         weight = max(sum(float(np.sum(b.loss_weight)) for b in batches), 1e-9)
         reverse_kl = sum(float(np.sum(g * b.loss_weight)) for g, b in zip(gaps, batches, strict=True)) / weight
         # the batch's mean gap is subtracted as a baseline: unbiased (it does not depend on which

@@ -295,15 +295,11 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
 
     from kiln.adapters.store import AdapterStore
     from kiln.config import resolve_settings
-    from kiln.engine.setup import load_model_from_settings
-    from kiln.models.loader import LoadedModel, load_model
+    from kiln.engine.setup import resolve_model
 
     settings = settings or resolve_settings(None)
     config = dataclasses.replace(config, **overrides) if config else SFTConfig.from_settings(settings, **overrides)
-    if model is None:
-        model = load_model_from_settings(settings, show_progress=progress)
-    elif not isinstance(model, LoadedModel):
-        model = load_model(model, dtype=settings.model.dtype, show_progress=progress, cache_root=settings.cache_dir())
+    model = resolve_model(model, settings, progress)
     name = name or "sft-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     data, validation = _as_source(data), _as_source(validation)
     examples = load_examples(data, model.tokenizer, config.max_seq_len)
