@@ -11,7 +11,7 @@ import pytest
 from conftest import random_prompts
 
 from kiln.engine.lora_slots import AdapterWeights
-from kiln.errors import InvalidRequest
+from kiln.errors import AdapterNotFound, InvalidRequest
 from kiln.train import losses
 from kiln.train.data import load_examples
 from kiln.train.grpo import rollout_batches
@@ -74,20 +74,36 @@ def test_the_sampled_token_advantage_is_the_teachers_minus_the_students(policy_e
     policy_engine.retire_adapter(run.adapter).result()
 
 
-def test_a_teacher_with_another_tokenizer_is_refused(expressive_model, tmp_path):
-    import tiny_models
-
+def test_a_teacher_with_another_tokenizer_is_refused(expressive_model, other_tokenizer_gguf):
     from kiln.models.loader import load_model
 
-    specials = tiny_models.SPECIALS
-    tiny_models.SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    try:
-        hf = tiny_models.make_hf_model("llama", vocab_size=260, seed=4)
-        other = load_model(tiny_models.write_gguf(hf, tmp_path / "other.gguf"), show_progress=False, model_id="other")
-    finally:
-        tiny_models.SPECIALS = specials
+    other = load_model(other_tokenizer_gguf, show_progress=False, model_id="other")
     with pytest.raises(InvalidRequest) as err:
         Teacher.model(expressive_model, other)
     assert err.value.code == "teacher_tokenizer_mismatch" and err.value.param == "teacher"
     same = Teacher.model(expressive_model, expressive_model)
     assert same.cfg is expressive_model.config
+
+
+def test_distill_in_process_from_a_saved_teacher_adapter(policy_engine, expressive_model, tmp_path):
+    """`distill()`: prompts from JSONL, the teacher an SFT adapter read from the store, the
+    student saved with a manifest that names its teacher."""
+    from kiln.adapters.store import AdapterStore
+    from kiln.train.artifact import adapter_manifest
+    from kiln.train.opd import distill
+
+    ps = random_prompts(4, seed=17)
+    weights = sft_teacher(expressive_model, ps)
+    store = AdapterStore(tmp_path / "store")
+    teacher = store.save(adapter_manifest("teacher", expressive_model, method="supervised", source="sft", config={},
+                                          rank=8, alpha=16, modules=tuple(weights.weights), inputs=[], training={},
+                                          steps=1, trained_tokens=1, final_metrics={}), weights.weights)
+    data = "\n".join(json.dumps({"prompt": expressive_model.tokenizer.decode(p)}) for p in ps)
+    result = distill(data, teacher, "student", engine=policy_engine, store=store, progress=False, lora_rank=8,
+                     lora_alpha=16, num_generations=2, prompts_per_step=2, max_completion_tokens=4, max_steps=2)
+    assert [h["step"] for h in result.history] == [1, 2] and all(h["reverse_kl"] > 0 for h in result.history)
+    saved = store.latest("student")
+    assert saved.manifest.config["method"] == "distillation" and saved.manifest.config["teacher"] == "teacher"
+    assert saved.manifest.provenance.source == "training:opd"
+    with pytest.raises(AdapterNotFound):
+        distill(data, tmp_path / "no-such-adapter", engine=policy_engine, save=False, progress=False)

@@ -373,6 +373,8 @@ class GRPORun:
             "truncated_fraction": float(np.mean([r.truncated for g in groups for r in g])),
             "grad_norm": grad_norm, "learning_rate": float(self.schedule(self.step - 1)), **extra,
         }
+        if getattr(c, "jsd_beta", None) is not None:  # distillation's full-distribution term
+            self.last_metrics["jsd"] = stats["jsd"] / weight
         return self.last_metrics
 
     kind = "grpo"  # the trainer, in logs and provenance
@@ -485,6 +487,39 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
     from (default: one started here, and stopped at the end). judge: for model graders
     (default: the engine's base model). Keyword
     overrides replace GRPOConfig fields. Returns the metrics history and the saved artifact."""
+    config = dataclasses.replace(config or GRPOConfig(), **overrides)
+
+    def make_run(engine, name, prompts):
+        nonlocal judge
+        if judge is None:  # model graders are judged by the base model this engine serves
+            from kiln.errors import NotFound
+            from kiln.graders.engine_judge import engine_judge
+
+            def base_only(model_name: str):
+                if model_name in (None, "", engine.model.model_id):
+                    return None
+                raise NotFound(f"in-process GRPO judges with the base model {engine.model.model_id!r}; pass judge= "
+                               f"for {model_name!r}", code="model_not_found", param="model")
+
+            judge = engine_judge(engine, base_only)
+        return GRPORun(engine, [p.ids for p in prompts], [p.item for p in prompts], as_reward(reward, judge), config,
+                       name=name)
+
+    return train_policy(make_run, data, name or _default_name("grpo"), config, model=model, engine=engine,
+                        store=store, progress=progress, save=save, settings=settings, max_prompt_len=max_prompt_len)
+
+
+def _default_name(kind: str) -> str:
+    import datetime
+
+    return f"{kind}-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def train_policy(make_run, data, name: str, config: GRPOConfig, *, model, engine, store, progress: bool, save: bool,
+                 settings, max_prompt_len: int) -> GRPOResult:
+    """Runs a policy trainer in this process to its end, sampling from `engine` (or one started
+    here on `model` with a LoRA slot for the policy), and saves its adapter to the store.
+    make_run(engine, name, prompts) builds the run (GRPO's, distillation's)."""
     import datetime
 
     from tqdm.auto import tqdm
@@ -498,7 +533,6 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
     from kiln.train.sft import _as_source, file_digest
 
     settings = settings or resolve_settings(None)
-    config = dataclasses.replace(config or GRPOConfig(), **overrides)
     own_engine = engine is None
     if engine is None:
         model = resolve_model(model, settings, progress)
@@ -507,29 +541,15 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
                                             max_lora_rank=max(engine_config.max_lora_rank, config.lora_rank))
         engine = AsyncEngine(model, engine_config)
     try:
-        if judge is None:  # model graders are judged by the base model this engine serves
-            from kiln.errors import NotFound
-            from kiln.graders.engine_judge import engine_judge
-
-            def base_only(model_name: str):
-                if model_name in (None, "", engine.model.model_id):
-                    return None
-                raise NotFound(f"in-process GRPO judges with the base model {engine.model.model_id!r}; pass judge= "
-                               f"for {model_name!r}", code="model_not_found", param="model")
-
-            judge = engine_judge(engine, base_only)
-        name = name or "grpo-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         data = _as_source(data)
-        prompts = load_prompts(data, engine.model.tokenizer, max_prompt_len)
-        run = GRPORun(engine, [p.ids for p in prompts], [p.item for p in prompts], as_reward(reward, judge), config,
-                      name=name)
+        run = make_run(engine, name, load_prompts(data, engine.model.tokenizer, max_prompt_len))
         started = datetime.datetime.now(datetime.UTC)
         history: list[dict] = []
-        bar = tqdm(total=run.total_steps, desc=f"grpo {name}", unit="step", disable=not progress)
+        bar = tqdm(total=run.total_steps, desc=f"{run.kind} {name}", unit="step", disable=not progress)
         while not run.done:
             history.append(run.run_step(engine.core.ownership))
             bar.update(1)
-            bar.set_postfix(reward=f"{history[-1]['reward_mean']:.3f}")
+            bar.set_postfix({k: f"{history[-1][k]:.3f}" for k in ("reward_mean", "reverse_kl") if k in history[-1]})
         bar.close()
         engine.retire_adapter(run.adapter).result()
         artifact = None

@@ -136,3 +136,48 @@ class OPDRun(GRPORun):
 
     def _manifest_config(self) -> dict:
         return {**self.config.to_json(), "teacher": self.teacher.name}
+
+
+def resolve_teacher(teacher, model) -> Teacher:
+    """The teacher `distill` is given: None or "base" (the base model), a Teacher, adapter
+    weights (`AdapterWeights`), a store artifact or adapter directory (an adapter of the
+    student's base model), or another LoadedModel sharing the student's tokenizer."""
+    from kiln.adapters.registry import check_fits
+    from kiln.adapters.store import Artifact, load_weights, read_artifact
+    from kiln.engine.lora_slots import AdapterWeights
+    from kiln.models.loader import LoadedModel
+
+    if teacher is None or teacher == "base":
+        return Teacher.base(model)
+    if isinstance(teacher, Teacher):
+        return teacher
+    if isinstance(teacher, AdapterWeights):
+        return Teacher.adapter(model, teacher)
+    if isinstance(teacher, LoadedModel):
+        return Teacher.model(model, teacher)
+    artifact = teacher if isinstance(teacher, Artifact) else read_artifact(teacher)
+    check_fits(artifact.manifest, model, artifact.manifest.rank)
+    m = artifact.manifest
+    return Teacher.adapter(model, AdapterWeights(m.name, artifact.manifest_digest, load_weights(artifact), m.scale,
+                                                 m.rank))
+
+
+def distill(data, teacher=None, name: str | None = None, *, model=None, engine=None, config: OPDConfig | None = None,
+            store=None, progress: bool = True, save: bool = True, settings=None, max_prompt_len: int = 1024,
+            **overrides):
+    """Trains a student LoRA adapter by on-policy distillation in this process and saves it.
+
+    data: prompts, as for `grpo` (JSONL of `{"messages": [...]}` or `{"prompt": "..."}`).
+    teacher: see `resolve_teacher` (default: the base model). Keyword overrides replace
+    OPDConfig fields. Returns a GRPOResult (metrics history with `reverse_kl`, the artifact,
+    the run)."""
+    from kiln.train.grpo import _default_name, train_policy
+
+    config = dataclasses.replace(config or OPDConfig(), **overrides)
+
+    def make_run(engine, name, prompts):
+        return OPDRun(engine, [p.ids for p in prompts], resolve_teacher(teacher, engine.model), config, name=name,
+                      items=[p.item for p in prompts])
+
+    return train_policy(make_run, data, name or _default_name("opd"), config, model=model, engine=engine, store=store,
+                        progress=progress, save=save, settings=settings, max_prompt_len=max_prompt_len)
