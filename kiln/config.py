@@ -168,6 +168,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("train", "serving_share", "float", 0.5, fraction,
         "while requests are being served, the share of accelerator time a training job leaves to them"),
     Key("train", "data_dir", "str", "", None, "uploaded files, jobs and checkpoints; empty = <cache dir>/data"),
+    Key("train", "teachers", "list[str]", [], None,
+        "models a distillation job may name as teacher: \"name=path\" (HF directory or GGUF); loaded on first use"),
     Key("cache", "dir", "str", "", None, "cache directory; empty = $XDG_CACHE_HOME/kiln or ~/.cache/kiln"),
     Key("cache", "compilation_dir", "str", "", None, "JAX persistent compilation cache; empty = <cache dir>/jax"),
 )

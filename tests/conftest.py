@@ -51,6 +51,20 @@ def expressive_model(tmp_path_factory, kiln_cache):
                       model_id="tiny-llama")
 
 
+@pytest.fixture(scope="session")
+def other_tokenizer_gguf(tmp_path_factory, kiln_cache):
+    """A tiny llama GGUF whose tokenizer differs from the tiny models' (other special tokens)."""
+    import tiny_models
+
+    specials = tiny_models.SPECIALS
+    tiny_models.SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    try:
+        hf = tiny_models.make_hf_model("llama", vocab_size=260, seed=4)
+        return tiny_models.write_gguf(hf, tmp_path_factory.mktemp("other-tokenizer") / "other.gguf")
+    finally:
+        tiny_models.SPECIALS = specials
+
+
 POLICY_ENGINE = dict(num_kv_blocks=256, block_size=16, max_loras=2, max_lora_rank=8, decode_row_buckets=(8, 16, 32),
                      prefill_token_buckets=(32, 64, 128), max_num_seqs=32, max_num_batched_tokens=128)
 

@@ -43,8 +43,9 @@ def store_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(expressive_model, kiln_cache, tmp_path_factory, store_dir):
-    srv = start(expressive_model, kiln_cache, tmp_path_factory.mktemp("data"), store_dir)
+def server(expressive_model, kiln_cache, tmp_path_factory, store_dir, other_tokenizer_gguf):
+    teachers = f"twin={expressive_model.source},stranger={other_tokenizer_gguf}"
+    srv = start(expressive_model, kiln_cache, tmp_path_factory.mktemp("data"), store_dir, KILN_TRAIN_TEACHERS=teachers)
     yield srv
     srv.stop_cleanly()
 
@@ -174,6 +175,27 @@ def test_a_distillation_job_runs_on_policy_distillation(server, client):
     with pytest.raises(openai.BadRequestError) as err:
         client.fine_tuning.jobs.create(model=MODEL, training_file=train.id,
                                        method={"type": "distillation", "distillation": {"teacher": "nobody"}})
+    assert err.value.body["param"] == "method.distillation.teacher"
+
+
+def test_a_distillation_job_learns_from_a_configured_teacher_model(server, client):
+    """train.teachers: a model loaded into the server's process when a job first names it; one
+    with another tokenizer is refused."""
+    train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=MODEL, training_file=train.id,
+        method={"type": "distillation", "distillation": {"teacher": "twin", "hyperparameters": {"batch_size": 4}}},
+        extra_body={"kiln": {**KILN, "distillation": {"num_generations": 2, "max_completion_tokens": 6}}})
+    assert job.to_dict()["method"]["distillation"]["teacher"] == "twin"
+    assert job.model_extra["kiln"]["plan"]["serving"]["teacher_weights"] > 0
+    done = wait_for(client, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
+    assert abs(metrics[-1]["reverse_kl"]) < 1e-3  # the twin has the base model's weights
+    with pytest.raises(openai.BadRequestError) as err:
+        client.fine_tuning.jobs.create(model=MODEL, training_file=train.id,
+                                       method={"type": "distillation", "distillation": {"teacher": "stranger"}})
+    assert err.value.body["code"] == "teacher_tokenizer_mismatch"
     assert err.value.body["param"] == "method.distillation.teacher"
 
 

@@ -71,6 +71,7 @@ class JobManager:
         self._submissions: dict[str, list] = {}  # job id -> scored rollouts waiting for a step
         self._stopping = False
         self.current: str | None = None
+        self._teacher_models: dict[str, object] = {}  # train.teachers loaded so far, by name
         core = engine.core  # fixed allocations, read once here (the engine thread owns the core)
         self.kv_blocks = engine.config.num_kv_blocks  # the configured pool, restored after a shrink
         self.kv_block_bytes = memory.tree_bytes(core.runner.kv) // core.runner.num_blocks
@@ -107,6 +108,7 @@ class JobManager:
         if not isinstance(kiln, dict):
             raise InvalidRequest("kiln must be an object", param="kiln")
         sft_defaults = SFTConfig.from_settings(self.settings)
+        extra_bytes = 0  # a teacher model's weights
         defaults = sft_defaults if kind == "supervised" else GRPOConfig()
         lora = kiln.get("lora") or {}
         n_epochs = _choose(hp.get("n_epochs"), defaults.n_epochs, int, 1, 50, "hyperparameters.n_epochs")
@@ -169,7 +171,8 @@ class JobManager:
                 else:
                     details = {"grader": graders.validate(grader, f"method.{kind}.grader").to_json()}
             else:
-                details = {"teacher": self._teacher(options.get("teacher"), f"method.{kind}.teacher").name}
+                teacher = self._teacher(options.get("teacher"), f"method.{kind}.teacher")
+                details, extra_bytes = {"teacher": teacher.name}, self._teacher_bytes(teacher)
             config = self._policy_config(GRPOConfig if kind == "reinforcement" else OPDConfig, section,
                                          kiln.get(section) or {}, common, batch_size,
                                          hyperparameters.get("compute_multiplier", 1.0))
@@ -187,7 +190,10 @@ class JobManager:
                                      param=f"kiln.{section}.max_completion_tokens")
             method_out = {"type": kind, kind: {**details, "hyperparameters": hyperparameters}}
             remat_setting = "off"
-        plan = memory.plan(self.model.config, rank, modules, rows, seq_len, accumulation, self.serving_bytes,
+        serving = self.serving_bytes
+        if extra_bytes:
+            serving = {**serving, "teacher_weights": extra_bytes}
+        plan = memory.plan(self.model.config, rank, modules, rows, seq_len, accumulation, serving,
                            self.settings.train.memory_budget_bytes)
         kv_pool = {"blocks": self.kv_blocks, "bytes_per_block": self.kv_block_bytes,
                    "min_blocks": self.engine.core.min_kv_blocks}
@@ -253,14 +259,44 @@ class JobManager:
         return config
 
     def _teacher(self, teacher, param: str) -> Teacher:
-        """The distillation teacher a job names: this server's base model or a loaded adapter."""
+        """The distillation teacher a job names: this server's base model, a loaded adapter, or a
+        model of `train.teachers` (loaded into this process on first use, kept for later jobs;
+        it must share the base model's tokenizer)."""
         if teacher in (None, "", self.model.model_id):
             return Teacher.base(self.model)
+        models = self._teacher_paths()
+        if isinstance(teacher, str) and teacher in models:
+            with self._cv:
+                loaded = self._teacher_models.get(teacher)
+            if loaded is None:
+                from kiln.models.loader import load_model
+
+                try:
+                    loaded = load_model(models[teacher], show_progress=False, model_id=teacher)
+                except (OSError, ValueError) as exc:
+                    raise InvalidRequest(f"the teacher model {teacher!r} ({models[teacher]}) cannot be loaded: {exc}",
+                                         code="model_not_found", param=param) from None
+                with self._cv:
+                    loaded = self._teacher_models.setdefault(teacher, loaded)
+            try:
+                return Teacher.model(self.model, loaded)
+            except InvalidRequest as exc:
+                raise InvalidRequest(str(exc), code=exc.code, param=param) from None
         adapter = self.registry.get(teacher) if isinstance(teacher, str) else None
         if adapter is None:
-            raise InvalidRequest(f"the teacher must be the base model {self.model.model_id!r} or a loaded adapter; "
-                                 f"got {teacher!r}", code="model_not_found", param=param)
+            choices = ", ".join(repr(m) for m in models) or "none configured"
+            raise InvalidRequest(f"the teacher must be the base model {self.model.model_id!r}, a loaded adapter or a "
+                                 f"teacher model of train.teachers ({choices}); got {teacher!r}",
+                                 code="model_not_found", param=param)
         return Teacher.adapter(self.model, adapter.weights)
+
+    def _teacher_paths(self) -> dict[str, str]:
+        name_path = (entry.partition("=") for entry in self.settings.train.teachers)
+        return {name.strip(): path.strip() for name, _, path in name_path if name.strip() and path.strip()}
+
+    def _teacher_bytes(self, teacher: Teacher) -> int:
+        """Weights a teacher adds to what serving holds (none for the base model or an adapter)."""
+        return memory.tree_bytes(teacher.params) if teacher.params is not self.model.params else 0
 
     def get(self, job_id: str) -> dict:
         job = self.store.get_job(job_id)
