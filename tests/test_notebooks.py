@@ -21,11 +21,33 @@ def outputs(nb) -> str:
     return "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
 
 
+def has_plot(nb) -> bool:
+    return any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
+               for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
 @pytest.mark.slow
 def test_sft_notebook_runs_and_learns(kiln_cache):
     nb = run_notebook("sft.ipynb", {"N_EPOCHS": 1, "MAX_TRAIN_EXAMPLES": 32, "EVAL_ITEMS": 8})
     text = outputs(nb)
     assert "4 optimizer steps" in text
     assert "exact JSON answers: base" in text
-    assert any(o.get("output_type") == "display_data" and "image/png" in o.get("data", {})
-               for c in nb.cells if c.cell_type == "code" for o in c.outputs)  # the loss curve
+    assert has_plot(nb)  # the loss curve
+
+
+@pytest.mark.slow
+def test_grpo_notebook_runs_and_plots_the_reward(kiln_cache):
+    nb = run_notebook("grpo.ipynb", {"STEPS": 2, "PROMPTS_PER_STEP": 2, "NUM_GENERATIONS": 4, "EVAL_ITEMS": 4})
+    text = outputs(nb)
+    assert "2 steps in" in text and "held out, greedy: mean reward" in text
+    assert "reward 1.0" in text and "reward 0.2" in text  # the grader's worked examples
+    assert has_plot(nb)
+
+
+@pytest.mark.slow
+def test_opd_notebook_runs_and_reports_the_gap(kiln_cache):
+    nb = run_notebook("opd.ipynb", {"TEACHER_EPOCHS": 1, "MAX_TRAIN_EXAMPLES": 16, "STEPS": 2, "PROMPTS_PER_STEP": 2,
+                                    "NUM_GENERATIONS": 2, "EVAL_ITEMS": 4})
+    text = outputs(nb)
+    assert "2 steps in" in text and "of the gap closed" in text
+    assert has_plot(nb)
