@@ -59,8 +59,8 @@ def test_engine_logprobs_of_sampled_tokens_equal_the_trainers(policy_engine):
     rollouts = [r for g in groups for r in g]
     assert all(len(r.logprobs) == len(r.completion_ids) > 0 for r in rollouts)
     for batch in rollout_batches(rollouts, np.zeros(len(rollouts), np.float32), config):
-        trainer = np.asarray(run._logprobs(run.lora, run.params, batch))
-        base = np.asarray(run._logprobs(None, run.params, batch))
+        trainer = np.asarray(run._jitted["logprobs"](run.lora, run.params, batch))
+        base = np.asarray(run._jitted["logprobs"](None, run.params, batch))
         real = batch.loss_weight > 0
         np.testing.assert_allclose(trainer[real], batch.sampler_logprobs[real], atol=1e-4)
         assert np.abs(base[real] - batch.sampler_logprobs[real]).max() > 1e-2  # the adapter matters

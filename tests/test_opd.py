@@ -67,7 +67,7 @@ def test_the_sampled_token_advantage_is_the_teachers_minus_the_students(policy_e
     [batch] = rollout_batches(rollouts, np.zeros(len(rollouts), np.float32), config)
     [scored], extra = run._with_logprobs([batch], lambda _: contextlib.nullcontext())
     real = batch.loss_weight > 0
-    teacher_lp = np.asarray(run._teacher_logprobs(teacher.lora, teacher.params, batch))
+    teacher_lp = np.asarray(run._jitted["teacher"](teacher.lora, teacher.params, batch))
     np.testing.assert_allclose(scored.advantages[real], teacher_lp[real] - batch.sampler_logprobs[real], atol=1e-5)
     assert extra["reverse_kl"] == pytest.approx(float(np.mean(-scored.advantages[real])), rel=1e-5)
     assert extra["reverse_kl"] > 1.0  # the fresh student is far from the teacher's one reply

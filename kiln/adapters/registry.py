@@ -36,6 +36,13 @@ from kiln.models.lora import TARGET_MODULES
 log = logging.getLogger("kiln.adapters")
 
 
+def artifact_weights(artifact: Artifact, name: str | None = None) -> AdapterWeights:
+    """An artifact's verified LoRA weights, as the engine's slots take them (named `name`, or
+    the manifest's name; versioned by the manifest digest)."""
+    m = artifact.manifest
+    return AdapterWeights(name or m.name, artifact.manifest_digest, load_weights(artifact), m.scale, m.rank)
+
+
 def check_fits(manifest: Manifest, model: LoadedModel, max_rank: int) -> None:
     """An adapter serves only on the base weights it was made for, within the slots' rank and modules."""
     if manifest.base_model.weights_digest != model.weights_digest:
@@ -144,10 +151,7 @@ class AdapterRegistry:
                 raise InvalidRequest(f"The lora adapter '{name}' has already been loaded.",
                                      code="adapter_already_loaded")
             artifact, source = self._resolve(name, path)
-            weights = load_weights(artifact)
-            entry = LoadedAdapter(artifact, AdapterWeights(name, artifact.manifest_digest, weights,
-                                                           artifact.manifest.scale, artifact.manifest.rank),
-                                  source, time.time())
+            entry = LoadedAdapter(artifact, artifact_weights(artifact, name), source, time.time())
             self._loaded[name] = entry  # new requests select the new version from here on
             if old is not None:
                 self._at_boundary(self.engine.retire_adapter(old.weights))

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
+
+
+def default_adapter_name(trainer: str) -> str:
+    """The name a run's adapter gets when none is given: the trainer and the local time."""
+    return f"{trainer}-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
 
 def adapter_manifest(name: str, model, *, method: str, source: str, config: dict, rank: int, alpha: float, modules,
                      inputs: list[dict], training: dict, steps: int, trained_tokens: int, final_metrics: dict):

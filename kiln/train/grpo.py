@@ -47,7 +47,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits as lm_logits
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import losses
-from kiln.train.artifact import adapter_manifest
+from kiln.train.artifact import adapter_manifest, default_adapter_name
 from kiln.train.data import bucket, length_buckets
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
@@ -296,8 +296,8 @@ class GRPORun:
         return self.step
 
     def _set_steps(self, steps) -> None:
-        self._grads, self._update, self._logprobs = steps
-        self._jitted = {"grads": self._grads, "logprobs": self._logprobs}
+        grads, self._update, logprobs = steps
+        self._jitted = {"grads": grads, "logprobs": logprobs}
 
     @property
     def done(self) -> bool:
@@ -490,29 +490,25 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
     config = dataclasses.replace(config or GRPOConfig(), **overrides)
 
     def make_run(engine, name, prompts):
-        nonlocal judge
-        if judge is None:  # model graders are judged by the base model this engine serves
-            from kiln.errors import NotFound
-            from kiln.graders.engine_judge import engine_judge
+        return GRPORun(engine, [p.ids for p in prompts], [p.item for p in prompts],
+                       as_reward(reward, judge or _base_model_judge(engine)), config, name=name)
 
-            def base_only(model_name: str):
-                if model_name in (None, "", engine.model.model_id):
-                    return None
-                raise NotFound(f"in-process GRPO judges with the base model {engine.model.model_id!r}; pass judge= "
-                               f"for {model_name!r}", code="model_not_found", param="model")
-
-            judge = engine_judge(engine, base_only)
-        return GRPORun(engine, [p.ids for p in prompts], [p.item for p in prompts], as_reward(reward, judge), config,
-                       name=name)
-
-    return train_policy(make_run, data, name or _default_name("grpo"), config, model=model, engine=engine,
+    return train_policy(make_run, data, name or default_adapter_name("grpo"), config, model=model, engine=engine,
                         store=store, progress=progress, save=save, settings=settings, max_prompt_len=max_prompt_len)
 
 
-def _default_name(kind: str) -> str:
-    import datetime
+def _base_model_judge(engine):
+    """In-process model graders' judge: the base model `engine` serves, and no other."""
+    from kiln.errors import NotFound
+    from kiln.graders.engine_judge import engine_judge
 
-    return f"{kind}-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    def base_only(model_name: str):
+        if model_name in (None, "", engine.model.model_id):
+            return None
+        raise NotFound(f"in-process GRPO judges with the base model {engine.model.model_id!r}; pass judge= "
+                       f"for {model_name!r}", code="model_not_found", param="model")
+
+    return engine_judge(engine, base_only)
 
 
 def train_policy(make_run, data, name: str, config: GRPOConfig, *, model, engine, store, progress: bool, save: bool,

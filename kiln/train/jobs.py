@@ -266,18 +266,7 @@ class JobManager:
             return Teacher.base(self.model)
         models = self._teacher_paths()
         if isinstance(teacher, str) and teacher in models:
-            with self._cv:
-                loaded = self._teacher_models.get(teacher)
-            if loaded is None:
-                from kiln.models.loader import load_model
-
-                try:
-                    loaded = load_model(models[teacher], show_progress=False, model_id=teacher)
-                except (OSError, ValueError) as exc:
-                    raise InvalidRequest(f"the teacher model {teacher!r} ({models[teacher]}) cannot be loaded: {exc}",
-                                         code="model_not_found", param=param) from None
-                with self._cv:
-                    loaded = self._teacher_models.setdefault(teacher, loaded)
+            loaded = self._teacher_model(teacher, models[teacher], param)
             try:
                 return Teacher.model(self.model, loaded)
             except InvalidRequest as exc:
@@ -289,6 +278,22 @@ class JobManager:
                                  f"teacher model of train.teachers ({choices}); got {teacher!r}",
                                  code="model_not_found", param=param)
         return Teacher.adapter(self.model, adapter.weights)
+
+    def _teacher_model(self, name: str, path: str, param: str):
+        """A `train.teachers` model, loaded into this process on first use and kept."""
+        with self._cv:
+            loaded = self._teacher_models.get(name)
+        if loaded is not None:
+            return loaded
+        from kiln.models.loader import load_model
+
+        try:
+            loaded = load_model(path, show_progress=False, model_id=name)
+        except (OSError, ValueError) as exc:
+            raise InvalidRequest(f"the teacher model {name!r} ({path}) cannot be loaded: {exc}",
+                                 code="model_not_found", param=param) from None
+        with self._cv:  # two jobs loading it at once keep the first
+            return self._teacher_models.setdefault(name, loaded)
 
     def _teacher_paths(self) -> dict[str, str]:
         name_path = (entry.partition("=") for entry in self.settings.train.teachers)

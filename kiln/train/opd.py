@@ -95,9 +95,8 @@ class OPDRun(GRPORun):
         super().__init__(engine, prompts, items or [None] * len(prompts), None, config, name)
         self.teacher = teacher
         self._set_steps(make_policy_steps(self.cfg, self.tx, config, teacher.cfg, teacher.scale))
-        self._teacher_logprobs = jax.jit(lambda lora, params, batch: completion_logprobs(
+        self._jitted["teacher"] = jax.jit(lambda lora, params, batch: completion_logprobs(
             params, lora, batch, teacher.cfg, teacher.scale, config.temperature))
-        self._jitted["teacher"] = self._teacher_logprobs
 
     def _teacher_arg(self):
         return (self.teacher.params, self.teacher.lora) if self.config.jsd_beta is not None else None
@@ -142,8 +141,8 @@ def resolve_teacher(teacher, model) -> Teacher:
     """The teacher `distill` is given: None or "base" (the base model), a Teacher, adapter
     weights (`AdapterWeights`), a store artifact or adapter directory (an adapter of the
     student's base model), or another LoadedModel sharing the student's tokenizer."""
-    from kiln.adapters.registry import check_fits
-    from kiln.adapters.store import Artifact, load_weights, read_artifact
+    from kiln.adapters.registry import artifact_weights, check_fits
+    from kiln.adapters.store import Artifact, read_artifact
     from kiln.engine.lora_slots import AdapterWeights
     from kiln.models.loader import LoadedModel
 
@@ -157,9 +156,7 @@ def resolve_teacher(teacher, model) -> Teacher:
         return Teacher.model(model, teacher)
     artifact = teacher if isinstance(teacher, Artifact) else read_artifact(teacher)
     check_fits(artifact.manifest, model, artifact.manifest.rank)
-    m = artifact.manifest
-    return Teacher.adapter(model, AdapterWeights(m.name, artifact.manifest_digest, load_weights(artifact), m.scale,
-                                                 m.rank))
+    return Teacher.adapter(model, artifact_weights(artifact))
 
 
 def distill(data, teacher=None, name: str | None = None, *, model=None, engine=None, config: OPDConfig | None = None,
@@ -171,7 +168,8 @@ def distill(data, teacher=None, name: str | None = None, *, model=None, engine=N
     teacher: see `resolve_teacher` (default: the base model). Keyword overrides replace
     OPDConfig fields. Returns a GRPOResult (metrics history with `reverse_kl`, the artifact,
     the run)."""
-    from kiln.train.grpo import _default_name, train_policy
+    from kiln.train.artifact import default_adapter_name
+    from kiln.train.grpo import train_policy
 
     config = dataclasses.replace(config or OPDConfig(), **overrides)
 
@@ -179,5 +177,5 @@ def distill(data, teacher=None, name: str | None = None, *, model=None, engine=N
         return OPDRun(engine, [p.ids for p in prompts], resolve_teacher(teacher, engine.model), config, name=name,
                       items=[p.item for p in prompts])
 
-    return train_policy(make_run, data, name or _default_name("opd"), config, model=model, engine=engine, store=store,
-                        progress=progress, save=save, settings=settings, max_prompt_len=max_prompt_len)
+    return train_policy(make_run, data, name or default_adapter_name("opd"), config, model=model, engine=engine,
+                        store=store, progress=progress, save=save, settings=settings, max_prompt_len=max_prompt_len)

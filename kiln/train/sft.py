@@ -25,7 +25,7 @@ from kiln.config import KEYS
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits
 from kiln.train import losses
-from kiln.train.artifact import adapter_manifest
+from kiln.train.artifact import adapter_manifest, default_adapter_name
 from kiln.train.data import (
     Batch,
     DataError,
@@ -300,7 +300,7 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
     settings = settings or resolve_settings(None)
     config = dataclasses.replace(config, **overrides) if config else SFTConfig.from_settings(settings, **overrides)
     model = resolve_model(model, settings, progress)
-    name = name or "sft-" + datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = name or default_adapter_name("sft")
     data, validation = _as_source(data), _as_source(validation)
     examples = load_examples(data, model.tokenizer, config.max_seq_len)
     valid = (load_examples(validation, model.tokenizer, config.max_seq_len, "validation file")
