@@ -19,7 +19,7 @@ def rows(S, **over):
         repetition=np.ones(S, np.float32), seed=np.zeros((S, 2), np.uint32), step=np.zeros(S, np.int32),
         bias_ids=np.full((S, 1), V, np.int32), bias_values=np.zeros((S, 1), np.float32),
         banned_ids=np.full((S, 1), V, np.int32), output_ids=np.full((S, 4), V, np.int32),
-        prompt_ids=np.full((S, 4), V, np.int32),
+        prompt_ids=np.full((S, 4), V, np.int32), allowed=np.zeros((S, 0), np.int32),
     )
     base.update({k: np.asarray(v) for k, v in over.items()})
     return RowSampling(**base)
@@ -31,6 +31,22 @@ LOGITS = jnp.asarray(np.log(np.array([[0.4, 0.25, 0.15, 0.1, 0.05, 0.05] + [1e-9
 def draw(rs, n=400, flags=ALL, logits=LOGITS):
     fn = jax.jit(lambda rs: sample(jnp.repeat(logits, n, 0), rs, flags).tokens)
     return np.asarray(fn(rs))
+
+
+def test_grammar_mask_comes_before_every_sampling_parameter():
+    # row 0 may only produce tokens 3 and 5; a strong bias towards 0 cannot bring 0 back, and
+    # the reported logprob is the raw model's. Row 1 is unconstrained (all bits set).
+    allowed = np.zeros((2, 1), np.int32)
+    allowed[0, 0] = (1 << 3) | (1 << 5)
+    allowed[1, 0] = -1
+    flags = SamplingFlags(filtering=True, top_logprobs=True, mask=True)
+    rs = rows(2, temperature=[0.0, 0.0], bias_ids=[[0], [0]], bias_values=[[50.0], [0.0]], allowed=allowed)
+    out = sample(LOGITS.repeat(2, 0), rs, flags)
+    assert out.tokens.tolist() == [3, 0]
+    np.testing.assert_allclose(float(out.logprobs[0]), np.log(0.1), rtol=1e-5)
+    seeds = np.stack([np.arange(400), np.zeros(400)], 1).astype(np.uint32)
+    sampled = draw(rows(400, top_k=[3] * 400, seed=seeds, allowed=np.tile(allowed[:1], (400, 1))), flags=flags)
+    assert set(sampled.tolist()) <= {3, 5} and len(set(sampled.tolist())) == 2
 
 
 def test_greedy_and_logprobs():

@@ -12,6 +12,7 @@ import random
 
 from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import EngineConfig
+from kiln.engine.grammar import GrammarCompiler
 from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
@@ -51,6 +52,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,
                                    tokenizer=model.tokenizer, eos_ids=self.eos_ids, step_cost=self.runner.step_cost,
                                    fits=self.runner.fits, on_finish=self._on_finish)
+        self.grammars = GrammarCompiler(model.tokenizer, cfg.vocab_size, self.eos_ids)
         self.steps = 0
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
 
@@ -83,7 +85,8 @@ class EngineCore:
         group = request_id if params.n > 1 else None
         return [Request(f"{request_id}-{i}" if group else request_id, list(prompt_ids), params,
                         seed=(base_seed + i) % (1 << 64), adapter=adapter, cache_salt=cache_salt, group_id=group,
-                        index=i) for i in range(params.n)]
+                        index=i, matcher=params.grammar.matcher() if params.grammar else None)
+                for i in range(params.n)]
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from kiln.engine.grammar import advance
 from kiln.errors import KilnError
 from kiln.models.tokenizer import IncrementalDetokenizer, KilnTokenizer
 
@@ -59,24 +60,28 @@ class OutputState:
         Returns (new text to stream, finish reason, stop reason)."""
         p = self.req.params
         n_out = len(self.req.output_ids)  # including this token
-        finish, stop_reason = None, None
+        finish, stop_reason, grammar_done = None, None, False
         if token in p.stop_token_ids and n_out > p.min_tokens:
             finish, stop_reason = "stop", token
         elif token in self.eos_ids and not p.ignore_eos and n_out > p.min_tokens:
             finish = "stop"
         if finish is None:
-            self.text += self.detok.add(token)
+            grammar_done = self.req.matcher is not None and advance(self.req.matcher, token)
+            if not (grammar_done and token in self.eos_ids):
+                self.text += self.detok.add(token)
             if p.stop and n_out >= p.min_tokens:
                 hit = self._find_stop()
                 if hit is not None:
                     idx, stop = hit
                     self.text = self.text[: idx + (len(stop) if p.include_stop_str_in_output else 0)]
                     finish, stop_reason = "stop", stop
+            if finish is None and grammar_done:
+                finish = "stop"  # the grammar is complete: nothing may follow
         at_limit = (p.max_tokens is not None and n_out >= p.max_tokens) or self.req.num_tokens >= self.max_model_len
         if finish is None and at_limit:
             finish = "length"
         if finish is not None:
-            if finish == "length":
+            if finish == "length" or (grammar_done and stop_reason is None):
                 self.text += self.detok.flush()
             out = self.text[self.sent :]
             self.sent = len(self.text)

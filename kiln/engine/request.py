@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from kiln.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from kiln.engine.lora_slots import AdapterWeights
     from kiln.engine.output import OutputState, TokenLogprob
 
@@ -67,6 +69,7 @@ class Request:
     # aligned with prompt positions; position 0 has no logprob (None), as the API reports it
     prompt_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=lambda: [None])
     output: OutputState | None = None  # detokenizer and stop checks, set when the scheduler takes the request
+    matcher: LLMatcher | None = None  # the grammar's state after the output so far (constrained requests)
 
     @property
     def all_ids(self) -> list[int]:

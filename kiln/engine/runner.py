@@ -33,6 +33,7 @@ import numpy as np
 from jax._src import dispatch
 
 from kiln.engine.config import EngineConfig
+from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.output import TokenLogprob
 from kiln.engine.request import Request
@@ -239,6 +240,7 @@ class Runner:
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-capture")
         self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         self.padded_steps = 0  # steps run in a bigger compiled bucket while theirs compiled
+        self.masks = MaskFiller()
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
         self.flops_per_token = 2 * cfg.num_layers * layer_params
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
@@ -319,6 +321,7 @@ class Runner:
             penalties=any(p.needs_penalties for p in params),
             filtering=any(p.needs_filtering for p in params),
             top_logprobs=any((p.logprobs or 0) > 0 for p in params),
+            mask=any(r.matcher is not None for r, _ in rows),
         )
         prompt_lp = any(r.params.prompt_logprobs is not None and r.in_prefill for r, _ in rows)
         adapters = len({r.adapter_slot for r, _ in rows if r.adapter_slot})
@@ -496,12 +499,18 @@ class Runner:
             if shape.flags.penalties and p.needs_penalties:
                 output_ids[i, : len(r.output_ids)] = r.output_ids
                 prompt_ids[i, : len(r.prompt_ids)] = r.prompt_ids
+        if shape.flags.mask:
+            constrained = [(r.matcher, i) for i, (r, _) in enumerate(rows) if r.matcher is not None]
+            allowed = self.masks.fill(constrained, S, V)
+        else:
+            allowed = np.zeros((S, 0), np.int32)
         return RowSampling(temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, step,
-                           bias_ids, bias_values, banned_ids, output_ids, prompt_ids)
+                           bias_ids, bias_values, banned_ids, output_ids, prompt_ids, allowed)
 
     def _banned(self, r: Request) -> list[int]:
-        """Stop tokens are masked until min_tokens have been generated."""
-        if len(r.output_ids) >= r.params.min_tokens:
+        """Stop tokens are masked until min_tokens have been generated (not in constrained rows:
+        their grammar decides when they may end)."""
+        if len(r.output_ids) >= r.params.min_tokens or r.matcher is not None:
             return []
         return sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos_ids)))
 

@@ -10,12 +10,15 @@ when some row of the batch asks for them (static flags).
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from kiln.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from kiln.engine.grammar import Grammar
 
 MAX_TOP_LOGPROBS = 20
 
@@ -41,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    grammar: Grammar | None = None  # constrained decoding: every choice follows this grammar
 
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequest naming the first parameter out of range."""
@@ -101,6 +105,7 @@ class SamplingFlags(NamedTuple):
     penalties: bool = False
     filtering: bool = False
     top_logprobs: bool = False
+    mask: bool = False  # some row is constrained by a grammar
 
 
 class RowSampling(NamedTuple):
@@ -120,6 +125,7 @@ class RowSampling(NamedTuple):
     banned_ids: jax.Array  # [S, Kn] ids masked this step (min_tokens), vocab = padding
     output_ids: jax.Array  # [S, P] generated so far (penalties), vocab = padding
     prompt_ids: jax.Array  # [S, P2] prompt (repetition penalty), vocab = padding
+    allowed: jax.Array  # int32 [S, ceil(V / 32)] bitmask of the tokens a grammar allows ([S, 0] without flags.mask)
 
 
 class Sampled(NamedTuple):
@@ -158,7 +164,12 @@ def sample(logits: jax.Array, rs: RowSampling, flags: SamplingFlags) -> Sampled:
     S, V = logits.shape
     log_norm = jax.nn.logsumexp(logits, axis=-1)  # logprobs are logits - log_norm (raw distribution)
     rows = jnp.arange(S)[:, None]
-    x = logits.at[rows, rs.bias_ids].add(rs.bias_values, mode="drop")
+    x = logits
+    if flags.mask:  # grammars first: no sampling parameter may bring back a token they rule out
+        ids = jnp.arange(V, dtype=jnp.int32)
+        bits = jnp.right_shift(rs.allowed[:, ids // 32], ids % 32) & 1
+        x = jnp.where(bits == 1, x, -jnp.inf)
+    x = x.at[rows, rs.bias_ids].add(rs.bias_values, mode="drop")
     if flags.penalties:
         out_counts = _presence(rs.output_ids, V)
         seen = (out_counts + _presence(rs.prompt_ids, V)) > 0

@@ -68,6 +68,7 @@ def serve(settings: Settings) -> int:
 
     jobs = JobManager(settings, engine, registry, TrainingStore(settings.training_dir()))
     state = ServerState(settings, engine, engine.core.metrics, registry, jobs)
+    state.grammars.tokenizer  # noqa: B018 (built now, so no request's compile waits for it)
     prewarm(state)
     if not preload_adapters(state):
         jobs.shutdown()

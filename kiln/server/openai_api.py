@@ -14,6 +14,7 @@ from kiln.engine.output import Delta, TokenLogprob
 from kiln.engine.sampling import SamplingParams
 from kiln.errors import InvalidRequest
 from kiln.models.tokenizer import KilnTokenizer
+from kiln.server.chat_output import OutputReader, StreamedChoice
 from kiln.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
 
 
@@ -127,8 +128,10 @@ class ChatFormat:
     chunk_object: ClassVar[str] = "chat.completion.chunk"
     id_prefix: ClassVar[str] = "chatcmpl"
 
-    def __init__(self, tok: KilnTokenizer, logprobs: bool):
+    def __init__(self, tok: KilnTokenizer, logprobs: bool, reader: OutputReader | None = None):
         self.tok, self.with_logprobs = tok, logprobs
+        self.reader = reader or OutputReader()
+        self.streams: dict[int, StreamedChoice] = {}
 
     def _logprobs(self, items: list[TokenLogprob]) -> dict:
         def entry(tid, lp):
@@ -139,18 +142,25 @@ class ChatFormat:
                             for t in items]}
 
     def choice(self, index: int, acc: ChoiceAccumulator) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": acc.text},
+        message = self.reader.message(acc.text)
+        return {"index": index, "message": message,
                 "logprobs": self._logprobs(acc.logprobs) if self.with_logprobs else None,
-                "finish_reason": acc.final.finish_reason, "stop_reason": acc.final.stop_reason}
+                "finish_reason": _finish_reason(acc.final.finish_reason, "tool_calls" in message),
+                "stop_reason": acc.final.stop_reason}
 
     def opening(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
     def chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        choice = {"index": index, "delta": {"content": delta.text} if delta.text else {},
+        stream = self.streams.setdefault(index, StreamedChoice(self.reader))
+        choice = {"index": index, "delta": stream.feed(delta.text, delta.finished),
                   "logprobs": self._logprobs(delta.logprobs) if delta.logprobs else None,
-                  "finish_reason": delta.finish_reason}
+                  "finish_reason": _finish_reason(delta.finish_reason, stream.called)}
         return choice if choice["delta"] or choice["finish_reason"] or choice["logprobs"] else None
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 class CompletionFormat:

@@ -9,6 +9,8 @@ from litestar.response import Stream
 
 from kiln.errors import InvalidRequest
 from kiln.server import openai_api as oa
+from kiln.server import structured
+from kiln.server.chat_output import THINK_START, OutputReader, choose_parser, thinks
 from kiln.server.responses import respond, submit_all
 from kiln.server.schemas import (
     ChatCompletionRequest,
@@ -27,10 +29,23 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
     adapter = st.select_model(data.model)
     if not data.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
+    tools = structured.tool_parameters(data.tools)
+    mode, function = structured.tool_choice(data, tools)
+    constraint = structured.output_constraint(data)
+    constraint = structured.tool_call_constraint(mode, function, tools, data.parallel_tool_calls) or constraint
     prompt = oa.render_chat(st.tokenizer, data, data.messages)
     logprobs = oa.chat_logprob_count(data)
     params = oa.sampling_params(data, oa.chat_max_tokens(data), logprobs)
-    fmt = oa.ChatFormat(st.tokenizer, logprobs is not None)
+    server, template = st.settings.server, st.tokenizer.chat_template
+    reader = OutputReader(
+        reasoning=thinks(server.reasoning_parser, template) and constraint is None,
+        opens_in_reasoning=st.tokenizer.decode(prompt[-4:], skip_special_tokens=False).rstrip().endswith(THINK_START),
+        tool_mode=mode, tool_format=choose_parser(server.tool_call_parser, template), function=function)
+    if mode == "auto" and reader.tool_format == "mistral":
+        params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
+    if constraint is not None:
+        params.grammar = await st.grammars.compile_async(constraint)
+    fmt = oa.ChatFormat(st.tokenizer, logprobs is not None, reader)
     return await _generate(st, fmt, data, [prompt], params, adapter)
 
 
@@ -44,6 +59,8 @@ async def completions(request: Request, data: CompletionRequest) -> Response | S
     params = oa.sampling_params(data, data.max_tokens, data.logprobs)
     if data.echo and data.logprobs is not None and params.prompt_logprobs is None:
         params.prompt_logprobs = data.logprobs  # echo + logprobs returns the prompt's logprobs too
+    if (constraint := structured.output_constraint(data)) is not None:
+        params.grammar = await st.grammars.compile_async(constraint)
     fmt = oa.CompletionFormat(st.tokenizer, data.logprobs is not None, prompts if data.echo else None, params.n)
     return await _generate(st, fmt, data, prompts, params, adapter)
 

@@ -6,6 +6,7 @@ OpenAI-compatible servers do.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -42,6 +43,13 @@ class SamplingFields(Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class ContentPart(Struct, kw_only=True):
@@ -64,6 +72,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -104,7 +114,8 @@ class RenderRequest(Struct, kw_only=True):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the plain dicts chat templates expect (text parts joined)."""
+    """Messages as the plain dicts chat templates expect: text parts joined, and tool calls'
+    arguments as objects (clients send them as JSON text; templates write them with tojson)."""
     out = []
     for m in messages:
         d = {k: v for k, v in msgspec.structs.asdict(m).items() if v is not None}
@@ -112,8 +123,21 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             d["content"] = "".join(p.text or "" for p in m.content if p.type == "text")
         elif m.content is None:
             d["content"] = ""
+        if m.tool_calls:
+            d["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
         out.append(d)
     return out
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class AdapterLoadRequest(Struct, kw_only=True):

@@ -11,6 +11,7 @@ from litestar import Request
 from kiln.adapters.registry import AdapterRegistry, LoadedAdapter
 from kiln.config import Settings
 from kiln.engine.client import AsyncEngine
+from kiln.engine.grammar import GrammarCompiler
 from kiln.engine.metrics import EngineMetrics
 from kiln.errors import AdmissionRejected, NotFound, QueueFull
 from kiln.profiles import ResolvedProfile
@@ -27,6 +28,9 @@ class ServerState:
     jobs: Any = None  # kiln.train.jobs.JobManager
     prewarm: str = "pending"  # pending | done | skipped
 
+    def __post_init__(self):
+        self.grammars.timeout_s = self.settings.server.grammar_compile_timeout_s
+
     @property
     def model_id(self) -> str:
         return self.engine.model.model_id
@@ -38,6 +42,10 @@ class ServerState:
     @property
     def tokenizer(self):
         return self.engine.model.tokenizer
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.engine.core.grammars
 
     @property
     def backend_route(self) -> str:
