@@ -11,7 +11,10 @@ Phases (one at a time, so they never share the CPU):
      "served decode" is the token rate while every stream is decoding: the window from the
      last stream's first token to the first stream's last token. Then a long shared-prefix
      prompt: TTFT cold vs prefix-cache hit;
-  3. transformers' generate on the first timed round's prompts, batch = c.
+  3. the largest concurrency again with every other stream constrained by a JSON Schema
+     (response_format json_schema; a string field long enough that no stream can finish
+     early), against the unconstrained rounds of the same server;
+  4. transformers' generate on the first timed round's prompts, batch = c.
 
     python bench/serve_throughput.py [--concurrency 1,32] [--new-tokens 48] [--rounds 2] [--skip-hf]
 """
@@ -52,9 +55,17 @@ def questions(round_: int, n: int) -> list[str]:
     return [f"({round_}.{i}) " + FORMS[i % len(FORMS)].format(TOPICS[(i + round_) % len(TOPICS)]) for i in range(n)]
 
 
-async def stream_chat(client: httpx.AsyncClient, content: str, new_tokens: int) -> dict:
+# what the constrained streams follow: the answer cannot be complete within the benchmark's tokens
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["topic", "answer"],
+          "properties": {"topic": {"type": "string", "maxLength": 40}, "answer": {"type": "string", "minLength": 600}}}
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+
+
+async def stream_chat(client: httpx.AsyncClient, content: str, new_tokens: int, constrained: bool = False) -> dict:
     body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}], "max_tokens": new_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if constrained:
+        body["response_format"] = JSON_FORMAT
     t0, stamps, usage = time.perf_counter(), [], None
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -68,11 +79,12 @@ async def stream_chat(client: httpx.AsyncClient, content: str, new_tokens: int) 
     return {"t0": t0, "stamps": stamps, "tokens": usage["completion_tokens"], "ttft": stamps[0] - t0}
 
 
-async def served_round(url: str, contents: list[str], new_tokens: int) -> dict:
+async def served_round(url: str, contents: list[str], new_tokens: int, half_constrained: bool = False) -> dict:
     limits = httpx.Limits(max_connections=len(contents) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as client:
         t0 = time.perf_counter()
-        streams = await asyncio.gather(*(stream_chat(client, c, new_tokens) for c in contents))
+        streams = await asyncio.gather(*(stream_chat(client, c, new_tokens, half_constrained and i % 2 == 1)
+                                         for i, c in enumerate(contents)))
         wall = time.perf_counter() - t0
     start, end = max(s["stamps"][0] for s in streams), min(s["stamps"][-1] for s in streams)
     in_window = sum(sum(start < t <= end for t in s["stamps"]) for s in streams)
@@ -91,12 +103,12 @@ def metric(url: str, name: str) -> float:
     return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
 
 
-def warm_up(url: str, c: int, new_tokens: int, limit: int = 5) -> int:
+def warm_up(url: str, c: int, new_tokens: int, limit: int = 5, half_constrained: bool = False) -> int:
     """Untimed rounds (new questions each) until one neither compiles a step bucket nor runs a
     step padded while its bucket compiles; returns how many ran."""
     for n in range(1, limit + 1):
         before = metric(url, "kiln:compiled_step_buckets"), metric(url, "kiln:padded_steps_total")
-        asyncio.run(served_round(url, questions(n, c), new_tokens))
+        asyncio.run(served_round(url, questions(n, c), new_tokens, half_constrained))
         while metric(url, "kiln:capturing_step_buckets") > 0:  # let background compiles land
             time.sleep(0.5)
         if (metric(url, "kiln:compiled_step_buckets"), metric(url, "kiln:padded_steps_total")) == before:
@@ -172,6 +184,11 @@ def main():
             print(f"  served c={c}: first round {first['wall']:.1f}s, then {warm_rounds} untimed rounds until no "
                   f"step compiled, then {served[c]['wall']:.1f}s per round", flush=True)
         prefix_cold, prefix_hit = prefix_ttft(url, tok)
+        big = max(levels)
+        warm = warm_up(url, big, new, half_constrained=True)
+        mixed = [asyncio.run(served_round(url, questions(r, big), new, half_constrained=True))
+                 for r in range(warm + 1, warm + args.rounds + 1)]
+        constrained = {k: statistics.median(r[k] for r in mixed) for k in mixed[0]}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -200,11 +217,14 @@ def main():
     print("served tok/s: output tokens / wall time of a warm round (prefill and HTTP included); served decode: "
           "token rate while all streams decode (c=1: the whole round); model step: rows / bare jitted step time; "
           "first round: the same workload on the fresh server, compiling its step buckets")
-    big = max(levels)
     print(f"bare {big}-row step: {step_flops(model.config, big) * step[big] / big / 1e9:.1f} GFLOP/s = "
           f"{fraction:.0%} of a plain jitted chain of the same matmuls")
     print(f"prefix-cache TTFT (~1,000-token shared prefix): cold {prefix_cold * 1e3:.0f} ms, "
           f"hit {prefix_hit * 1e3:.0f} ms ({prefix_hit / prefix_cold:.2f}x)")
+    plain = served[big]
+    print(f"{big} streams, half constrained by a JSON Schema: {constrained['tps']:.1f} tok/s served "
+          f"({constrained['tps'] / plain['tps']:.2f}x the unconstrained {plain['tps']:.1f}), decode "
+          f"{constrained['decode_tps']:.1f} tok/s ({constrained['decode_tps'] / plain['decode_tps']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from test_engine import SMALL, run
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.grammar import GrammarSpec
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.sampling import SamplingParams, ThinkingBudget
 from kiln.errors import InvalidRequest
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.server.chat_output import OutputReader, StreamedChoice, choose_parser
@@ -155,6 +155,19 @@ def test_grammars_are_compiled_once_per_source(engine):
     for _ in range(3):
         compiler.compile(GrammarSpec("json", {"type": "object", "properties": {"z": {"type": "integer"}}}))
     assert compiler.compiled == before + 1
+
+
+def test_thinking_budget_forces_the_end_of_thinking(engine, tiny_model):
+    tok = tiny_model.tokenizer
+    end = tuple(tok.encode("</think>", add_special_tokens=False))
+    prompts = [tok.encode("<think>", add_special_tokens=False) + [5, 6]] * 2
+    outs = engine.complete(prompts, [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True,
+                                                    thinking=ThinkingBudget(7, end, opened=True)) for s in (1, 2)])
+    for [c] in outs:  # the prompt opened the block: 7 tokens of thinking, then </think>, then the answer
+        assert tuple(c.token_ids[7:7 + len(end)]) == end and len(c.token_ids) == 30
+    [[c]] = engine.complete([[5, 6]], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True,
+                                                     thinking=ThinkingBudget(0, end)))
+    assert "</think>" not in c.text  # an answer that does not open a thinking block is left alone
 
 
 # ---- reading chat output ---------------------------------------------------------------------

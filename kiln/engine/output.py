@@ -53,6 +53,8 @@ class OutputState:
         self.text = ""  # all text decoded so far
         self.sent = 0  # characters of text already streamed
         self.holdback = max((len(s) for s in req.params.stop), default=1) - 1
+        self.thinking = "closed" if req.params.thinking is None else "open" if req.params.thinking.opened else "unknown"
+        self.thought = 0  # output tokens spent thinking
 
     def add_token(self, token: int) -> tuple[str, str | None, str | int | None]:
         """Processes a sampled token already appended to the request's output ids.
@@ -77,6 +79,8 @@ class OutputState:
                     finish, stop_reason = "stop", stop
             if finish is None and grammar_done:
                 finish = "stop"  # the grammar is complete: nothing may follow
+        if self.thinking != "closed" and finish is None:
+            self._track_thinking(token)
         at_limit = (p.max_tokens is not None and n_out >= p.max_tokens) or self.req.num_tokens >= self.max_model_len
         if finish is None and at_limit:
             finish = "length"
@@ -92,6 +96,26 @@ class OutputState:
         out = self.text[self.sent : end]
         self.sent = end
         return out, None, None
+
+    def _track_thinking(self, token: int) -> None:
+        """Counts thinking tokens; at the budget, forces the end of the thinking block."""
+        req, budget = self.req, self.req.params.thinking
+        if req.forced:
+            req.forced.pop(0)  # the forced token was sampled
+            self.thinking = "closed" if not req.forced else self.thinking
+            return
+        if self.thinking == "unknown":
+            head = self.text.lstrip()
+            if head.startswith("<think>"):
+                self.thinking = "open"
+            elif not "<think>".startswith(head):
+                self.thinking = "closed"  # this answer does not think
+                return
+        self.thought += 1
+        if "</think>" in self.text:
+            self.thinking = "closed"
+        elif self.thinking == "open" and self.thought >= budget.budget:
+            req.forced = list(budget.end_ids)
 
     def _find_stop(self) -> tuple[int, str] | None:
         start = max(0, self.sent - self.holdback)

@@ -70,6 +70,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] = dataclasses.field(default_factory=lambda: [None])
     output: OutputState | None = None  # detokenizer and stop checks, set when the scheduler takes the request
     matcher: LLMatcher | None = None  # the grammar's state after the output so far (constrained requests)
+    forced: list[int] = dataclasses.field(default_factory=list)  # tokens the next steps must sample, in order
 
     @property
     def all_ids(self) -> list[int]:

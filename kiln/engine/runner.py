@@ -321,7 +321,7 @@ class Runner:
             penalties=any(p.needs_penalties for p in params),
             filtering=any(p.needs_filtering for p in params),
             top_logprobs=any((p.logprobs or 0) > 0 for p in params),
-            mask=any(r.matcher is not None for r, _ in rows),
+            mask=any(r.matcher is not None or r.forced for r, _ in rows),
         )
         prompt_lp = any(r.params.prompt_logprobs is not None and r.in_prefill for r, _ in rows)
         adapters = len({r.adapter_slot for r, _ in rows if r.adapter_slot})
@@ -502,6 +502,10 @@ class Runner:
         if shape.flags.mask:
             constrained = [(r.matcher, i) for i, (r, _) in enumerate(rows) if r.matcher is not None]
             allowed = self.masks.fill(constrained, S, V)
+            for i, (r, _) in enumerate(rows):
+                if r.forced:  # only the next forced token
+                    allowed[i] = 0
+                    allowed[i, r.forced[0] // 32] = np.int32(np.uint32(1 << (r.forced[0] % 32)).view(np.int32))
         else:
             allowed = np.zeros((S, 0), np.int32)
         return RowSampling(temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, step,
@@ -510,7 +514,7 @@ class Runner:
     def _banned(self, r: Request) -> list[int]:
         """Stop tokens are masked until min_tokens have been generated (not in constrained rows:
         their grammar decides when they may end)."""
-        if len(r.output_ids) >= r.params.min_tokens or r.matcher is not None:
+        if len(r.output_ids) >= r.params.min_tokens or r.matcher is not None or r.forced:
             return []
         return sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos_ids)))
 

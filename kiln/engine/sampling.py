@@ -23,6 +23,17 @@ if TYPE_CHECKING:
 MAX_TOP_LOGPROBS = 20
 
 
+@dataclasses.dataclass(frozen=True)
+class ThinkingBudget:
+    """At most `budget` output tokens of thinking: then `end_ids` (the template's `</think>`) are
+    forced. `opened`: the prompt already opened the thinking block; otherwise it opens when the
+    output starts with `<think>`."""
+
+    budget: int
+    end_ids: tuple[int, ...]
+    opened: bool = False
+
+
 @dataclasses.dataclass
 class SamplingParams:
     max_tokens: int | None = 16
@@ -45,6 +56,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     grammar: Grammar | None = None  # constrained decoding: every choice follows this grammar
+    thinking: ThinkingBudget | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises InvalidRequest naming the first parameter out of range."""
@@ -85,6 +97,8 @@ class SamplingParams:
                 bad(f"stop_token_ids entry {tok} is outside the vocabulary", "stop_token_ids")
         if any(not s for s in self.stop):
             bad("stop strings must be non-empty", "stop")
+        if self.thinking is not None and self.thinking.budget < 0:
+            bad("thinking_token_budget must be at least 0", "thinking_token_budget")
 
     @property
     def greedy(self) -> bool:

@@ -7,10 +7,11 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
+from kiln.engine.sampling import ThinkingBudget
 from kiln.errors import InvalidRequest
 from kiln.server import openai_api as oa
 from kiln.server import structured
-from kiln.server.chat_output import THINK_START, OutputReader, choose_parser, thinks
+from kiln.server.chat_output import THINK_END, THINK_START, OutputReader, choose_parser, thinks
 from kiln.server.responses import respond, submit_all
 from kiln.server.schemas import (
     ChatCompletionRequest,
@@ -41,6 +42,9 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
         reasoning=thinks(server.reasoning_parser, template) and constraint is None,
         opens_in_reasoning=st.tokenizer.decode(prompt[-4:], skip_special_tokens=False).rstrip().endswith(THINK_START),
         tool_mode=mode, tool_format=choose_parser(server.tool_call_parser, template), function=function)
+    if data.thinking_token_budget is not None and reader.reasoning:
+        end = tuple(st.tokenizer.encode(THINK_END, add_special_tokens=False))
+        params.thinking = ThinkingBudget(data.thinking_token_budget, end, reader.opens_in_reasoning)
     if mode == "auto" and reader.tool_format == "mistral":
         params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
     if constraint is not None:

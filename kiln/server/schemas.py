@@ -74,6 +74,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    thinking_token_budget: int | None = None  # vLLM's: at most this many tokens of <think> reasoning
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
