@@ -145,9 +145,11 @@ class MaskFiller:
 
     def __init__(self):
         self._executor: LLExecutor | None = None
+        self.steps = 0  # steps that built masks
 
     def fill(self, matchers: list[tuple[LLMatcher, int]], rows: int, vocab_size: int) -> np.ndarray:
         """int32 [rows, ceil(vocab/32)] bitmask; rows without a matcher allow every token."""
+        self.steps += 1
         mask = np.full((rows, (vocab_size + 31) // 32), -1, np.int32)
         if matchers:
             if self._executor is None:

@@ -116,24 +116,57 @@ COUNTER = CompileCounter()
 _trace_lock = threading.Lock()
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "flags", "with_prompt_logprobs"), donate_argnames=("kv",))
-def model_step(params, kv: KVCache, inputs: StepInputs, last_index, rs: RowSampling, prompt_targets, lora, *,
-               cfg: ModelConfig, flags: SamplingFlags, with_prompt_logprobs: bool):
-    """Forward + on-device sampling; only sampled ids and requested logprobs leave the device."""
-    with _trace_lock:
-        COUNTER.traces += 1  # runs at trace time only
+def _forward(params, kv, inputs, last_index, prompt_targets, lora, cfg, with_prompt_logprobs):
+    """The forward pass: each row's last logits, prompt logprobs if asked, and the new KV."""
     hidden, kv = forward_hidden(params, kv, inputs, cfg, lora)
     with jax.named_scope("lm_head"):
         row_logits = logits(params, hidden[last_index])
-    with jax.named_scope("sampling"):
-        sampled = sample(row_logits, rs, flags)
     prompt = None
     if with_prompt_logprobs:
         lp = jax.nn.log_softmax(logits(params, hidden), axis=-1)
         target = jnp.take_along_axis(lp, jnp.maximum(prompt_targets, 0)[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
         prompt = PromptLogprobs(target, top_ids.astype(jnp.int32), top_lp)
+    return row_logits, prompt, kv
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "flags", "with_prompt_logprobs"), donate_argnames=("kv",))
+def model_step(params, kv: KVCache, inputs: StepInputs, last_index, rs: RowSampling, prompt_targets, lora, *,
+               cfg: ModelConfig, flags: SamplingFlags, with_prompt_logprobs: bool):
+    """Forward + on-device sampling; only sampled ids and requested logprobs leave the device."""
+    with _trace_lock:
+        COUNTER.traces += 1  # runs at trace time only
+    row_logits, prompt, kv = _forward(params, kv, inputs, last_index, prompt_targets, lora, cfg, with_prompt_logprobs)
+    with jax.named_scope("sampling"):
+        sampled = sample(row_logits, rs, flags)
     return sampled, prompt, kv
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "with_prompt_logprobs"), donate_argnames=("kv",))
+def forward_step(params, kv, inputs: StepInputs, last_index, prompt_targets, lora, *, cfg: ModelConfig,
+                 with_prompt_logprobs: bool):
+    """The forward half of a masked step: its logits stay on the device for sample_step."""
+    with _trace_lock:
+        COUNTER.traces += 1
+    return _forward(params, kv, inputs, last_index, prompt_targets, lora, cfg, with_prompt_logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("flags",))
+def sample_step(row_logits, rs: RowSampling, *, flags: SamplingFlags) -> Sampled:
+    return sample(row_logits, rs, flags)
+
+
+class MaskedStep:
+    """A step whose rows follow grammars, run in two executables: while the forward pass runs
+    (dispatched asynchronously), the host computes the rows' token masks; sampling then
+    applies them."""
+
+    def __init__(self, forward, sampler):
+        self.forward, self.sampler = forward, sampler
+
+    def __call__(self, params, kv, inputs, last_index, rs: RowSampling, targets, lora, masks: Callable[[], np.ndarray]):
+        row_logits, prompt, kv = self.forward(params, kv, inputs, last_index, targets, lora)
+        return self.sampler(row_logits, rs._replace(allowed=masks())), prompt, kv
 
 
 def _abstract(x):
@@ -395,9 +428,14 @@ class Runner:
         params, kv = abstract or self._abstract
         inputs, last_index, rs, targets = self._padding_inputs(shape)
         before = _mapped_regions()
-        lowered = model_step.lower(params, kv, inputs, last_index, rs, targets, lora, cfg=self.cfg,
-                                   flags=shape.flags, with_prompt_logprobs=shape.prompt_logprobs)
-        executable = lowered.compile()
+        if shape.flags.mask:
+            forward = forward_step.lower(params, kv, inputs, last_index, targets, lora, cfg=self.cfg,
+                                         with_prompt_logprobs=shape.prompt_logprobs).compile()
+            row_logits = jax.ShapeDtypeStruct((shape.rows, self.cfg.vocab_size), jnp.float32)
+            executable = MaskedStep(forward, sample_step.lower(row_logits, rs, flags=shape.flags).compile())
+        else:
+            executable = model_step.lower(params, kv, inputs, last_index, rs, targets, lora, cfg=self.cfg,
+                                          flags=shape.flags, with_prompt_logprobs=shape.prompt_logprobs).compile()
         if len(self._map_samples) < 3:
             self._map_samples.append(_mapped_regions() - before)
         return executable
@@ -499,17 +537,20 @@ class Runner:
             if shape.flags.penalties and p.needs_penalties:
                 output_ids[i, : len(r.output_ids)] = r.output_ids
                 prompt_ids[i, : len(r.prompt_ids)] = r.prompt_ids
-        if shape.flags.mask:
-            constrained = [(r.matcher, i) for i, (r, _) in enumerate(rows) if r.matcher is not None]
-            allowed = self.masks.fill(constrained, S, V)
-            for i, (r, _) in enumerate(rows):
-                if r.forced:  # only the next forced token
-                    allowed[i] = 0
-                    allowed[i, r.forced[0] // 32] = np.int32(np.uint32(1 << (r.forced[0] % 32)).view(np.int32))
-        else:
-            allowed = np.zeros((S, 0), np.int32)
+        # a masked step gets its masks while its forward pass runs (MaskedStep); compiles see zeros
+        allowed = np.zeros((S, (V + 31) // 32 if shape.flags.mask else 0), np.int32)
         return RowSampling(temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, step,
                            bias_ids, bias_values, banned_ids, output_ids, prompt_ids, allowed)
+
+    def _masks(self, rows: Rows, shape: StepShape) -> np.ndarray:
+        """The rows' allowed-token bitmasks: their grammars', or only their next forced token."""
+        constrained = [(r.matcher, i) for i, (r, _) in enumerate(rows) if r.matcher is not None]
+        allowed = self.masks.fill(constrained, shape.rows, self.cfg.vocab_size)
+        for i, (r, _) in enumerate(rows):
+            if r.forced:
+                allowed[i] = 0
+                allowed[i, r.forced[0] // 32] = np.uint32(1 << (r.forced[0] % 32)).view(np.int32)
+        return allowed
 
     def _banned(self, r: Request) -> list[int]:
         """Stop tokens are masked until min_tokens have been generated (not in constrained rows:
@@ -564,7 +605,11 @@ class Runner:
         rs = self._sampling_arrays(rows, shape)
         step = self.executables[shape]
         self.executables.move_to_end(shape)
-        sampled, prompt, self.kv = step(self.params, self.kv, inputs, last_index, rs, targets, self._lora(rows, shape))
+        args = (self.params, self.kv, inputs, last_index, rs, targets, self._lora(rows, shape))
+        if shape.flags.mask:
+            sampled, prompt, self.kv = step(*args, masks=lambda: self._masks(rows, shape))
+        else:
+            sampled, prompt, self.kv = step(*args)
         return StepResult(rows, sampled, prompt, targets)
 
 
