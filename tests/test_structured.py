@@ -307,3 +307,43 @@ def test_tool_schemas_are_closed_without_changing_what_validates():
     assert out["additionalProperties"] is False and out["properties"]["a"]["additionalProperties"] is False
     assert "additionalProperties" not in out["properties"]["properties"]
     jsonschema.validate({"a": {"b": "x"}, "properties": 1}, out)
+
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory, kiln_cache):
+    """The tiny llama served with a template whose prompt opens a <think> block (DeepSeek-R1 style)."""
+    import tiny_models
+    from server_process import ServerProcess
+
+    template, tiny_models.CHAT_TEMPLATE = tiny_models.CHAT_TEMPLATE, THINKING_TEMPLATE
+    try:
+        path = tiny_models.write_gguf(tiny_models.make_hf_model("llama", vocab_size=260, seed=3),
+                                      tmp_path_factory.mktemp("thinking") / "thinking.gguf")
+    finally:
+        tiny_models.CHAT_TEMPLATE = template
+    srv = ServerProcess(str(path), str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME="thinker")
+    yield srv
+    srv.stop_cleanly()
+
+
+def test_served_reasoning_is_split_out_and_budgeted(thinking_server):
+    import openai
+
+    client = openai.OpenAI(base_url=thinking_server.url + "/v1", api_key="unused", max_retries=0)
+    ask = dict(model="thinker", messages=[{"role": "user", "content": "hi"}], temperature=0, seed=1,
+               extra_body={"ignore_eos": True})
+    unbounded = client.chat.completions.create(max_tokens=12, **ask).choices[0].message
+    assert unbounded.reasoning_content and not unbounded.content  # still thinking when the tokens ran out
+    budget = dict(max_tokens=24, **{**ask, "extra_body": {"ignore_eos": True, "thinking_token_budget": 6}})
+    message = client.chat.completions.create(**budget).choices[0].message
+    assert message.reasoning_content and message.content  # 6 tokens of thinking, </think> forced, then the answer
+    assert unbounded.reasoning_content.startswith(message.reasoning_content)  # greedy: the same thinking, cut short
+    chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **budget) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks) == message.reasoning_content
+    assert "".join(d.content or "" for d in chunks) == message.content

@@ -40,7 +40,7 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
     server, template = st.settings.server, st.tokenizer.chat_template
     reader = OutputReader(
         reasoning=thinks(server.reasoning_parser, template) and constraint is None,
-        opens_in_reasoning=st.tokenizer.decode(prompt[-4:], skip_special_tokens=False).rstrip().endswith(THINK_START),
+        opens_in_reasoning=st.tokenizer.decode(prompt[-16:], skip_special_tokens=False).rstrip().endswith(THINK_START),
         tool_mode=mode, tool_format=choose_parser(server.tool_call_parser, template), function=function)
     if data.thinking_token_budget is not None and reader.reasoning:
         end = tuple(st.tokenizer.encode(THINK_END, add_special_tokens=False))
