@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kiln.engine.sampling import SamplingParams
+from kiln.errors import NotFound
 from kiln.graders.model import JudgeReply
 
 JUDGE_MAX_TOKENS = 256  # when the grader's sampling_params set no max_completions_tokens
@@ -29,3 +30,15 @@ def engine_judge(engine, select_adapter: Callable[[str], object | None]):
         return JudgeReply(completion.text, len(prompt), len(completion.token_ids))
 
     return judge
+
+
+def base_model_judge(engine):
+    """A judge over `engine`'s base model only (in-process runs have no adapter registry)."""
+
+    def base_only(model: str):
+        if model in (None, "", engine.model.model_id):
+            return None
+        raise NotFound(f"only the base model {engine.model.model_id!r} judges in this process; pass judge= to "
+                       f"use {model!r}", code="model_not_found", param="model")
+
+    return engine_judge(engine, base_only)

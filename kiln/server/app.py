@@ -10,7 +10,7 @@ from litestar.openapi import OpenAPIConfig
 
 from kiln import __version__
 from kiln.errors import InvalidRequest, KilnError, Unauthorized
-from kiln.server import admin_routes, grader_routes, openai_routes, training_routes
+from kiln.server import admin_routes, eval_routes, grader_routes, openai_routes, training_routes
 from kiln.server.state import ServerState, server_state
 
 log = logging.getLogger("kiln.server")
@@ -52,7 +52,8 @@ async def _authorize(request: Request) -> None:
 
 def create_app(state: ServerState) -> Litestar:
     app = Litestar(
-        route_handlers=[*openai_routes.ROUTES, *admin_routes.ROUTES, *training_routes.ROUTES, *grader_routes.ROUTES],
+        route_handlers=[*openai_routes.ROUTES, *admin_routes.ROUTES, *training_routes.ROUTES, *grader_routes.ROUTES,
+                        *eval_routes.ROUTES],
         exception_handlers={KilnError: _kiln_error, ValidationException: _validation_error,
                             HTTPException: _http_error, Exception: _unexpected_error},
         before_request=_authorize,

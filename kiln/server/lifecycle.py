@@ -1,6 +1,6 @@
 """Serving and lifecycle: `serve(settings)` loads the model, starts the engine, prewarms (unless
-the serving profile is maintenance), loads configured adapters and runs uvicorn; SIGTERM
-drains in-flight requests before exit."""
+the serving profile is maintenance), loads configured adapters, resumes unfinished eval runs
+and runs uvicorn; SIGTERM drains in-flight requests before exit."""
 
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ def preload_adapters(state: ServerState) -> bool:
     return True
 
 
+def resume_evals(state: ServerState) -> None:
+    """Restarts the eval runs a previous process left unfinished (after adapters are loaded, so a
+    run on an adapter finds it); under maintenance they wait for a start that admits inference."""
+    if not state.profile.policy.inference_admission:
+        log.info("eval runs not resumed: the serving profile disables inference")
+        return
+    resumed = state.evals.resume()
+    if resumed:
+        log.info("resumed %d eval run(s)", resumed)
+
+
 def serve(settings: Settings) -> int:
     from kiln.adapters.registry import AdapterRegistry
     from kiln.adapters.store import AdapterStore
@@ -63,17 +74,23 @@ def serve(settings: Settings) -> int:
         return 1
     registry = AdapterRegistry(engine, AdapterStore(settings.adapter_store()),
                                settings.serving_profile.policy.adapter_weight_transitions)
+    from kiln.eval.service import EvalService
+    from kiln.eval.store import EvalStore
+    from kiln.server.grader_routes import make_judge
     from kiln.train.jobs import JobManager
     from kiln.train.store import TrainingStore
 
     jobs = JobManager(settings, engine, registry, TrainingStore(settings.training_dir()))
     state = ServerState(settings, engine, engine.core.metrics, registry, jobs)
+    state.evals = EvalService(EvalStore(settings.training_dir()), engine, select_model=state.select_model,
+                              judge=make_judge(state), files=jobs.store)
     state.grammars.tokenizer  # noqa: B018 (built now, so no request's compile waits for it)
     prewarm(state)
     if not preload_adapters(state):
         jobs.shutdown()
         engine.shutdown()
         return 1
+    resume_evals(state)
     config = uvicorn.Config(create_app(state), host=settings.server.host, port=settings.server.port,
                             log_level=settings.server.log_level, timeout_graceful_shutdown=30, access_log=False)
     log.info("serving %s on http://%s:%d", state.model_id, settings.server.host, settings.server.port)
@@ -83,6 +100,7 @@ def serve(settings: Settings) -> int:
     try:
         uvicorn.Server(config).run()  # on SIGTERM: stop accepting, drain in-flight requests, exit
     finally:
+        state.evals.shutdown()  # a run in progress keeps its outcomes; it resumes at the next start
         jobs.shutdown()  # a running job checkpoints; it resumes at the next start
         engine.shutdown()
     return 0

@@ -26,6 +26,7 @@ class ServerState:
     metrics: EngineMetrics
     adapters: AdapterRegistry
     jobs: Any = None  # kiln.train.jobs.JobManager
+    evals: Any = None  # kiln.eval.service.EvalService
     prewarm: str = "pending"  # pending | done | skipped
 
     def __post_init__(self):

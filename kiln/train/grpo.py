@@ -43,6 +43,7 @@ import optax
 
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.sampling import SamplingParams
+from kiln.graders.engine_judge import base_model_judge
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits as lm_logits
 from kiln.models.lora import TARGET_MODULES
@@ -491,24 +492,10 @@ def grpo(data, reward, name: str | None = None, *, model=None, engine=None, conf
 
     def make_run(engine, name, prompts):
         return GRPORun(engine, [p.ids for p in prompts], [p.item for p in prompts],
-                       as_reward(reward, judge or _base_model_judge(engine)), config, name=name)
+                       as_reward(reward, judge or base_model_judge(engine)), config, name=name)
 
     return train_policy(make_run, data, name or default_adapter_name("grpo"), config, model=model, engine=engine,
                         store=store, progress=progress, save=save, settings=settings, max_prompt_len=max_prompt_len)
-
-
-def _base_model_judge(engine):
-    """In-process model graders' judge: the base model `engine` serves, and no other."""
-    from kiln.errors import NotFound
-    from kiln.graders.engine_judge import engine_judge
-
-    def base_only(model_name: str):
-        if model_name in (None, "", engine.model.model_id):
-            return None
-        raise NotFound(f"in-process GRPO judges with the base model {engine.model.model_id!r}; pass judge= "
-                       f"for {model_name!r}", code="model_not_found", param="model")
-
-    return engine_judge(engine, base_only)
 
 
 def train_policy(make_run, data, name: str, config: GRPOConfig, *, model, engine, store, progress: bool, save: bool,

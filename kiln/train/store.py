@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
-import threading
 import time
 import uuid
 from pathlib import Path
+
+from kiln.sqlite_store import SqliteStore
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -39,23 +39,11 @@ def now() -> int:
     return int(time.time())
 
 
-class TrainingStore:
+class TrainingStore(SqliteStore):
     def __init__(self, root: str | Path):
         self.root = Path(root)
         (self.root / "files").mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.root / "kiln.db", check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    def _query(self, sql: str, args: tuple = ()) -> list[tuple]:
-        with self._lock:
-            return self._db.execute(sql, args).fetchall()
+        super().__init__(self.root / "kiln.db", _SCHEMA)
 
     # ---- files ---------------------------------------------------------------------------
 
