@@ -3,6 +3,7 @@ evals API on a real server through the official `openai` client: evals, runs of 
 source types, output items, cancel, compare, bad input, a grader that raises, the maintenance
 profile, and a server killed with SIGKILL mid-run that resumes without redoing finished items."""
 
+import html
 import json
 import signal
 import sqlite3
@@ -228,6 +229,13 @@ def test_a_completions_run_samples_grades_and_lists_output_items(client, server)
     assert [i.datasource_item_id for i in page.data] == [5, 4] and page.has_more
     assert [i.datasource_item_id for i in client.evals.runs.output_items.list(
         run.id, eval_id=ev.id, limit=2, order="desc", after=page.data[-1].id).data] == [3, 2]
+
+    report = httpx.get(done.report_url, timeout=30)  # the run's HTML page
+    assert report.status_code == 200 and report.headers["content-type"].startswith("text/html")
+    page_text = report.text
+    assert page_text.count('<tr class="item">') == 6 and "pass rate 50.0% (3 of 6)" in page_text
+    assert 'data-criterion="even"' in page_text and 'data-criterion="answered"' in page_text
+    assert html.escape(ITEMS[0]["question"]) in page_text and "<script" not in page_text
 
     assert run.id in [r.id for r in client.evals.runs.list(ev.id)]
     assert [r.id for r in client.evals.runs.list(ev.id, status="completed")] == [run.id]

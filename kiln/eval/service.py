@@ -20,6 +20,7 @@ from kiln.eval import suite as suites
 from kiln.eval.comparison import compare as compare_outcomes
 from kiln.eval.executor import Executor
 from kiln.eval.outcome import Tally, new_id, now
+from kiln.eval.report import render_report
 from kiln.eval.store import EvalStore
 
 log = logging.getLogger("kiln.eval")
@@ -204,6 +205,11 @@ class EvalService:
             raise NotFound(f"No output item found with id '{item_id}'", code="output_item_not_found",
                            param="output_item_id")
         return {**outcome, "eval_id": eval_id, "run_id": run_id}
+
+    def report(self, eval_id: str, run_id: str) -> str:
+        """The run's HTML report page."""
+        run = self._run(eval_id, run_id)
+        return render_report(self.get_eval(eval_id), run, self.store.outcomes(run_id)[0])
 
     def compare(self, eval_id: str, run_ids: list[str], seed: int = 0) -> dict:
         """Kiln's comparison of two runs of one eval (see comparison.py)."""

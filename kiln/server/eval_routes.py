@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from litestar import Request, delete, get, post
+from litestar import MediaType, Request, Response, delete, get, post
 
 from kiln.errors import InvalidRequest
 from kiln.eval.service import EvalService
@@ -124,5 +124,11 @@ def retrieve_output_item(request: Request, eval_id: str, run_id: str, output_ite
     return _evals(request).output_item(eval_id, run_id, output_item_id)
 
 
+@get("/v1/evals/{eval_id:str}/runs/{run_id:str}/report", sync_to_thread=True)
+def run_report(request: Request, eval_id: str, run_id: str) -> Response[str]:
+    """The run's `report_url`: pass rates, score distributions and every item, as one HTML page."""
+    return Response(_evals(request).report(eval_id, run_id), media_type=MediaType.HTML)
+
+
 ROUTES = [create_eval, list_evals, retrieve_eval, update_eval, delete_eval, compare_runs, create_run, list_runs,
-          retrieve_run, cancel_run, delete_run, list_output_items, retrieve_output_item]
+          retrieve_run, cancel_run, delete_run, list_output_items, retrieve_output_item, run_report]
