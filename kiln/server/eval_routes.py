@@ -13,6 +13,7 @@ from litestar import MediaType, Request, Response, delete, get, post
 
 from kiln.errors import InvalidRequest
 from kiln.eval.service import EvalService
+from kiln.server.pagination import page, page_limit
 from kiln.server.state import server_state
 
 
@@ -22,19 +23,6 @@ def _evals(request: Request) -> EvalService:
 
 def _base_url(request: Request) -> str:
     return str(request.base_url).rstrip("/")
-
-
-def _page(items: list[dict], has_more: bool) -> dict[str, Any]:
-    return {"object": "list", "data": items, "has_more": has_more,
-            "first_id": items[0]["id"] if items else None, "last_id": items[-1]["id"] if items else None}
-
-
-def _limit(limit: int | None) -> int:
-    if limit is None:
-        return 20
-    if not 1 <= limit <= 100:
-        raise InvalidRequest("limit must be from 1 to 100", param="limit")
-    return limit
 
 
 def _order(order: str | None) -> str:
@@ -56,7 +44,7 @@ def list_evals(request: Request, after: str | None = None, limit: int | None = N
                order_by: str | None = None) -> dict[str, Any]:
     if order_by not in (None, "created_at", "updated_at"):
         raise InvalidRequest("order_by must be created_at or updated_at", param="order_by")
-    return _page(*_evals(request).list_evals(after, _limit(limit), _order(order), order_by or "created_at"))
+    return page(*_evals(request).list_evals(after, page_limit(limit), _order(order), order_by or "created_at"))
 
 
 # A sync_to_thread GET on a path that also has POST and DELETE handlers answers with an unawaited
@@ -95,7 +83,8 @@ def create_run(request: Request, eval_id: str, data: dict[str, Any]) -> dict[str
 @get("/v1/evals/{eval_id:str}/runs", sync_to_thread=True)
 def list_runs(request: Request, eval_id: str, after: str | None = None, limit: int | None = None,
               order: str | None = None, status: str | None = None) -> dict[str, Any]:
-    return _page(*_evals(request).list_runs(eval_id, after, _limit(limit), _order(order), status, _base_url(request)))
+    runs = _evals(request).list_runs(eval_id, after, page_limit(limit), _order(order), status, _base_url(request))
+    return page(*runs)
 
 
 @get("/v1/evals/{eval_id:str}/runs/{run_id:str}")
@@ -116,7 +105,7 @@ def delete_run(request: Request, eval_id: str, run_id: str) -> dict[str, Any]:
 @get("/v1/evals/{eval_id:str}/runs/{run_id:str}/output_items", sync_to_thread=True)
 def list_output_items(request: Request, eval_id: str, run_id: str, after: str | None = None,
                       limit: int | None = None, order: str | None = None, status: str | None = None) -> dict[str, Any]:
-    return _page(*_evals(request).output_items(eval_id, run_id, after, _limit(limit), _order(order), status))
+    return page(*_evals(request).output_items(eval_id, run_id, after, page_limit(limit), _order(order), status))
 
 
 @get("/v1/evals/{eval_id:str}/runs/{run_id:str}/output_items/{output_item_id:str}", sync_to_thread=True)

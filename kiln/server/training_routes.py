@@ -10,6 +10,7 @@ from litestar.enums import RequestEncodingType
 from litestar.params import Body
 
 from kiln.errors import InvalidRequest, NotFound
+from kiln.server.pagination import page, page_limit
 from kiln.server.state import ServerState, server_state
 from kiln.train import memory
 from kiln.train.data import DataError, is_prompt_file, load_examples, load_prompts, read_jsonl
@@ -36,19 +37,6 @@ def _file(request: Request, file_id: str) -> dict:
     return file
 
 
-def _page(items: list[dict], has_more: bool) -> dict[str, Any]:
-    return {"object": "list", "data": items, "has_more": has_more,
-            "first_id": items[0]["id"] if items else None, "last_id": items[-1]["id"] if items else None}
-
-
-def _limit(limit: int | None, default: int) -> int:
-    if limit is None:
-        return default
-    if not 1 <= limit <= 100:
-        raise InvalidRequest("limit must be from 1 to 100", param="limit")
-    return limit
-
-
 @post("/v1/files", status_code=200, sync_to_thread=True)
 def upload_file(request: Request,
                 data: Annotated[dict[str, Any], Body(media_type=RequestEncodingType.MULTI_PART)]) -> dict[str, Any]:
@@ -73,7 +61,7 @@ def upload_file(request: Request,
 
 @get("/v1/files", sync_to_thread=True)
 def list_files(request: Request, purpose: str | None = None) -> dict[str, Any]:
-    return _page(_store(request).list_files(purpose), False)
+    return page(_store(request).list_files(purpose), False)
 
 
 @get("/v1/files/{file_id:str}", sync_to_thread=True)
@@ -106,7 +94,7 @@ def create_job(request: Request, data: dict[str, Any]) -> dict[str, Any]:
 
 @get("/v1/fine_tuning/jobs", sync_to_thread=True)
 def list_jobs(request: Request, after: str | None = None, limit: int | None = None) -> dict[str, Any]:
-    return _page(*_jobs(request).list(after, _limit(limit, 20)))
+    return page(*_jobs(request).list(after, page_limit(limit, 20)))
 
 
 @get("/v1/fine_tuning/jobs/{job_id:str}", sync_to_thread=True)
@@ -139,14 +127,14 @@ def resume_job(request: Request, job_id: str) -> dict[str, Any]:
 @get("/v1/fine_tuning/jobs/{job_id:str}/events", sync_to_thread=True)
 def job_events(request: Request, job_id: str, after: str | None = None, limit: int | None = None) -> dict[str, Any]:
     _jobs(request).get(job_id)
-    return _page(*_store(request).events(job_id, after, _limit(limit, 20)))
+    return page(*_store(request).events(job_id, after, page_limit(limit, 20)))
 
 
 @get("/v1/fine_tuning/jobs/{job_id:str}/checkpoints", sync_to_thread=True)
 def job_checkpoints(request: Request, job_id: str, after: str | None = None,
                     limit: int | None = None) -> dict[str, Any]:
     _jobs(request).get(job_id)
-    return _page(*_store(request).checkpoints(job_id, after, _limit(limit, 10)))
+    return page(*_store(request).checkpoints(job_id, after, page_limit(limit, 10)))
 
 
 @get("/v1/runtime", sync_to_thread=True)
