@@ -1,7 +1,8 @@
-"""`kiln` command line: config, serve, warmup, adapters, train.
+"""`kiln` command line: config, serve, warmup, adapters, train, router.
 
 Every subcommand resolves settings through add_settings_arguments + settings_from_args, so
-`kiln config` shows exactly what `kiln serve` and `kiln warmup` would use.
+`kiln config` shows exactly what `kiln serve` and `kiln warmup` would use; `kiln router` alone
+reads its own configuration file instead (kiln/router/config.py).
 """
 
 from __future__ import annotations
@@ -116,6 +117,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return cli.run(args, settings_from_args(args))
 
 
+def _cmd_router(args: argparse.Namespace) -> int:
+    from kiln.router import cli  # reads the router's configuration (pydantic, imported when run), not Kiln's
+
+    return cli.run(args)
+
+
 def _apply_log_level(settings: Settings) -> None:
     logging.getLogger().setLevel(settings.server.log_level.upper())
 
@@ -146,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parser(sub, add_settings_arguments)
     sub.choices["train"].set_defaults(func=_cmd_train)
+
+    from kiln.router.cli import add_arguments as add_router_arguments
+
+    p = sub.add_parser("router", help="route requests among Kiln workers (--check: validate the router configuration)")
+    add_router_arguments(p)
+    p.set_defaults(func=_cmd_router)
     return parser
 
 
