@@ -322,6 +322,87 @@ def test_bad_jobs_get_a_400_and_leave_nothing_behind(server, client):
     assert reply.choices[0].finish_reason == "length"
 
 
+GATE_ITEMS = [{"question": q, "reply": REPLY} for q in QUESTIONS]
+SAYS_HI = {"type": "string_check", "name": "says_hi", "input": "{{ sample.output_text }}",
+           "reference": "{{ item.reply }}", "operation": "like"}
+GATE_SOURCE = {"type": "completions", "sampling_params": {"temperature": 0, "max_completion_tokens": 12},
+               "input_messages": {"type": "template", "template": [{"role": "user", "content": "{{ item.question }}"}]},
+               "source": {"type": "file_content", "content": [{"item": i} for i in GATE_ITEMS]}}
+
+
+def gated_job(client, train_id, gate, n_epochs, learning_rate=1e-2, **kiln):
+    job = client.fine_tuning.jobs.create(model=MODEL, training_file=train_id, method=method(n_epochs),
+                                         extra_body={"kiln": {**KILN, "learning_rate": learning_rate, "gate": gate,
+                                                              **kiln}})
+    done = wait_for(client, job.id, ("succeeded", "failed", "cancelled"))
+    assert done.status == "succeeded", done.error
+    return done, [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data]
+
+
+def adapter_listing(server, name):
+    return next(a for a in httpx.get(server.url + "/v1/adapters").json()["data"] if a["name"] == name)
+
+
+def test_the_promotion_gate_loads_an_adapter_that_beats_its_baseline_and_keeps_one_that_does_not(server, client):
+    evaluation = client.evals.create(
+        name="says hi", testing_criteria=[SAYS_HI],
+        data_source_config={"type": "custom", "item_schema": {
+            "type": "object", "properties": {"question": {"type": "string"}, "reply": {"type": "string"}},
+            "required": ["question", "reply"]}})
+    train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+
+    # trained well, against the base model (which the gate evaluates first: no run of it exists)
+    gate = {"eval_id": evaluation.id, "baseline": "base", "min_delta": 0.5, "min_pass_rate": 0.75,
+            "data_source": GATE_SOURCE}
+    good, events = gated_job(client, train.id, gate, n_epochs=12)
+    result = good.model_extra["kiln"]["gate_result"]
+    assert result["passed"] and result["reasons"] == [], result
+    [criterion] = result["criteria"]
+    assert criterion["baseline_pass_rate"] == 0.0 and criterion["candidate_pass_rate"] >= 0.75
+    assert criterion["pass_rate_difference"]["ci_low"] <= criterion["pass_rate_difference"]["estimate"]
+    assert any(m.startswith("Gate: evaluating the baseline") for m in events)
+    assert f"Adapter {good.fine_tuned_model} loaded for serving" in events
+    assert good.fine_tuned_model in [m.id for m in client.models.list().data]
+    listed = adapter_listing(server, good.fine_tuned_model)
+    assert listed["loaded"] and listed["eval_results"]["gate"]["passed"]
+    assert listed["eval_results"]["gate"]["candidate_run"] == result["candidate_run"]
+    runs = {r.id: r for r in client.evals.runs.list(evaluation.id).data}
+    assert runs[result["candidate_run"]].model == good.fine_tuned_model
+    assert runs[result["baseline_run"]].model == MODEL and runs[result["baseline_run"]].status == "completed"
+
+    # barely trained, against the good adapter's run (reused, not run again): it stays in the store
+    gate = {"eval_id": evaluation.id, "baseline": result["candidate_run"], "min_delta": 0.0}
+    weak, events = gated_job(client, train.id, gate, n_epochs=1, learning_rate=1e-6)
+    weak_result = weak.model_extra["kiln"]["gate_result"]
+    assert not weak_result["passed"] and weak_result["baseline_run"] == result["candidate_run"]
+    assert "says_hi: pass rate changed by" in weak_result["reasons"][0]
+    assert any(m.startswith("Gate failed: says_hi") and "is not loaded" in m for m in events)
+    assert weak.fine_tuned_model not in [m.id for m in client.models.list().data]
+    listed = adapter_listing(server, weak.fine_tuned_model)
+    assert not listed["loaded"] and listed["eval_results"]["gate"]["passed"] is False
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=weak.fine_tuned_model, messages=[{"role": "user", "content": "hi"}])
+    assert len(client.evals.runs.list(evaluation.id).data) == 3  # one more: the weak candidate's
+
+    # auto_load false never loads, even when the gate passes (the eval's latest completed run gives the items)
+    lenient = {"eval_id": evaluation.id, "baseline": result["candidate_run"], "min_delta": -1.0}
+    kept, _ = gated_job(client, train.id, lenient, n_epochs=1, learning_rate=1e-6, auto_load=False)
+    assert kept.model_extra["kiln"]["gate_result"]["passed"]
+    assert not adapter_listing(server, kept.fine_tuned_model)["loaded"]
+
+    # bad gates are refused when the job is created
+    bad = [({"eval_id": "eval_missing"}, "eval_not_found", "kiln.gate.eval_id"),
+           ({"eval_id": evaluation.id, "criteria": ["nope"]}, None, "kiln.gate.criteria"),
+           ({"eval_id": evaluation.id, "baseline": "no-such-adapter"}, "model_not_found", "kiln.gate.baseline"),
+           ({"eval_id": evaluation.id, "min_delta": 2}, None, "kiln.gate.min_delta"),
+           ({"eval_id": evaluation.id, "colour": "red"}, None, "kiln.gate")]
+    for gate, code, param in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(1),
+                                           extra_body={"kiln": {**KILN, "gate": gate}})
+        assert (err.value.body["code"], err.value.body["param"]) == (code, param), err.value.body
+
+
 def kill_after_first_checkpoint(expressive_model, kiln_cache, tmp_path, data: bytes, **create) -> tuple:
     """Starts a server, creates a job, SIGKILLs the server once the job has a checkpoint, and
     starts a new server on the same data and store; returns (the new server, the job id)."""

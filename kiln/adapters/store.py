@@ -46,7 +46,7 @@ class Artifact:
         m = self.manifest
         return {"name": self.name, "version": self.version, "manifest_digest": self.manifest_digest, "rank": m.rank,
                 "alpha": m.alpha, "target_modules": m.target_modules, "base_model": m.base_model.id,
-                "created_at": m.provenance.created_at, "path": str(self.path)}
+                "created_at": m.provenance.created_at, "path": str(self.path), "eval_results": m.eval_results}
 
 
 def read_artifact(path: str | epath.Path) -> Artifact:

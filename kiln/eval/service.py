@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kiln.errors import InvalidRequest, KilnError, NotFound
+from kiln.engine.lora_slots import AdapterWeights
+from kiln.errors import InvalidRequest, KilnError, NotFound, RequestFailed
 from kiln.eval import suite as suites
 from kiln.eval.comparison import compare as compare_outcomes
 from kiln.eval.executor import Executor
@@ -67,6 +68,7 @@ class EvalService:
         self.store, self.engine, self.select_model, self.judge, self.files = store, engine, select_model, judge, files
         self._lock = threading.Lock()
         self._threads: dict[str, tuple[threading.Thread, threading.Event]] = {}
+        self._adapters: dict[str, AdapterWeights] = {}  # run id -> weights it samples with, not served
         self._stopping = False
 
     # ---- evals -----------------------------------------------------------------------------
@@ -125,9 +127,24 @@ class EvalService:
     # ---- runs ------------------------------------------------------------------------------
 
     def create_run(self, eval_id: str, body: dict, admit: Callable[[], None] = lambda: None,
-                   base_url: str = "") -> dict:
+                   base_url: str = "", adapter: AdapterWeights | None = None) -> dict:
         """Validates the run (nothing is stored on any error), then queues and starts it.
-        admit() is called when the run needs inference (it samples, or a criterion has a judge)."""
+        admit() is called when the run needs inference (it samples, or a criterion has a judge).
+        adapter: weights to sample with in place of the served model `model` names (the
+        promotion gate's candidate, not served yet); such a run cannot resume after a restart."""
+        run, spec = self.prepare_run(eval_id, body, admit, check_model=adapter is None)
+        if adapter is not None:
+            spec["in_memory_adapter"] = True
+            with self._lock:
+                self._adapters[run["id"]] = adapter
+        self.store.add_run(run, spec)
+        self._start(run["id"])
+        return self._present(self.store.get_run(run["id"]) or run, base_url)
+
+    def prepare_run(self, eval_id: str, body: dict, admit: Callable[[], None] = lambda: None,
+                    check_model: bool = True) -> tuple[dict, dict]:
+        """A run's object and its spec, validated but not stored: InvalidRequest (400) naming the
+        field or item at fault, NotFound (404) for an unknown model."""
         evaluation = self.get_eval(eval_id)
         source = body.get("data_source")
         if not isinstance(source, dict):
@@ -147,7 +164,7 @@ class EvalService:
         judges = [(f"testing_criteria[{i}].model", m) for i, g in enumerate(criteria) for m in g.judge_models()]
         if kind == "completions" or judges:
             admit()
-        for param, name in [("data_source.model", model)] * (kind == "completions") + judges:
+        for param, name in [("data_source.model", model)] * (kind == "completions" and check_model) + judges:
             try:
                 self.select_model(name)
             except NotFound as exc:
@@ -160,9 +177,7 @@ class EvalService:
                "created_at": now(), "data_source": data_source, "error": None,
                "metadata": check_metadata(body.get("metadata")),
                **Tally([g.name for g in criteria]).to_json()}
-        self.store.add_run(run, spec)
-        self._start(run["id"])
-        return self._present(self.store.get_run(run["id"]) or run, base_url)
+        return run, spec
 
     def get_run(self, eval_id: str, run_id: str, base_url: str = "") -> dict:
         return self._present(self._run(eval_id, run_id), base_url)
@@ -314,7 +329,7 @@ class EvalService:
                 items=spec["items"], criteria=suites.criteria(spec["criteria"]),
                 input=suites.input_messages(spec["input"]) if spec["input"] else None,
                 sampling=suites.Sampling(**spec["sampling"]), samples=spec["samples"])
-            adapter = None if suite.samples_given else self.select_model(spec["model"])
+            weights = self._weights(run_id, spec, suite)
             run = self.store.set_status(run_id, "in_progress", ACTIVE)
             if run is None:  # canceled or deleted before it started
                 return
@@ -326,7 +341,7 @@ class EvalService:
                 if not self.store.add_outcome(run, outcome):  # canceled or deleted meanwhile
                     stop.set()
 
-            executor = Executor(suite, engine=self.engine, adapter=adapter.weights if adapter else None,
+            executor = Executor(suite, engine=self.engine, adapter=weights,
                                 model=spec["model"], judge=self.judge)
             if executor.run(commit, self.store.done_indices(run_id), stop):
                 self.store.set_status(run_id, "completed", ("in_progress",))
@@ -338,6 +353,21 @@ class EvalService:
         finally:
             with self._lock:
                 self._threads.pop(run_id, None)
+                self._adapters.pop(run_id, None)
+
+    def _weights(self, run_id: str, spec: dict, suite: suites.Suite) -> AdapterWeights | None:
+        """The adapter weights a run samples with (None: the base model, or no sampling)."""
+        if spec.get("in_memory_adapter"):
+            with self._lock:
+                weights = self._adapters.get(run_id)
+            if weights is None:
+                raise RequestFailed("the adapter this run evaluates was held in memory by a Kiln that stopped",
+                                    code="adapter_not_available")
+            return weights
+        if suite.samples_given:
+            return None
+        adapter = self.select_model(spec["model"])
+        return adapter.weights if adapter else None
 
     def _fail(self, run_id: str, code: str, message: str) -> None:
         self.store.set_status(run_id, "failed", ACTIVE, error={"code": code, "message": message})

@@ -80,10 +80,11 @@ def serve(settings: Settings) -> int:
     from kiln.train.jobs import JobManager
     from kiln.train.store import TrainingStore
 
-    jobs = JobManager(settings, engine, registry, TrainingStore(settings.training_dir()))
+    jobs = JobManager(settings, engine, registry, TrainingStore(settings.training_dir()), start=False)
     state = ServerState(settings, engine, engine.core.metrics, registry, jobs)
-    state.evals = EvalService(EvalStore(settings.training_dir()), engine, select_model=state.select_model,
-                              judge=make_judge(state), files=jobs.store)
+    state.evals = jobs.evals = EvalService(EvalStore(settings.training_dir()), engine, select_model=state.select_model,
+                                           judge=make_judge(state), files=jobs.store)
+    jobs.start()  # after the eval service: a resumed job may end with its gate
     state.grammars.tokenizer  # noqa: B018 (built now, so no request's compile waits for it)
     prewarm(state)
     if not preload_adapters(state):

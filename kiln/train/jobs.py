@@ -23,10 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import msgspec
 
 from kiln import graders
 from kiln.adapters.manifest import validate_name
+from kiln.engine.lora_slots import AdapterWeights
 from kiln.errors import InvalidRequest, KilnError, NotFound
+from kiln.eval.gate import Gate, GateResult, GateSpec, GateStopped, parse_gate
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
 from kiln.train.data import DataError, encode_prompt, load_examples, load_prompts
@@ -63,8 +66,10 @@ KV_SHRINK_ATTEMPTS = 1200  # every 0.5 s: ten minutes for running requests to re
 
 
 class JobManager:
-    def __init__(self, settings, engine, registry, store: TrainingStore, start: bool = True):
+    def __init__(self, settings, engine, registry, store: TrainingStore, start: bool = True, evals=None):
+        """evals: the EvalService that promotion gates run on (jobs without a gate need none)."""
         self.settings, self.engine, self.registry, self.store = settings, engine, registry, store
+        self.evals = evals
         self.model = engine.model
         self._cv = threading.Condition()
         self._flags: dict[str, str] = {}  # job id -> "cancel" | "pause"
@@ -85,6 +90,10 @@ class JobManager:
         self._thread = threading.Thread(target=self._worker, name="kiln-train", daemon=True)
         if start:
             self._thread.start()
+
+    def start(self) -> None:
+        """Starts the worker (for a manager made with start=False)."""
+        self._thread.start()
 
     # ---- API -------------------------------------------------------------------------------
 
@@ -139,6 +148,10 @@ class JobManager:
         job_id = new_id("ftjob")
         name = kiln.get("adapter_name") or f"{self.model.model_id}-{suffix or 'ft'}-{job_id[-8:]}"
         validate_name(name)
+        gate = self._gate_spec(kiln["gate"]) if kiln.get("gate") is not None else None
+        auto_load = kiln.get("auto_load", True)
+        if not isinstance(auto_load, bool):
+            raise InvalidRequest("kiln.auto_load must be true or false", param="kiln.auto_load")
         hyperparameters = {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier}
         common = dict(lora_rank=rank, lora_alpha=alpha, target_modules=tuple(modules),
                       learning_rate=base_lr * multiplier, n_epochs=n_epochs, seed=seed)
@@ -206,9 +219,10 @@ class JobManager:
             "hyperparameters": hyperparameters, "trained_tokens": None, "error": None, "user_provided_suffix": suffix,
             "seed": seed, "estimated_finish": None, "integrations": [], "metadata": metadata,
             "method": method_out,
-            "kiln": {"adapter_name": name, "auto_load": bool(kiln.get("auto_load", True)),
+            "kiln": {"adapter_name": name, "auto_load": auto_load,
                      "checkpoint_every": checkpoint_every, "config": config.to_json(), "plan": plan,
-                     "max_seq_len": max_seq_len, "gate": kiln.get("gate"), "step": 0, "total_steps": None,
+                     "max_seq_len": max_seq_len, "gate": gate and gate.to_json(), "gate_result": None, "step": 0,
+                     "total_steps": None,
                      "rollouts": kiln.get("rollouts", "engine") if kind != "supervised" else None},
         }
         self.store.put_job(job)
@@ -302,6 +316,11 @@ class JobManager:
     def _teacher_bytes(self, teacher: Teacher) -> int:
         """Weights a teacher adds to what serving holds (none for the base model or an adapter)."""
         return memory.tree_bytes(teacher.params) if teacher.params is not self.model.params else 0
+
+    def _gate_spec(self, gate):
+        if self.evals is None:
+            raise InvalidRequest("this Kiln runs no evals, so a job cannot have a gate", param="kiln.gate")
+        return parse_gate(gate, self.evals, self.model.model_id, lambda name: self.registry.get(name) is not None)
 
     def get(self, job_id: str) -> dict:
         job = self.store.get_job(job_id)
@@ -511,7 +530,10 @@ class JobManager:
             if shrunk:  # before the job reads as finished
                 self._grow_kv(job_id)
                 shrunk = False
-            self._finish(job, run)
+            if spec["gate"] and not self._finish_gated(job, run, manager):
+                return
+            if not spec["gate"]:
+                self._finish(job, run)
         finally:
             manager.close()
             with self._cv:  # submitted rollouts the job will not take
@@ -716,19 +738,66 @@ class JobManager:
                 | {"step": float(run.step)}})
             self.store.add_event(job["id"], f"Checkpoint created at step {run.step}")
 
-    def _finish(self, job: dict, run) -> None:
+    def _finish_gated(self, job: dict, run, manager) -> bool:
+        """The gate, then the finish; False if a cancel or a shutdown stopped the gate. The final
+        state is checkpointed first, so a restart resumes straight at the gate."""
+        job_id = job["id"]
+        if manager.latest_step() != run.micro_step:
+            self._save_checkpoint(manager, run, job, None)
+
+        def stopped() -> bool:
+            with self._cv:
+                return self._stopping or self._flags.get(job_id) == "cancel"
+
+        try:
+            self._finish(job, run, stopped)
+        except GateStopped:
+            with self._cv:
+                cancelled = self._flags.pop(job_id, None) == "cancel"
+            if cancelled:
+                self._set(job, status="cancelled", finished_at=now())
+                self.store.add_event(job_id, "Fine-tuning job cancelled during its gate")
+                shutil.rmtree(self._checkpoint_dir(job_id).parent, ignore_errors=True)
+            return False
+        return True
+
+    def _run_gate(self, job: dict, manifest, weights, stopped) -> GateResult:
+        spec = job["kiln"]
+        candidate = AdapterWeights(spec["adapter_name"], f"gate-{job['id']}", weights, manifest.scale, manifest.rank)
+        gate = Gate(GateSpec.from_json(spec["gate"]), self.evals, self.model.model_id, job["id"])
+        try:
+            return gate.evaluate(spec["adapter_name"], candidate, stopped,
+                                 lambda message: self.store.add_event(job["id"], message))
+        finally:
+            self.engine.retire_adapter(candidate).result()  # its slot frees once its requests end
+
+    def _finish(self, job: dict, run, stopped=lambda: False) -> None:
         spec = job["kiln"]
         inputs = [{"purpose": purpose, "file_id": job[f"{purpose}_file"],
                    "sha256": self.store.get_file(job[f"{purpose}_file"])["sha256"]}  # digested at upload
                   for purpose in ("training", "validation") if job[f"{purpose}_file"]]
         manifest = run.manifest(spec["adapter_name"], self.model, inputs,
                                 {"job_id": job["id"], "started_at": job["created_at"], "finished_at": now()})
-        artifact = self.registry.store.save(manifest, run.weights())
+        weights = run.weights()
+        gate = None
+        if spec["gate"]:
+            gate = self._run_gate(job, manifest, weights, stopped)
+            spec["gate_result"] = gate.to_json()
+            manifest = msgspec.structs.replace(manifest, eval_results={
+                **(manifest.eval_results or {}), "gate": {**spec["gate"], **gate.to_json()}})
+        artifact = self.registry.store.save(manifest, weights)
         self.store.add_event(job["id"], f"New fine-tuned model created: {artifact.name} (version {artifact.version})")
-        if spec["auto_load"]:
+        if gate is not None and gate.passed:
+            self.store.add_event(job["id"], f"Gate passed on eval {spec['gate']['eval_id']}")
+        elif gate is not None:
+            self.store.add_event(job["id"], f"Gate failed: {'; '.join(gate.reasons)}. The adapter {artifact.name} "
+                                            "stays in the store and is not loaded", level="warn")
+        if spec["auto_load"] and (gate is None or gate.passed):
             self.registry.load(artifact.name, replace=self.registry.get(artifact.name) is not None)
             self.store.add_event(job["id"], f"Adapter {artifact.name} loaded for serving")
         shutil.rmtree(self._checkpoint_dir(job["id"]).parent, ignore_errors=True)
+        with self._cv:
+            self._flags.pop(job["id"], None)  # a pause asked for during the gate comes too late
         self._set(job, status="succeeded", finished_at=now(), fine_tuned_model=artifact.name,
                   trained_tokens=run.trained_tokens)
         self.store.add_event(job["id"], "The job has successfully completed")
