@@ -19,10 +19,12 @@ from kiln.errors import ConfigError
 EXIT_CONFIG_ERROR = 2
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every settings-consuming command accepts."""
+def add_settings_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """The flags every settings-consuming command accepts (but `exclude`, flags it uses otherwise)."""
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
     for dotted, flag in COMMAND_LINE_OPTIONS.items():
+        if flag in exclude:
+            continue
         key = KEYS[dotted]
         parser.add_argument(
             flag,
@@ -117,6 +119,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return cli.run(args, settings_from_args(args))
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from kiln.eval import cli  # lazy: pulls in JAX
+
+    return cli.run(args, settings_from_args(args))
+
+
 def _cmd_router(args: argparse.Namespace) -> int:
     from kiln.router import cli  # reads the router's configuration (pydantic, imported when run), not Kiln's
 
@@ -153,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parser(sub, add_settings_arguments)
     sub.choices["train"].set_defaults(func=_cmd_train)
+
+    from kiln.eval.cli import add_parser as add_eval_parser
+
+    add_eval_parser(sub, add_settings_arguments)
+    sub.choices["eval"].set_defaults(func=_cmd_eval)
 
     from kiln.router.cli import add_arguments as add_router_arguments
 

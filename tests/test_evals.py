@@ -125,7 +125,8 @@ def start(tiny_model, kiln_cache, data_dir, **env):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, kiln_cache, tmp_path_factory):
-    srv = start(tiny_model, kiln_cache, tmp_path_factory.mktemp("eval-data"))
+    srv = start(tiny_model, kiln_cache, data_dir := tmp_path_factory.mktemp("eval-data"))
+    srv.data_dir = data_dir
     yield srv
     srv.stop_cleanly()
 
@@ -288,6 +289,66 @@ def test_runs_on_the_base_model_and_an_adapter_sample_from_each_and_compare(clie
     even = body["per_testing_criteria"][0]  # graded on the item alone: no difference, and no flips
     assert even["pass_rate_difference"] == {"estimate": 0.0, "ci_low": 0.0, "ci_high": 0.0}
     assert even["flipped"] == {"regressed": [], "improved": []} and even["paired_items"] == 6
+
+
+def kiln_eval(tiny_model, kiln_cache, server, store, *args):
+    import os
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KILN_")}, "JAX_PLATFORMS": "cpu",
+           "KILN_MODEL_PATH": tiny_model.source, "KILN_CACHE_DIR": str(kiln_cache),
+           "KILN_MODEL_SERVED_MODEL_NAME": MODEL, "KILN_TRAIN_DATA_DIR": str(server.data_dir),
+           "KILN_ADAPTERS_STORE": str(store), "KILN_ENGINE_DECODE_ROW_BUCKETS": "1,2,4,8",
+           "KILN_ENGINE_PREFILL_TOKEN_BUCKETS": "16,32,64", "KILN_ENGINE_MAX_NUM_SEQS": "8",
+           "KILN_ENGINE_MAX_NUM_BATCHED_TOKENS": "64", "KILN_ENGINE_NUM_KV_BLOCKS": "128"}
+    return subprocess.run([sys.executable, "-m", "kiln", "eval", *map(str, args)], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_kiln_eval_run_and_compare_from_the_shell(tiny_model, kiln_cache, server, client, tmp_path):
+    """The CLI's runs land in the data directory's evals database: the server on that directory
+    lists them and serves their reports, and `kiln eval compare` compares them."""
+    from peft_adapters import make_peft_adapter
+    from tiny_models import make_hf_model
+
+    from kiln.adapters.registry import import_peft
+    from kiln.adapters.store import AdapterStore
+
+    make_peft_adapter(make_hf_model("llama", vocab_size=260, seed=3), tmp_path / "peft", rank=4, alpha=8.0, seed=11)
+    import_peft(AdapterStore(tmp_path / "store"), "shell-sql", tmp_path / "peft", tiny_model, max_rank=16)
+    suite = tmp_path / "arith.jsonl"
+    suite.write_bytes(jsonl([{"name": "shell arith", "testing_criteria": [EVEN, ANSWERED], "input_messages": TEMPLATE,
+                              "sampling_params": SAMPLING, "item_schema": SCHEMA}, *ITEMS]))
+    runs = {}
+    for model in (MODEL, "shell-sql"):
+        proc = kiln_eval(tiny_model, kiln_cache, server, tmp_path / "store", "run", suite, "--model", model, "--json",
+                         "--report", tmp_path / f"{model}.html")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[model] = json.loads(proc.stdout)
+        assert runs[model]["status"] == "completed" and runs[model]["result_counts"]["total"] == len(ITEMS)
+        assert "6/6" in proc.stderr  # the progress bar reached the end
+        assert "shell arith" in (tmp_path / f"{model}.html").read_text()
+    base, tuned = runs[MODEL], runs["shell-sql"]
+    assert base["eval_id"] == tuned["eval_id"]  # one eval per suite
+    listed = {r.id: r for r in client.evals.runs.list(base["eval_id"]).data}
+    assert listed[tuned["id"]].model == "shell-sql" and listed[base["id"]].result_counts.passed == 3
+    samples = {m: [o.sample.output[0].content for o in client.evals.runs.output_items.list(
+        r["id"], eval_id=r["eval_id"], order="asc").data] for m, r in runs.items()}
+    assert samples[MODEL] != samples["shell-sql"]
+    assert httpx.get(server.url + base["report_url"], timeout=30).status_code == 200
+
+    proc = kiln_eval(tiny_model, kiln_cache, server, tmp_path / "store", "compare", base["id"], tuned["id"], "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compared = json.loads(proc.stdout)
+    served = httpx.get(f"{server.url}/v1/evals/{base['eval_id']}/compare",
+                       params={"runs": f"{base['id']},{tuned['id']}"}, timeout=30).json()
+    assert compared["per_testing_criteria"] == served["per_testing_criteria"]
+    table = kiln_eval(tiny_model, kiln_cache, server, tmp_path / "store", "compare", base["id"], tuned["id"]).stdout
+    assert "even" in table and "+0.000 [+0.000, +0.000]" in table
+
+    missing = kiln_eval(tiny_model, kiln_cache, server, tmp_path / "store", "run", suite, "--model", "no-such")
+    assert missing.returncode == 1 and "no-such" in missing.stderr
 
 
 def test_a_jsonl_run_grades_given_samples_and_compare_finds_the_flips(client, server):
