@@ -237,6 +237,7 @@ def test_a_completions_run_samples_grades_and_lists_output_items(client, server)
     assert page_text.count('<tr class="item">') == 6 and "pass rate 50.0% (3 of 6)" in page_text
     assert 'data-criterion="even"' in page_text and 'data-criterion="answered"' in page_text
     assert html.escape(ITEMS[0]["question"]) in page_text and "<script" not in page_text
+    check_report_in_a_browser(done.report_url)
 
     assert run.id in [r.id for r in client.evals.runs.list(ev.id)]
     assert [r.id for r in client.evals.runs.list(ev.id, status="completed")] == [run.id]
@@ -289,6 +290,23 @@ def test_runs_on_the_base_model_and_an_adapter_sample_from_each_and_compare(clie
     even = body["per_testing_criteria"][0]  # graded on the item alone: no difference, and no flips
     assert even["pass_rate_difference"] == {"estimate": 0.0, "ci_low": 0.0, "ci_high": 0.0}
     assert even["flipped"] == {"regressed": [], "improved": []} and even["paired_items"] == 6
+
+
+def check_report_in_a_browser(url):
+    """Headless Chromium draws the report: each criterion's pass-rate bar filled to its rate
+    (even: 3 of 6, answered: 6 of 6), and score histograms with bars only in the bins used."""
+    from browser import runs, screenshot
+
+    image = screenshot(url)
+    green = np.all(image == (0x2F, 0x7D, 0x4F), axis=-1).sum(axis=1)
+    bars = runs(image[int(green.argmax())], {"fill": "#2f7d4f", "track": "#eef0f4"})
+    assert len(bars) == 2, bars
+    assert [round(b["fill"] / (b["end"] - b["start"]), 2) for b in bars] == [0.5, 1.0]
+    blue = np.nonzero(np.all(image == (0x4A, 0x6F, 0xA5), axis=-1).any(axis=1))[0]
+    columns = runs(image[blue.max() - 3], {"bin": "#4a6fa5"})  # above the 1-pixel floor of empty bins
+    # even scores 0 and 1: the first and last bins; answered scores 1: its last bin
+    assert [(c["start"] == b["start"], c["end"] == b["end"]) for c, b in zip(
+        columns, [bars[0], bars[0], bars[1]], strict=True)] == [(True, False), (False, True), (False, True)]
 
 
 def kiln_eval(tiny_model, kiln_cache, server, store, *args):
