@@ -474,6 +474,13 @@ def test_under_maintenance_jobs_train_while_inference_is_refused(expressive_mode
         with pytest.raises(openai.APIStatusError) as err:
             client.chat.completions.create(model=done.fine_tuned_model, messages=[{"role": "user", "content": "hi"}])
         assert err.value.status_code == 503 and err.value.body["code"] == "inference_disabled_by_profile"
+        # a gate evaluates, and maintenance admits no evaluation: a gated job is refused
+        ev = client.evals.create(name="x", testing_criteria=[SAYS_HI],
+                                 data_source_config={"type": "custom", "item_schema": {"type": "object"}})
+        with pytest.raises(openai.APIStatusError) as err:
+            client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(1), extra_body={
+                "kiln": {**KILN, "gate": {"eval_id": ev.id, "data_source": GATE_SOURCE}}})
+        assert err.value.status_code == 503 and err.value.body["code"] == "inference_disabled_by_profile"
     finally:
         srv.stop_cleanly()
 

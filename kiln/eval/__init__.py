@@ -13,7 +13,15 @@ result, a run's totals), store (SQLite), comparison (paired bootstrap), service 
 evals and runs), api (the Python functions above).
 """
 
-from kiln.eval.api import RunResult, compare, run
-from kiln.eval.suite import Sampling, Suite
+from importlib import import_module
 
 __all__ = ["RunResult", "Sampling", "Suite", "compare", "run"]
+_HOMES = {"RunResult": "api", "compare": "api", "run": "api", "Sampling": "suite", "Suite": "suite"}
+
+
+def __getattr__(name: str):
+    """The names above, imported on first use: `kiln eval`'s parser imports this package, and
+    the CLI (`kiln router` included) must not pull in JAX to build it."""
+    if name not in _HOMES:
+        raise AttributeError(f"module 'kiln.eval' has no attribute {name!r}")
+    return getattr(import_module(f"kiln.eval.{_HOMES[name]}"), name)

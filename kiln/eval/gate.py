@@ -128,8 +128,8 @@ def _same_data(run: dict, source: dict) -> bool:
 class GateResult:
     passed: bool
     reasons: list[str]  # why it failed (empty when it passed)
-    baseline_run: str
-    candidate_run: str
+    baseline_run: str | None
+    candidate_run: str | None  # None when the gate could not evaluate
     criteria: list[dict[str, Any]]  # per criterion: pass rates, the difference and its interval
 
     def to_json(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import msgspec
 from kiln import graders
 from kiln.adapters.manifest import validate_name
 from kiln.engine.lora_slots import AdapterWeights
-from kiln.errors import InvalidRequest, KilnError, NotFound
+from kiln.errors import AdmissionRejected, InvalidRequest, KilnError, NotFound
 from kiln.eval.gate import Gate, GateResult, GateSpec, GateStopped, parse_gate
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
@@ -320,6 +320,9 @@ class JobManager:
     def _gate_spec(self, gate):
         if self.evals is None:
             raise InvalidRequest("this Kiln runs no evals, so a job cannot have a gate", param="kiln.gate")
+        if not self.settings.serving_profile.policy.inference_admission:
+            raise AdmissionRejected("a gated job evaluates its adapter, and the maintenance serving profile admits no "
+                                    "evaluation", code="inference_disabled_by_profile")
         return parse_gate(gate, self.evals, self.model.model_id, lambda name: self.registry.get(name) is not None)
 
     def get(self, job_id: str) -> dict:
@@ -763,6 +766,8 @@ class JobManager:
 
     def _run_gate(self, job: dict, manifest, weights, stopped) -> GateResult:
         spec = job["kiln"]
+        if not self.settings.serving_profile.policy.inference_admission:  # resumed into maintenance
+            return GateResult(False, ["the maintenance serving profile admits no evaluation"], None, None, [])
         candidate = AdapterWeights(spec["adapter_name"], f"gate-{job['id']}", weights, manifest.scale, manifest.rank)
         gate = Gate(GateSpec.from_json(spec["gate"]), self.evals, self.model.model_id, job["id"])
         try:
