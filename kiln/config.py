@@ -146,6 +146,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "kv_events_endpoint", "str", "", None,
         "ZMQ PUB endpoint for KV events, e.g. tcp://*:5557; empty = off"),
     Key("engine", "kv_events_replay_endpoint", "str", "", None, "ZMQ ROUTER endpoint for KV event replay; empty = off"),
+    Key("engine", "kv_events_encoding", "str", "array", one_of("array", "map"),
+        "KV event layout: array (vLLM's positional) or map (field names)"),
     Key("engine", "seed", "int", 0, None, "base seed for sampling"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),

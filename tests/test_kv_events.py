@@ -239,3 +239,21 @@ def test_slow_subscriber_never_blocks_publishing_thread(ctx, publishers):
     t0 = time.monotonic()
     pub.close()
     assert time.monotonic() - t0 < 1.0
+
+
+def test_map_encoding_publishes_field_names(ctx, publishers):
+    pub = publishers(encoding="map")
+    sub, seq0 = subscribe(ctx, pub)
+    pub.publish([BlockStored([1], None, TOKENS, 16, lora_name="a"), BlockRemoved([1]), AllBlocksCleared()])
+    _, seq, payload = recv(sub)
+    assert seq_of(seq) == seq0
+    batch = msgpack.unpackb(payload)
+    assert batch["data_parallel_rank"] == 0 and abs(batch["ts"] - time.time()) < 5
+    assert batch["events"] == [  # fields at their default (lora_id, medium) are left out
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": TOKENS,
+         "block_size": 16, "lora_name": "a"},
+        {"type": "BlockRemoved", "block_hashes": [1]},
+        {"type": "AllBlocksCleared"},
+    ]
+    with pytest.raises(ValueError, match="encoding"):
+        KVEventPublisher(ANY_PORT, encoding="json")

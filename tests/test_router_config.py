@@ -668,6 +668,7 @@ def test_the_router_imports_no_model_code(tmp_path):
     code = (
         "import sys\n"
         "import kiln.router.config, kiln.router.__main__\n"
+        "import kiln.router.ingest, kiln.router.kv_index, kiln.router.kv_wire\n"
         "from kiln.cli import main\n"
         f"assert main(['router', '--config', {str(path)!r}, '--check']) == 0\n"
         "heavy = ('jax', 'kiln.engine', 'kiln.models', 'kiln.server', 'kiln.eval.api', 'kiln.eval.service',\n"

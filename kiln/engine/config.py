@@ -25,6 +25,7 @@ class EngineConfig:
     prefill_token_buckets: tuple[int, ...] = _default("engine.prefill_token_buckets")
     kv_events_endpoint: str = _default("engine.kv_events_endpoint")
     kv_events_replay_endpoint: str = _default("engine.kv_events_replay_endpoint")
+    kv_events_encoding: str = _default("engine.kv_events_encoding")
     seed: int = _default("engine.seed")
     max_loras: int = _default("adapters.max_loras")
     max_lora_rank: int = _default("adapters.max_lora_rank")
@@ -38,6 +39,7 @@ class EngineConfig:
             max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
             enable_prefix_caching=e.enable_prefix_caching, decode_row_buckets=tuple(e.decode_row_buckets),
             prefill_token_buckets=tuple(e.prefill_token_buckets), kv_events_endpoint=e.kv_events_endpoint,
-            kv_events_replay_endpoint=e.kv_events_replay_endpoint, seed=e.seed, max_loras=a.max_loras,
-            max_lora_rank=a.max_lora_rank, allow_live_capture=settings.serving_profile.policy.live_graph_capture,
+            kv_events_replay_endpoint=e.kv_events_replay_endpoint, kv_events_encoding=e.kv_events_encoding,
+            seed=e.seed, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
+            allow_live_capture=settings.serving_profile.policy.live_graph_capture,
         )

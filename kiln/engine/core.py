@@ -42,7 +42,8 @@ class EngineCore:
         if config.kv_events_endpoint:
             from kiln.engine.kv_events import KVEventPublisher
 
-            self.publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint or None)
+            self.publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint or None,
+                                              encoding=config.kv_events_encoding)
         self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                               on_stored=self._on_stored if self.publisher else None,
                               on_removed=self._on_removed if self.publisher else None)

@@ -9,8 +9,11 @@ block events unchanged. Wire format (vLLM ``vllm/distributed/kv_events.py``):
   REQ-style empty delimiter frame before it; a bare DEALER frame is accepted too) and gets one
   ``(seq, payload)`` reply per buffered batch with ``seq >= start``, then ``(-1, b"")``.
 
-Events use the positional (``array_like``) layout, e.g.
-``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, lora_name]``.
+Events use the positional (``array_like``) layout by default, e.g.
+``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, lora_name]``. With
+``encoding="map"`` the same structs go out as msgpack maps, as msgspec encodes a tagged struct
+that is not array_like: ``{"type": "BlockStored", "block_hashes": [...], ...}`` (fields at their
+default left out) inside ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``.
 """
 
 from __future__ import annotations
@@ -67,6 +70,30 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
+ENCODINGS = ("array", "map")
+
+
+def _map_form(cls: type[msgspec.Struct], **overrides: type) -> type[msgspec.Struct]:
+    """The same struct without array_like: encoded as a map keyed by field name (events tagged by "type")."""
+    fields = [
+        (f.name, overrides.get(f.name, f.type)) if f.default is msgspec.NODEFAULT else (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(cls)
+    ]
+    tagged = issubclass(cls, KVCacheEvent)
+    return msgspec.defstruct(cls.__name__, fields, omit_defaults=True, gc=False, tag=True if tagged else None)
+
+
+_MAP_EVENTS = {cls: _map_form(cls) for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+_MapBatch = _map_form(
+    KVEventBatch, events=list[_MAP_EVENTS[BlockStored] | _MAP_EVENTS[BlockRemoved] | _MAP_EVENTS[AllBlocksCleared]]
+)
+
+
+def as_map_form(batch: KVEventBatch) -> msgspec.Struct:
+    """``batch`` as its map-encoded twin (what ``encoding="map"`` publishes)."""
+    events = [_MAP_EVENTS[type(e)](*msgspec.structs.astuple(e)) for e in batch.events]
+    return _MapBatch(batch.ts, events, batch.data_parallel_rank)
+
 
 def decode_batch(payload: bytes) -> KVEventBatch:
     """Decode one payload frame (positional layout; extra trailing fields are ignored)."""
@@ -93,6 +120,7 @@ class KVEventPublisher:
 
     ``endpoint``/``replay_endpoint`` hold the actual bound addresses once constructed (useful
     with ``tcp://127.0.0.1:*``). ``dropped_batches`` counts batches lost to a full queue.
+    ``encoding`` is ``"array"`` (vLLM's positional layout) or ``"map"`` (field names).
     """
 
     POLL_S = 0.02
@@ -108,7 +136,11 @@ class KVEventPublisher:
         hwm: int = 100_000,
         max_queue_size: int = 100_000,
         linger_ms: int = 500,
+        encoding: str = "array",
     ) -> None:
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
+        self.encoding = encoding
         self.endpoint = offset_endpoint_port(endpoint, data_parallel_rank)
         self.replay_endpoint = offset_endpoint_port(replay_endpoint, data_parallel_rank)
         self.data_parallel_rank = data_parallel_rank
@@ -195,7 +227,7 @@ class KVEventPublisher:
                         break
                     continue
                 try:
-                    payload = encoder.encode(batch)
+                    payload = encoder.encode(as_map_form(batch) if self.encoding == "map" else batch)
                     # PUB never blocks: past the HWM, zmq drops for that subscriber.
                     pub.send_multipart((self._topic, seq.to_bytes(8, "big", signed=True), payload))
                     self._buffer.append((seq, payload))
