@@ -32,6 +32,7 @@ def test_sft_notebook_runs_and_learns(kiln_cache):
     text = outputs(nb)
     assert "4 optimizer steps" in text
     assert "exact JSON answers: base" in text
+    assert "exact_json: pass rate base" in text and "paired difference" in text
     assert has_plot(nb)  # the loss curve
 
 
