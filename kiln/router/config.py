@@ -233,7 +233,7 @@ class WorkerSet(Section):
 
 class TokenizeLocal(Section):
     section = "tokenize.local"
-    mount_dir: ConfigPath | None = None  # {mount_dir}/{model}/tokenizer.json; None fetches from the Hub
+    mount_dir: ConfigPath | None = None  # {mount_dir}/{model}/tokenizer.json; local and compare modes need it
     warmup: bool = True
 
 
