@@ -1,0 +1,1 @@
+"""The router's gRPC API: router.proto and its generated modules (committed; see generate.py)."""
