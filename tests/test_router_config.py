@@ -646,10 +646,7 @@ def test_python_m_kiln_router_check(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert f"{bad}: workerset[0].kv_block_size = 0: must be > 0" in proc.stderr
 
-    proc = _run("-m", "kiln.router", "--config", str(path))
-    assert proc.returncode == 1
-    assert json.loads(proc.stdout)["listen"] == "0.0.0.0:50051"
-    assert "router serving is not built yet" in proc.stderr
+    # without --check the router serves: tests/test_router_server.py
 
 
 def test_kiln_router_subcommand(tmp_path, capsys):
@@ -660,7 +657,7 @@ def test_kiln_router_subcommand(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["workerset"][0]["name"] == "a"
     assert main(["router", "--config", str(tmp_path / "missing.toml"), "--check"]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["router", "--config", str(path)]) == 1
+    assert main(["router", "--config", str(tmp_path / "missing.toml")]) == 2  # serving checks it alike
 
 
 def test_the_router_imports_no_model_code(tmp_path):
@@ -669,6 +666,9 @@ def test_the_router_imports_no_model_code(tmp_path):
         "import sys\n"
         "import kiln.router.config, kiln.router.__main__\n"
         "import kiln.router.ingest, kiln.router.kv_index, kiln.router.kv_wire\n"
+        "import kiln.router.core, kiln.router.grpc_api, kiln.router.admin, kiln.router.serve\n"
+        "import kiln.router.bodies, kiln.router.bookkeeping, kiln.router.metrics, kiln.router.dashboard\n"
+        "import kiln.router.scrape, kiln.router.tokenization, kiln.router.proto.router_pb2_grpc\n"
         "from kiln.cli import main\n"
         f"assert main(['router', '--config', {str(path)!r}, '--check']) == 0\n"
         "heavy = ('jax', 'kiln.engine', 'kiln.models', 'kiln.server', 'kiln.eval.api', 'kiln.eval.service',\n"

@@ -1,7 +1,8 @@
 """`kiln router --config FILE [--check]` and `python -m kiln.router --config FILE [--check]`.
 
-Light to import (kiln.cli builds its parser from add_arguments); the configuration module and
-pydantic are imported only when the command runs.
+Without --check the router serves until SIGTERM or SIGINT (kiln/router/serve.py). Light to import
+(kiln.cli builds its parser from add_arguments); the configuration module, pydantic and the
+servers are imported only when the command runs.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ import sys
 from collections.abc import Sequence
 
 EXIT_CONFIG_ERROR = 2  # as kiln.cli
-EXIT_NOT_SERVING = 1
-
-log = logging.getLogger("kiln.router")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +32,12 @@ def run(args: argparse.Namespace) -> int:
         for line in str(e).splitlines():  # one line per problem
             print(f"kiln router: error: {line}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(json.dumps(config.to_json(), indent=2))
     if args.check:
+        print(json.dumps(config.to_json(), indent=2))
         return 0
-    log.error("router serving is not built yet; use --check to validate a configuration")
-    return EXIT_NOT_SERVING
+    from kiln.router.serve import run as serve
+
+    return serve(config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,150 @@
+"""What the router remembers about the requests it picked a worker for.
+
+`InFlight`: requests sent to each worker that its scraped load does not count yet. A worker's
+`running` and `waiting` come from a scrape; a request sent after that scrape began is not in them,
+so the predictor adds it (`WorkerLoad.inflight`), with its prompt's block keys, so that a later
+prompt sharing the prefix is credited with the blocks still being prefilled
+(`WorkerLoad.inflight_blocks`). An entry ends when the first successful scrape that began after it
+was sent completes (that scrape counts the request, or saw it finish), on Feedback, or after a TTL.
+
+`Observations`: per request id, the worker picked and the latency predicted, kept until Feedback
+reports the observed latency or a TTL passes.
+
+Neither is thread-safe: the router's event loop owns both.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kiln.router.kv_index import Key
+
+
+@dataclass(slots=True)
+class _Entry:
+    request_id: str
+    worker: int
+    sent_at: float  # time.monotonic()
+    keys: tuple[Key, ...]
+
+
+@dataclass(slots=True)
+class _Worker:
+    entries: dict[str, _Entry] = field(default_factory=dict)  # by request id, oldest first
+    keys: Counter[Key] = field(default_factory=Counter)  # block keys of those entries' prompts
+
+
+class InFlight:
+    """Requests sent to each worker, by worker_id_num, that its last scrape cannot have counted."""
+
+    def __init__(self) -> None:
+        self._workers: dict[int, _Worker] = {}
+        self._where: dict[str, int] = {}  # request id -> worker
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def add(self, request_id: str, worker: int, keys: Sequence[Key], now: float) -> None:
+        """A request was sent to `worker` at `now`; a request id in flight already is replaced."""
+        self.end(request_id)
+        w = self._workers.setdefault(worker, _Worker())
+        w.entries[request_id] = _Entry(request_id, worker, now, tuple(keys))
+        w.keys.update(keys)
+        self._where[request_id] = worker
+
+    def end(self, request_id: str) -> bool:
+        """The request finished (or failed); False if it was not in flight."""
+        worker = self._where.get(request_id)
+        if worker is None:
+            return False
+        self._drop(self._workers[worker].entries[request_id])
+        return True
+
+    def settle(self, worker: int, scrape_started_at: float | None) -> None:
+        """Drop `worker`'s entries sent before its last successful scrape began (it counted them)."""
+        w = self._workers.get(worker)
+        if w is None or scrape_started_at is None:
+            return
+        while w.entries:
+            oldest = next(iter(w.entries.values()))
+            if oldest.sent_at >= scrape_started_at:
+                break
+            self._drop(oldest)
+
+    def expire(self, sent_before: float) -> int:
+        """Drop every entry sent before `sent_before` (feedback never came); returns how many."""
+        old = [e for w in self._workers.values() for e in w.entries.values() if e.sent_at < sent_before]
+        for entry in old:
+            self._drop(entry)
+        return len(old)
+
+    def count(self, worker: int) -> int:
+        w = self._workers.get(worker)
+        return len(w.entries) if w is not None else 0
+
+    def leading_blocks(self, worker: int, keys: Sequence[Key], start: int) -> int:
+        """How many of the prompt's blocks from `start` on a request in flight to `worker` shares.
+
+        Keys are chained (each names its whole prefix), so a key some entry holds at position i means
+        that entry shares the prompt's first i + 1 blocks: the walk needs no per-entry comparison.
+        """
+        w = self._workers.get(worker)
+        if w is None or not w.keys:
+            return 0
+        n = start
+        while n < len(keys) and keys[n] in w.keys:
+            n += 1
+        return n - start
+
+    def _drop(self, entry: _Entry) -> None:
+        w = self._workers[entry.worker]
+        del w.entries[entry.request_id]
+        del self._where[entry.request_id]
+        w.keys.subtract(entry.keys)
+        for key in entry.keys:
+            if w.keys[key] <= 0:
+                del w.keys[key]
+        if not w.entries:
+            del self._workers[entry.worker]
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One pick, as Feedback will find it."""
+
+    request_id: str
+    worker_id_num: int
+    worker_id_str: str
+    workerset: str
+    predicted_ms: float
+    picked_at: float  # time.monotonic()
+
+
+class Observations:
+    """Picks waiting for their Feedback, by request id, dropped after `ttl_s`."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._held: dict[str, Observation] = {}  # insertion order is pick order
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def add(self, observation: Observation) -> None:
+        self._held.pop(observation.request_id, None)  # a reused id moves to the end
+        self._held[observation.request_id] = observation
+
+    def pop(self, request_id: str) -> Observation | None:
+        return self._held.pop(request_id, None)
+
+    def expire(self, now: float) -> list[Observation]:
+        """Drop (and return) the observations older than the TTL."""
+        gone = []
+        while self._held:
+            oldest = next(iter(self._held.values()))
+            if now - oldest.picked_at < self.ttl_s:
+                break
+            gone.append(self._held.pop(oldest.request_id))
+        return gone

@@ -1,0 +1,476 @@
+"""The router's core: for one request, the worker it should go to.
+
+`RouterCore` owns the moving parts and joins them for each pick:
+
+* the worker sets and their workers, from the configuration;
+* per worker set, KV-event ingest and its prefix index (`KVIngest`), and a `PrefixHeat`;
+* the `Scraper` (each worker's load, liveness and served models) and `Tokenization`;
+* the bookkeeping of picks: requests in flight per worker, and observations awaiting Feedback.
+
+A pick (`pick`) resolves the worker sets serving the model (a worker's `model_name`, or a model its
+`/v1/models` lists), takes the first of them, in configuration order, with an eligible worker
+(alive by its scrapes and not evicted by ingest), tokenizes the prompt unless token ids came with
+it, matches it against the set's prefix index, predicts each eligible worker's latency and picks.
+If the prompt cannot be tokenized because no renderer answers, the pick is made on load alone
+(no prefix credit) and counted, rather than refused: the prefix is an optimisation.
+
+In mock mode there is no ingest, scraping or tokenization: the worker is a stable hash of the
+model and the prompt over the workers of the first worker set whose `model_name` is the model.
+
+Everything runs on one asyncio loop; only the prefix index is shared with ingest threads (it has
+its own lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from kiln.router.bookkeeping import InFlight, Observation, Observations
+from kiln.router.config import Profile, RouterConfig, Worker, WorkerSet
+from kiln.router.kv_index import KVIndex
+from kiln.router.picker import PrefixHeat, pick, prefix_key
+from kiln.router.predictor import WorkerLoad, predict_all
+
+if TYPE_CHECKING:
+    from kiln.router.bodies import BodyBudget
+    from kiln.router.ingest import KVIngest
+    from kiln.router.metrics import RouterMetrics
+    from kiln.router.scrape import Scraper, WorkerHealth
+    from kiln.router.tokenization import Tokenization
+
+log = logging.getLogger("kiln.router")
+
+SWEEP_EVERY_S = 5.0  # how often expired observations and in-flight entries are dropped
+TOKENIZE_LOG_EVERY_S = 30.0  # at most one "routed on load alone" warning per worker set this often
+TOPOLOGY = ("pod_name", "namespace", "node_name", "node_ip", "pod_ip", "availability_zone", "instance_type")
+
+
+class PickError(Exception):
+    """No pick: `kind` is not_found (no worker set serves the model), unavailable (no eligible worker)
+    or invalid (the request is wrong)."""
+
+    def __init__(self, kind: Literal["not_found", "unavailable", "invalid"], message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class PickInput:
+    """One request to route. The prompt is `token_ids` when given, else `body`'s prompt fields: an
+    OpenAI completion's `prompt`, or a chat's `messages` (with `tools`, `chat_template_kwargs`, ...)."""
+
+    model: str
+    token_ids: Sequence[int] | None = None
+    body: dict[str, Any] | None = None
+    tenant: str = ""
+    inference_pool: str = ""
+    request_id: str = ""  # empty: one is made up
+
+
+@dataclass(frozen=True, slots=True)
+class PickResult:
+    request_id: str
+    worker_id: str  # worker_id_str
+    worker_id_num: int
+    endpoint: str  # empty when the worker has none
+    workerset: str
+    predicted_ms: float
+    cached_blocks: int
+    prompt_blocks: int
+    reason: str  # the picker's (only, best, load, random, replicate) or mock
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Per worker, for the dashboard."""
+
+    picks: int = 0
+    predicted_ms: float | None = None  # the last prediction made for the worker, picked or not
+    ttft_ms: float | None = None  # the last time to first token Feedback reported
+
+
+@dataclass(eq=False)
+class _Set:
+    ws: WorkerSet
+    profile: Profile
+    index: KVIndex
+    ingest: KVIngest | None
+    heat: PrefixHeat = field(default_factory=PrefixHeat)
+    tokenize_warned_at: float = -TOKENIZE_LOG_EVERY_S
+
+
+class RouterCore:
+    """Picks workers; see the module docstring. `start()` and `stop()` run on the serving loop."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        metrics: RouterMetrics,
+        bodies: BodyBudget | None = None,
+        ingests: dict[str, KVIngest] | None = None,
+        scraper: Scraper | None = None,
+        tokenization: Tokenization | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.mock = config.mock_mode
+        self.metrics = metrics
+        self.bodies = bodies
+        self.ingests = ingests or {}
+        self.scraper = scraper
+        self.tokenization = tokenization
+        self.rng = random.Random(seed)
+        self.inflight = InFlight()
+        self.observations = Observations(config.observation_ttl_secs)
+        self.sets: dict[str, _Set] = {}
+        self.workers: dict[int, tuple[Worker, _Set]] = {}
+        self.tally: dict[int, _Tally] = {}
+        for ws in config.workerset:
+            ingest = self.ingests.get(ws.name)
+            index = ingest.index if ingest is not None else KVIndex(ws.kv_block_size)
+            entry = _Set(ws, config.profile_named(ws.profile), index, ingest)
+            self.sets[ws.name] = entry
+            for worker in ws.workers:
+                self.workers[worker.worker_id_num] = (worker, entry)
+                self.tally[worker.worker_id_num] = _Tally()
+        self._sweeper: asyncio.Task | None = None
+        self._pool_warned = False
+
+    @classmethod
+    def from_config(cls, config: RouterConfig, metrics: RouterMetrics, bodies: BodyBudget | None = None) -> RouterCore:
+        """The core with its ingest, scraper and tokenization (none of them in mock mode)."""
+        if config.mock_mode:
+            return cls(config, metrics=metrics, bodies=bodies)
+        from kiln.router.ingest import ingest_for
+        from kiln.router.scrape import Scraper
+        from kiln.router.tokenization import Tokenization
+
+        scraper = Scraper(config)
+        return cls(
+            config,
+            metrics=metrics,
+            bodies=bodies,
+            ingests=ingest_for(config),
+            scraper=scraper,
+            tokenization=Tokenization(config, scraper),
+        )
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Register tokenizers (which may fail on the configuration), then start ingest and scraping."""
+        if self.tokenization is not None:
+            await self.tokenization.start()
+        for ingest in self.ingests.values():
+            ingest.start()
+        if self.scraper is not None:
+            self.scraper.start()
+        self._sweeper = asyncio.create_task(self._sweep())
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self.scraper is not None:
+            await self.scraper.stop()
+        if self.tokenization is not None:
+            await self.tokenization.aclose()
+        await asyncio.gather(*(asyncio.to_thread(ingest.stop) for ingest in self.ingests.values()))
+
+    async def _sweep(self) -> None:
+        ttl = self.config.observation_ttl_secs
+        while True:
+            await asyncio.sleep(min(SWEEP_EVERY_S, max(ttl, 0.1)))
+            now = time.monotonic()
+            self.observations.expire(now)
+            self.inflight.expire(now - ttl)
+
+    # ---- picking --------------------------------------------------------------------------------
+
+    async def pick(self, request: PickInput) -> PickResult:
+        """The worker for one request; raises PickError."""
+        started = time.perf_counter()
+        if not request.model:
+            raise PickError("invalid", "model is required")
+        if not request.token_ids and not _has_prompt(request.body):
+            raise PickError("invalid", "a prompt is required: token_ids, prompt or messages")
+        if request.inference_pool and self.config.policy.enabled and not self._pool_warned:
+            self._pool_warned = True  # the pool restriction comes with the policy watch, not built yet
+            log.warning(
+                "inference_pool %r: no pool data yet, so picks are not restricted by pool", request.inference_pool
+            )
+        result = self._pick_mock(request) if self.mock else await self._pick(request)
+        self.metrics.pick_seconds.observe(time.perf_counter() - started)
+        return result
+
+    def _serves(self, worker: Worker, model: str) -> bool:
+        if worker.model_name == model:
+            return True
+        health = self._health(worker.worker_id_num)
+        return health is not None and model in health.models
+
+    def _health(self, worker_id_num: int) -> WorkerHealth | None:
+        if self.scraper is None:
+            return None
+        try:
+            return self.scraper.state(worker_id_num)
+        except KeyError:
+            return None
+
+    def _ineligible(self, worker: Worker, entry: _Set) -> str | None:
+        """Why the worker cannot be picked (dead, evicted), or None."""
+        health = self._health(worker.worker_id_num)
+        if health is not None and not health.alive:
+            return "dead"
+        if entry.ingest is not None and entry.ingest.is_evicted(worker.worker_id_num):
+            return "evicted"
+        return None
+
+    async def _pick(self, request: PickInput) -> PickResult:
+        model = request.model
+        serving = [(e, [w for w in e.ws.workers if self._serves(w, model)]) for e in self.sets.values()]
+        serving = [(e, ws) for e, ws in serving if ws]
+        if not serving:
+            raise PickError("not_found", f"no worker set serves model {model!r}")
+        for entry, workers in serving:
+            eligible = [w for w in workers if self._ineligible(w, entry) is None]
+            if eligible:
+                break
+        else:
+            why = ", ".join(f"{w.worker_id_str} {self._ineligible(w, e)}" for e, ws in serving for w in ws)
+            sets = ", ".join(e.ws.name for e, _ in serving)
+            raise PickError("unavailable", f"no eligible worker for model {model!r} in worker set(s) {sets}: {why}")
+
+        token_ids = list(request.token_ids) if request.token_ids else await self._tokenize(entry, model, request.body)
+        lora = None if any(w.model_name == model for w in entry.ws.workers) else model  # an adapter's blocks
+        keys = entry.index.prompt_keys(token_ids, lora) if token_ids else []
+        matched = entry.index.match(token_ids, lora) if keys else {}
+        picker, tracking = entry.profile.picker, entry.profile.picker.inflight_tracking
+
+        loads = []
+        for w in eligible:
+            num = w.worker_id_num
+            health = self._health(num)
+            if health is not None:
+                self.inflight.settle(num, health.scrape_started_at)
+            cached = matched.get(num, 0)
+            loads.append(
+                WorkerLoad(
+                    worker_id=num,
+                    running=health.running if health else 0,
+                    waiting=health.waiting if health else 0,
+                    kv_usage=health.kv_usage if health else 0.0,
+                    cached_blocks=cached,
+                    inflight_blocks=self.inflight.leading_blocks(num, keys, cached) if tracking else 0,
+                    inflight=self.inflight.count(num),
+                )
+            )
+        predictions = predict_all(entry.profile.predictor, loads, len(keys), tracking)
+        share = entry.heat.observe(prefix_key(keys))
+        choice = pick(predictions, picker, self.rng, prefix_share_pct=share)
+        for p in predictions:
+            self.tally[p.worker_id].predicted_ms = p.total_ms
+        log.debug("model %s, %d blocks: %s", model, len(keys), choice.describe())
+
+        worker, _ = self.workers[choice.worker_id]
+        prediction = choice.prediction
+        return self._record(
+            request, worker, entry, prediction.total_ms, prediction.load.cached_blocks, len(keys), choice.reason, keys
+        )
+
+    async def _tokenize(self, entry: _Set, model: str, body: dict[str, Any] | None) -> list[int]:
+        from kiln.router.tokenization import TokenizationError
+
+        assert self.tokenization is not None and body is not None
+        try:
+            return await self.tokenization.prompt_token_ids(entry.ws.name, model, body)
+        except TokenizationError as e:
+            if e.kind != "unavailable":
+                raise PickError(e.kind, str(e)) from None
+            self.metrics.tokenize_failures.labels(entry.ws.name).inc()
+            now = time.monotonic()
+            if now - entry.tokenize_warned_at >= TOKENIZE_LOG_EVERY_S:
+                entry.tokenize_warned_at = now
+                log.warning("worker set %s: cannot tokenize (%s); routing on load alone", entry.ws.name, e)
+            return []
+
+    def _pick_mock(self, request: PickInput) -> PickResult:
+        model = request.model
+        for entry in self.sets.values():
+            workers = [w for w in entry.ws.workers if w.model_name == model]
+            if workers:
+                break
+        else:
+            raise PickError("not_found", f"no worker set serves model {model!r}")
+        if request.token_ids:
+            prompt: Any = {"token_ids": list(request.token_ids)}
+        else:
+            body = request.body or {}
+            prompt = {"messages": body["messages"]} if body.get("messages") is not None else {"prompt": body["prompt"]}
+        key = json.dumps([model, prompt], sort_keys=True, separators=(",", ":"), default=str).encode()
+        worker = workers[int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % len(workers)]
+        blocks = len(request.token_ids or ()) // entry.ws.kv_block_size
+        return self._record(request, worker, entry, entry.profile.predictor.base_ms, 0, blocks, "mock", ())
+
+    def _record(
+        self,
+        request: PickInput,
+        worker: Worker,
+        entry: _Set,
+        predicted_ms: float,
+        cached_blocks: float,
+        prompt_blocks: int,
+        reason: str,
+        keys: Sequence[int],
+    ) -> PickResult:
+        """Count the pick, put it in flight and keep its observation for Feedback."""
+        request_id = request.request_id or uuid.uuid4().hex
+        now = time.monotonic()
+        num = worker.worker_id_num
+        if not self.mock:
+            self.inflight.add(request_id, num, keys, now)
+        self.observations.add(Observation(request_id, num, worker.worker_id_str, entry.ws.name, predicted_ms, now))
+        self.tally[num].picks += 1
+        labels = self.metrics.tenant_labels(request.tenant)
+        self.metrics.picks.labels(workerset=entry.ws.name, worker=worker.worker_id_str, reason=reason, **labels).inc()
+        return PickResult(
+            request_id=request_id,
+            worker_id=worker.worker_id_str,
+            worker_id_num=num,
+            endpoint=worker.endpoint or "",
+            workerset=entry.ws.name,
+            predicted_ms=predicted_ms,
+            cached_blocks=int(cached_blocks),
+            prompt_blocks=prompt_blocks,
+            reason=reason,
+        )
+
+    # ---- feedback -------------------------------------------------------------------------------
+
+    def feedback(self, request_id: str, ttft_ms: float = 0.0, e2e_ms: float = 0.0, failed: bool = False) -> bool:
+        """How a picked request went; False when no pick with that id is held (never made, or expired)."""
+        self.inflight.end(request_id)
+        observation = self.observations.pop(request_id)
+        if observation is None:
+            self.metrics.feedback.labels("unknown").inc()
+            return False
+        self.metrics.feedback.labels("failed" if failed else "ok").inc()
+        if not failed and ttft_ms > 0:
+            error = ttft_ms - observation.predicted_ms
+            self.metrics.prediction_error.labels(observation.workerset).observe(error)
+            self.metrics.prediction_abs_error.labels(observation.workerset).observe(abs(error))
+            self.tally[observation.worker_id_num].ttft_ms = ttft_ms
+        return True
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def ready(self) -> tuple[bool, list[str]]:
+        """Ready once every static worker set has a worker whose KV events arrived (at once in mock mode)."""
+        if self.mock:
+            return True, []
+        reasons = []
+        for entry in self.sets.values():
+            if entry.ws.discovery.mode != "static" or entry.ingest is None:
+                continue
+            stats = [s for s in entry.ingest.status().values() if s.evicted is None]
+            if not stats:
+                reasons.append(f"worker set {entry.ws.name}: no workers, or all evicted")
+            elif not any(s.last_event_at is not None or s.replays_ok for s in stats):
+                reasons.append(f"worker set {entry.ws.name}: no worker has sent KV events yet")
+        return not reasons, reasons
+
+    def worker_view(self, worker: Worker, entry: _Set) -> dict[str, Any]:
+        """One worker as the dashboard and /metrics see it."""
+        num = worker.worker_id_num
+        health = self._health(num)
+        if health is not None:
+            self.inflight.settle(num, health.scrape_started_at)
+        ingest = entry.ingest.stats(num) if entry.ingest is not None else None
+        tally = self.tally[num]
+        return {
+            "worker": worker.worker_id_str,
+            "worker_id_num": num,
+            "workerset": entry.ws.name,
+            "model": worker.model_name,
+            "endpoint": worker.endpoint,
+            "alive": health.alive if health is not None else True,
+            "evicted": ingest is not None and ingest.evicted is not None,
+            "evicted_reason": ingest.evicted if ingest is not None else None,
+            "running": health.running if health else 0,
+            "waiting": health.waiting if health else 0,
+            "kv_usage": health.kv_usage if health else 0.0,
+            "scrape_epoch": health.epoch if health else 0,
+            "engine": health.engine if health else "unknown",
+            "models": list(health.models) if health else [],
+            "inflight": self.inflight.count(num),
+            "index_blocks": entry.index.blocks_of(num),
+            "picks": tally.picks,
+            "predicted_ms": tally.predicted_ms,
+            "ttft_ms": tally.ttft_ms,
+            "labels": {k: v for k in TOPOLOGY if (v := getattr(worker, k)) is not None},
+            "ingest": vars(ingest) if ingest is not None else None,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """What /metrics reads at scrape time (metrics._StateCollector)."""
+        tokenization = self.tokenization
+        return {
+            "workers": [self.worker_view(w, e) for w, e in self.workers.values()],
+            "worker_sets": [{"name": name, "index_blocks": e.index.size()} for name, e in self.sets.items()],
+            "tokenize": {
+                "mismatches": dict(tokenization.mismatches) if tokenization else {},
+                "local_failures": dict(tokenization.local_failures) if tokenization else {},
+            },
+            "bodies": {"bytes": self.bodies.bytes, "count": self.bodies.count}
+            if self.bodies
+            else {"bytes": 0, "count": 0},
+            "observations": len(self.observations),
+        }
+
+    def state(self) -> dict[str, Any]:
+        """The dashboard's JSON: the first `dashboard_max_workers` workers and the totals."""
+        limit = self.config.dashboard_max_workers
+        shown = list(self.workers.values())[:limit]
+        ready, reasons = self.ready()
+        workers = []
+        for worker, entry in shown:
+            view = self.worker_view(worker, entry)
+            del view["ingest"]
+            workers.append(view)
+        return {
+            "mode": "mock" if self.mock else "live",
+            "ready": ready,
+            "not_ready": reasons,
+            "worker_sets": [
+                {
+                    "name": name,
+                    "profile": e.profile.name,
+                    "kv_block_size": e.ws.kv_block_size,
+                    "workers": len(e.ws.workers),
+                    "index_blocks": e.index.size(),
+                }
+                for name, e in self.sets.items()
+            ],
+            "workers": workers,
+            "workers_total": len(self.workers),
+            "picks_total": sum(t.picks for t in self.tally.values()),
+            "inflight": len(self.inflight),
+            "observations": len(self.observations),
+        }
+
+
+def _has_prompt(body: dict[str, Any] | None) -> bool:
+    return body is not None and (body.get("messages") is not None or body.get("prompt") is not None)

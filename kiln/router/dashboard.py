@@ -1,0 +1,108 @@
+"""The live dashboard: one self-contained HTML page (no external assets) that polls `/api/state`
+every second and draws the workers in a table. The KV-usage bar is a solid fill on a solid track,
+KV_BAR_PX wide, so that a screenshot can measure it (tests/test_router_server.py)."""
+
+from __future__ import annotations
+
+KV_BAR_PX = 120
+KV_FILL = "#1b7f5c"
+KV_TRACK = "#d5dbe3"
+
+PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>Kiln router</title>
+<style>
+  body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #1d2430; background: #fff; }
+  h1 { font-size: 20px; margin: 0 0 4px; }
+  #summary { color: #4a5565; margin-bottom: 16px; }
+  #summary .bad { color: #b3261e; }
+  table { border-collapse: collapse; }
+  th, td { padding: 6px 10px; border-bottom: 1px solid #e6e9ee; text-align: left; white-space: nowrap; }
+  th { font-weight: 600; color: #4a5565; }
+  td.num { text-align: right; font-variant-numeric: tabular-nums; }
+  .bar { display: inline-block; vertical-align: middle; width: @BAR@px; height: 12px; background: @TRACK@; }
+  .fill { display: block; height: 12px; background: @FILL@; }
+  .pct { display: inline-block; width: 44px; text-align: right; margin-left: 6px; }
+  .alive { color: #1b7f5c; } .dead, .evicted { color: #b3261e; font-weight: 600; }
+  .labels { color: #4a5565; font-size: 12px; }
+</style>
+</head>
+<body>
+<h1>Kiln router</h1>
+<div id="summary">loading&hellip;</div>
+<table>
+  <thead><tr>
+    <th>worker</th><th>worker set</th><th>status</th><th>running</th><th>waiting</th><th>KV usage</th>
+    <th>index blocks</th><th>in flight</th><th>picks</th><th>predicted ms</th><th>TTFT ms</th><th>engine</th>
+    <th>labels</th>
+  </tr></thead>
+  <tbody id="workers"></tbody>
+</table>
+<script>
+const BAR_PX = @BAR@;
+function cell(row, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  row.appendChild(td);
+  return td;
+}
+function ms(v) { return v === null || v === undefined ? "" : v.toFixed(0); }
+function render(s) {
+  const sets = s.worker_sets.map(w => `${w.name}: ${w.workers} workers, ${w.index_blocks} blocks`).join("; ");
+  const summary = document.getElementById("summary");
+  summary.textContent = `${s.mode} mode, ${s.ready ? "ready" : "not ready"}; ${s.picks_total} picks; ` +
+    `${s.inflight} in flight; ${sets}` +
+    (s.workers.length < s.workers_total ? `; showing ${s.workers.length} of ${s.workers_total} workers` : "");
+  if (!s.ready) summary.className = "bad"; else summary.className = "";
+  const body = document.getElementById("workers");
+  body.replaceChildren();
+  for (const w of s.workers) {
+    const row = document.createElement("tr");
+    row.dataset.worker = w.worker;
+    cell(row, w.worker);
+    cell(row, w.workerset);
+    const status = w.evicted ? "evicted" : (w.alive ? "alive" : "dead");
+    cell(row, status, status).title = w.evicted_reason || "";
+    cell(row, w.running, "num");
+    cell(row, w.waiting, "num");
+    const kv = cell(row, "");
+    const bar = document.createElement("span");
+    bar.className = "bar";
+    const fill = document.createElement("span");
+    fill.className = "fill";
+    fill.style.width = Math.round(Math.min(1, Math.max(0, w.kv_usage)) * BAR_PX) + "px";
+    bar.appendChild(fill);
+    const pct = document.createElement("span");
+    pct.className = "pct";
+    pct.textContent = (w.kv_usage * 100).toFixed(0) + "%";
+    kv.append(bar, pct);
+    cell(row, w.index_blocks, "num");
+    cell(row, w.inflight, "num");
+    cell(row, w.picks, "num");
+    cell(row, ms(w.predicted_ms), "num");
+    cell(row, ms(w.ttft_ms), "num");
+    cell(row, w.engine);
+    cell(row, Object.entries(w.labels).map(([k, v]) => `${k}=${v}`).join(" "), "labels");
+    body.appendChild(row);
+  }
+}
+async function refresh() {
+  try {
+    const response = await fetch("/api/state", {cache: "no-store"});
+    render(await response.json());
+  } catch (e) {
+    const summary = document.getElementById("summary");
+    summary.textContent = "router state unavailable: " + e;
+    summary.className = "bad";
+  }
+}
+refresh();
+setInterval(refresh, 1000);
+</script>
+</body>
+</html>
+"""
+PAGE = PAGE.replace("@BAR@", str(KV_BAR_PX)).replace("@FILL@", KV_FILL).replace("@TRACK@", KV_TRACK)

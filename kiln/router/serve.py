@@ -1,0 +1,79 @@
+"""Running the router: the core, the gRPC server on `listen` and the admin HTTP server on
+`admin_listen`, on one asyncio loop, until SIGTERM or SIGINT.
+
+Startup order: tokenizers are registered (a local tokenizer that cannot load is a configuration
+error), ingest and scraping start, then the gRPC server binds and its health turns SERVING, then
+the admin server binds. Shutdown runs the other way round: health NOT_SERVING, the gRPC server
+stops (calls under way get a short grace), the admin server, scraping and ingest stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from kiln.router.admin import AdminServer
+from kiln.router.bodies import BodyBudget
+from kiln.router.config import RouterConfig, RouterConfigError
+from kiln.router.core import RouterCore
+from kiln.router.grpc_api import GrpcServer
+from kiln.router.metrics import RouterMetrics
+
+log = logging.getLogger("kiln.router")
+
+EXIT_OK = 0
+EXIT_START_FAILED = 1
+EXIT_CONFIG_ERROR = 2
+
+
+async def serve(config: RouterConfig) -> int:
+    """Serve until SIGTERM or SIGINT; returns the process's exit status."""
+    budget = BodyBudget(config.body_max_total_kb * 1024, config.body_max_request_kb * 1024)
+    core: RouterCore | None = None
+    metrics = RouterMetrics(config, snapshot=lambda: core.snapshot())
+    core = RouterCore.from_config(config, metrics, budget)
+    grpc_server: GrpcServer | None = None
+    admin: AdminServer | None = None
+    try:
+        try:
+            await core.start()
+        except RouterConfigError as e:
+            log.error("%s", e)
+            return EXIT_CONFIG_ERROR
+        if config.mock_mode:
+            log.warning("mock mode: picks are a hash of model and prompt; no KV events, scraping or tokenization")
+        grpc_server = GrpcServer(core, budget)
+        try:
+            address = await grpc_server.start()
+        except RuntimeError as e:
+            log.error("cannot serve gRPC on listen = %r: %s", config.listen, e)
+            return EXIT_START_FAILED
+        log.info("gRPC listening on %s (%s)", address, ", ".join(grpc_server.services))
+        if config.admin_listen is not None:
+            admin = AdminServer(core, metrics, config.admin_listen)
+            try:
+                address = await admin.start()
+            except (OSError, ValueError) as e:
+                log.error("cannot serve admin HTTP on admin_listen = %r: %s", config.admin_listen, e)
+                return EXIT_START_FAILED
+            log.info("admin HTTP listening on http://%s (/metrics, /readyz, dashboard at /)", address)
+
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        await stopping.wait()
+        log.info("shutting down")
+        return EXIT_OK
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop()
+        if admin is not None:
+            await admin.stop()
+        await core.stop()
+        log.info("router stopped")
+
+
+def run(config: RouterConfig) -> int:
+    return asyncio.run(serve(config))
