@@ -172,7 +172,7 @@ def mock(tmp_path_factory):
         "mock_mode": True,
         "body_max_request_kb": 2,
         "body_max_total_kb": 3,
-        "body_idle_timeout_secs": 1,
+        "body_idle_timeout_secs": 2,
         "profile": [{"name": "p", "predictor": {"base_ms": 123.0}}],
         "workerset": [
             {"name": "a", "profile": "p", "kv_block_size": BS},
@@ -279,7 +279,7 @@ def test_push_body_errors(mock):
 
     def stalls():
         yield router_pb2.BodyChunk(data=b'{"model": "m", ')
-        time.sleep(2.5)  # over body_idle_timeout_secs = 1
+        time.sleep(3)  # over body_idle_timeout_secs = 2
         yield router_pb2.BodyChunk(data=b'"prompt": "x"}', last=True)
 
     code, details = code_of(push, stalls())
