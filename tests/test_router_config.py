@@ -669,6 +669,7 @@ def test_the_router_imports_no_model_code(tmp_path):
         "import kiln.router.core, kiln.router.grpc_api, kiln.router.admin, kiln.router.serve\n"
         "import kiln.router.bodies, kiln.router.bookkeeping, kiln.router.metrics, kiln.router.dashboard\n"
         "import kiln.router.scrape, kiln.router.tokenization, kiln.router.proto.router_pb2_grpc\n"
+        "import kiln.router.k8s, kiln.router.leader, kiln.router.token_review\n"
         "from kiln.cli import main\n"
         f"assert main(['router', '--config', {str(path)!r}, '--check']) == 0\n"
         "heavy = ('jax', 'kiln.engine', 'kiln.models', 'kiln.server', 'kiln.eval.api', 'kiln.eval.service',\n"

@@ -23,6 +23,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_process import free_port
 
 from kiln.engine.kv_events import BlockRemoved, BlockStored, KVEventPublisher
 from kiln.router.proto import router_pb2, router_pb2_grpc
@@ -340,10 +341,23 @@ def test_mock_feedback_and_admin(mock):
     assert [w["worker"] for w in state["workers"]] == ["w0", "w1", "w2", "w3", "x0"]
 
 
-def test_token_review_is_served_but_unimplemented(tmp_path):
-    """With credentials [token_review] loads; the service answers UNIMPLEMENTED until it is built."""
+def test_token_review_without_an_api_server_is_unavailable(tmp_path):
+    """With credentials [token_review] loads and serves; an API server that cannot be reached is UNAVAILABLE.
+    (Reviews against a working API server: tests/test_router_k8s.py.)"""
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text("apiVersion: v1\nkind: Config\n")
+    server = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+                "current-context": "c",
+            }
+        )
+    )
     config = {
         "listen": "127.0.0.1:0",
         "mock_mode": True,
@@ -356,10 +370,10 @@ def test_token_review_is_served_but_unimplemented(tmp_path):
     try:
         review = router_pb2_grpc.TokenReviewStub(router.channel).Review
         code, details = code_of(review, router_pb2.TokenReviewRequest(token="t", audiences=["a"]))
-        assert code == grpc.StatusCode.UNIMPLEMENTED and "not implemented yet" in details
+        assert code == grpc.StatusCode.UNAVAILABLE and f"cannot reach {server}" in details
         health = health_pb2_grpc.HealthStub(router.channel)
         status = health.Check(health_pb2.HealthCheckRequest(service="kiln.router.v1.TokenReview"), timeout=20).status
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert status == health_pb2.HealthCheckResponse.SERVING
         # a second router cannot take the same port
         busy = tmp_path / "busy"
         busy.mkdir()

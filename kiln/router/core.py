@@ -44,6 +44,7 @@ from kiln.router.predictor import WorkerLoad, predict_all
 if TYPE_CHECKING:
     from kiln.router.bodies import BodyBudget
     from kiln.router.ingest import KVIngest
+    from kiln.router.leader import LeaderElector
     from kiln.router.metrics import RouterMetrics
     from kiln.router.scrape import Scraper, WorkerHealth
     from kiln.router.tokenization import Tokenization
@@ -147,6 +148,7 @@ class RouterCore:
                 self.tally[worker.worker_id_num] = _Tally()
         self._sweeper: asyncio.Task | None = None
         self._pool_warned = False
+        self.leader_election: LeaderElector | None = None  # set by serve() with [leader_election]
 
     @classmethod
     def from_config(cls, config: RouterConfig, metrics: RouterMetrics, bodies: BodyBudget | None = None) -> RouterCore:
@@ -438,7 +440,12 @@ class RouterCore:
             if self.bodies
             else {"bytes": 0, "count": 0},
             "observations": len(self.observations),
+            "leader": self.is_leader(),
         }
+
+    def is_leader(self) -> bool | None:
+        """Whether this replica holds the leader Lease; None without [leader_election]."""
+        return self.leader_election.is_leader if self.leader_election is not None else None
 
     def state(self) -> dict[str, Any]:
         """The dashboard's JSON: the first `dashboard_max_workers` workers and the totals."""
@@ -469,6 +476,7 @@ class RouterCore:
             "picks_total": sum(t.picks for t in self.tally.values()),
             "inflight": len(self.inflight),
             "observations": len(self.observations),
+            "leader": self.is_leader(),
         }
 
 

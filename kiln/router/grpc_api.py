@@ -4,7 +4,7 @@ enabled, the standard health service and server reflection.
 Every failure is a gRPC status with a message, never a crash:
 
     NOT_FOUND           no worker set serves the model
-    UNAVAILABLE         no eligible worker (all dead or evicted)
+    UNAVAILABLE         no eligible worker (all dead or evicted); TokenReview: the API server did not answer
     INVALID_ARGUMENT    no model or prompt, a body that is not a JSON object, a prompt that cannot be tokenized
     RESOURCE_EXHAUSTED  a streamed body over body_max_request_kb, or over body_max_total_kb with the others
     DEADLINE_EXCEEDED   a streamed body paused longer than body_idle_timeout_secs, or took over body_ttl_secs
@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from kiln.router import bodies
 from kiln.router.core import PickError, PickInput, PickResult, RouterCore
 from kiln.router.proto import router_pb2, router_pb2_grpc
+from kiln.router.token_review import ReviewUnavailable, TokenReviewer
 
 log = logging.getLogger("kiln.router")
 
@@ -160,20 +161,41 @@ class RateLimiterService(router_pb2_grpc.RateLimiterServicer):
 
 
 class TokenReviewService(router_pb2_grpc.TokenReviewServicer):
-    """Registered so that callers find it, but reviewing tokens against the API server is not built yet."""
+    """Checks a bearer token with the Kubernetes API server (token_review.TokenReviewer, cached).
+
+    A rejected token is an answer (authenticated = false, with the reason in `error`); an API server
+    that cannot answer within the deadline is UNAVAILABLE.
+    """
+
+    def __init__(self, reviewer: TokenReviewer | None) -> None:
+        self.reviewer = reviewer
 
     @_guarded
     async def Review(self, request: router_pb2.TokenReviewRequest, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "TokenReview is not implemented yet: the router does not check tokens against the Kubernetes API server",
+        if not request.token:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token is required")
+        if self.reviewer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router has no Kubernetes client")
+        remaining = context.time_remaining()  # the caller's deadline, None without one
+        try:
+            review = await self.reviewer.review(request.token, tuple(request.audiences), remaining)
+        except ReviewUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        return router_pb2.TokenReviewResponse(
+            authenticated=review.authenticated,
+            username=review.username,
+            uid=review.uid,
+            groups=review.groups,
+            error=review.error,
         )
 
 
 class GrpcServer:
     """The gRPC server of one router: `await start()` binds `listen`; `await stop()`."""
 
-    def __init__(self, core: RouterCore, budget: bodies.BodyBudget) -> None:
+    def __init__(
+        self, core: RouterCore, budget: bodies.BodyBudget, token_reviewer: TokenReviewer | None = None
+    ) -> None:
         config = core.config
         # A single chunk or Pick may carry a whole body (or its token ids): allow the per-request cap.
         max_message = max(4 << 20, config.body_max_request_kb * 1024 + (64 << 10))
@@ -187,7 +209,7 @@ class GrpcServer:
             router_pb2_grpc.add_RateLimiterServicer_to_server(RateLimiterService(), self.server)
             self.services.append(RATE_LIMITER)
         if config.token_review.enabled:
-            router_pb2_grpc.add_TokenReviewServicer_to_server(TokenReviewService(), self.server)
+            router_pb2_grpc.add_TokenReviewServicer_to_server(TokenReviewService(token_reviewer), self.server)
             self.services.append(TOKEN_REVIEW)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -199,11 +221,10 @@ class GrpcServer:
         """Bind and serve; returns the bound address. Raises RuntimeError when `listen` cannot be bound."""
         self.port = self.server.add_insecure_port(self.listen)  # raises RuntimeError on failure
         await self.server.start()
-        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = health_pb2.HealthCheckResponse.SERVING
         await self.health.set("", serving)
         for name in self.services:
-            # TokenReview answers UNIMPLEMENTED to every call, so it does not claim to serve
-            await self.health.set(name, not_serving if name == TOKEN_REVIEW else serving)
+            await self.health.set(name, serving)
         host = self.listen.rsplit(":", 1)[0]
         return f"{host}:{self.port}"
 

@@ -121,7 +121,7 @@ class _StateCollector(Collector):
     The snapshot: {"workers": [{workerset, worker, alive, evicted, running, waiting, kv_usage, inflight,
     index_blocks, ingest: {counter: value} | None}], "worker_sets": [{name, index_blocks}],
     "tokenize": {"mismatches": {(set, model): n}, "local_failures": {(set, model): n}},
-    "bodies": {"bytes": n, "count": n}, "observations": n}.
+    "bodies": {"bytes": n, "count": n}, "observations": n, "leader": bool | None}.
     """
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
@@ -188,3 +188,7 @@ class _StateCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "observations", "Picks held waiting for their Feedback", value=s["observations"]
         )
+        if s.get("leader") is not None:  # only with [leader_election]
+            yield GaugeMetricFamily(
+                PREFIX + "leader", "1 if this replica holds the leader election Lease, else 0", value=float(s["leader"])
+            )

@@ -3,8 +3,12 @@
 
 Startup order: tokenizers are registered (a local tokenizer that cannot load is a configuration
 error), ingest and scraping start, then the gRPC server binds and its health turns SERVING, then
-the admin server binds. Shutdown runs the other way round: health NOT_SERVING, the gRPC server
+the admin server binds, then (with [leader_election]) the replica starts campaigning for the Lease.
+Shutdown runs the other way round: the Lease is released, health NOT_SERVING, the gRPC server
 stops (calls under way get a short grace), the admin server, scraping and ingest stop.
+
+The Kubernetes client (k8s.py), needed by [token_review] and [leader_election], is built before
+anything starts: credentials that cannot be loaded are a configuration error.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 from kiln.router.admin import AdminServer
 from kiln.router.bodies import BodyBudget
@@ -19,6 +24,11 @@ from kiln.router.config import RouterConfig, RouterConfigError
 from kiln.router.core import RouterCore
 from kiln.router.grpc_api import GrpcServer
 from kiln.router.metrics import RouterMetrics
+
+if TYPE_CHECKING:
+    from lightkube import AsyncClient
+
+    from kiln.router.leader import LeaderElector
 
 log = logging.getLogger("kiln.router")
 
@@ -35,7 +45,17 @@ async def serve(config: RouterConfig) -> int:
     core = RouterCore.from_config(config, metrics, budget)
     grpc_server: GrpcServer | None = None
     admin: AdminServer | None = None
+    kube: AsyncClient | None = None
+    elector: LeaderElector | None = None
     try:
+        if config.token_review.enabled or config.leader_election.enabled:
+            from kiln.router.k8s import KubernetesError, make_client
+
+            try:
+                kube = make_client()
+            except KubernetesError as e:
+                log.error("%s", e)
+                return EXIT_CONFIG_ERROR
         try:
             await core.start()
         except RouterConfigError as e:
@@ -43,7 +63,12 @@ async def serve(config: RouterConfig) -> int:
             return EXIT_CONFIG_ERROR
         if config.mock_mode:
             log.warning("mock mode: picks are a hash of model and prompt; no KV events, scraping or tokenization")
-        grpc_server = GrpcServer(core, budget)
+        reviewer = None
+        if config.token_review.enabled:
+            from kiln.router.token_review import TokenReviewer
+
+            reviewer = TokenReviewer.from_config(kube, config.token_review)
+        grpc_server = GrpcServer(core, budget, reviewer)
         try:
             address = await grpc_server.start()
         except RuntimeError as e:
@@ -58,6 +83,16 @@ async def serve(config: RouterConfig) -> int:
                 log.error("cannot serve admin HTTP on admin_listen = %r: %s", config.admin_listen, e)
                 return EXIT_START_FAILED
             log.info("admin HTTP listening on http://%s (/metrics, /readyz, dashboard at /)", address)
+        if config.leader_election.enabled:
+            elector = _elector(config, kube)
+            core.leader_election = elector
+            elector.start()
+            log.info(
+                "leader election: campaigning for lease %s/%s as %s",
+                elector.namespace,
+                elector.lease_name,
+                elector.identity,
+            )
 
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -67,12 +102,31 @@ async def serve(config: RouterConfig) -> int:
         log.info("shutting down")
         return EXIT_OK
     finally:
+        if elector is not None:
+            await elector.stop(release=True)
         if grpc_server is not None:
             await grpc_server.stop()
         if admin is not None:
             await admin.stop()
         await core.stop()
+        if kube is not None:
+            await kube.close()
         log.info("router stopped")
+
+
+def _elector(config: RouterConfig, client: AsyncClient) -> LeaderElector:
+    from kiln.router.k8s import own_namespace
+    from kiln.router.leader import LeaderElector
+
+    le = config.leader_election
+    return LeaderElector(
+        client,
+        lease_name=le.lease_name,
+        namespace=le.namespace or own_namespace(client),
+        lease_duration_s=le.lease_duration_secs,
+        renew_grace_s=le.renew_grace_secs,
+        retry_s=le.retry_secs,
+    )
 
 
 def run(config: RouterConfig) -> int:

@@ -1,0 +1,426 @@
+"""The router's Kubernetes pieces against a local fake API server (tests/fake_apiserver.py), through the
+real lightkube client: the client itself (k8s.py), leader election on a Lease (leader.py) and
+TokenReview with its cache (token_review.py), in process and through router processes."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from fake_apiserver import FakeApiServer, User
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lightkube import ApiError, KubeConfig
+from lightkube.resources.coordination_v1 import Lease
+from server_process import free_port
+from test_router_server import BS, RouterProcess, code_of, wait_until, write_config
+
+from kiln.router.k8s import KubernetesError, describe_error, load_kube_config, make_client, own_namespace
+from kiln.router.leader import LeaderElector
+from kiln.router.proto import router_pb2, router_pb2_grpc
+from kiln.router.token_review import ReviewUnavailable, TokenReviewer
+
+LEASES = "apis/coordination.k8s.io/v1"
+NS = "kiln"
+
+
+@pytest.fixture
+def api():
+    with FakeApiServer() as server:
+        yield server
+
+
+@pytest.fixture
+def kubeconfig(api, tmp_path) -> Path:
+    return api.write_kubeconfig(tmp_path / "kubeconfig", namespace=NS)
+
+
+def client_for(kubeconfig: Path):
+    return make_client(KubeConfig.from_file(kubeconfig), timeout_s=5)
+
+
+def holder(api: FakeApiServer, name: str = "kiln-router") -> str | None:
+    lease = api.get(LEASES, NS, "leases", name)
+    return lease["spec"].get("holderIdentity") if lease else None
+
+
+async def until(predicate, timeout: float, what: str) -> float:
+    """Seconds until predicate() holds (polled every 20 ms); fails after timeout."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+# ---- the client -----------------------------------------------------------------------------------
+
+
+def test_client_from_kubeconfig_and_clear_errors(api, kubeconfig, tmp_path):
+    config = load_kube_config({"KUBECONFIG": f"{tmp_path / 'absent'}:{kubeconfig}"})  # the first file that exists
+    client = make_client(config)
+    assert client.config.cluster.server == api.url
+    assert own_namespace(client, {}) == NS and own_namespace(client, {"POD_NAMESPACE": "x"}) == "x"
+    with pytest.raises(KubernetesError, match="no such file"):
+        load_kube_config({"KUBECONFIG": str(tmp_path / "absent")})
+    with pytest.raises(KubernetesError, match="no Kubernetes credentials"):
+        load_kube_config({"HOME": str(tmp_path)})
+    (tmp_path / "empty").write_text("apiVersion: v1\nkind: Config\n")
+    with pytest.raises(KubernetesError, match="kubeconfig"):
+        load_kube_config({"KUBECONFIG": str(tmp_path / "empty")})
+    no_namespace = make_client(KubeConfig.from_file(api.write_kubeconfig(tmp_path / "nons", namespace=None)))
+    assert own_namespace(no_namespace, {}) == "default"
+
+    async def errors():
+        async with asyncio.timeout(20):
+            try:
+                await client.get(Lease, "absent", namespace=NS)
+            except ApiError as e:
+                assert "answered 404 NotFound" in describe_error(e, client)
+            with pytest.raises(ApiError) as e:  # the fake knows its own token only
+                await make_client(KubeConfig.from_dict(_with_token(kubeconfig, "wrong"))).get(Lease, "x", namespace=NS)
+            assert "denied by" in describe_error(e.value) and "RBAC" in describe_error(e.value)
+            closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+            doc = _with_token(kubeconfig, "t")
+            doc["clusters"][0]["cluster"]["server"] = closed
+            unreachable = make_client(KubeConfig.from_dict(doc))
+            with pytest.raises(Exception) as e:
+                await unreachable.get(Lease, "x", namespace=NS)
+            assert describe_error(e.value, unreachable).startswith(f"cannot reach {closed}")
+
+    asyncio.run(errors())
+
+
+def _with_token(kubeconfig: Path, token: str) -> dict:
+    doc = json.loads(kubeconfig.read_text())
+    doc["users"][0]["user"]["token"] = token
+    return doc
+
+
+# ---- leader election, in process ------------------------------------------------------------------
+
+
+def elector(kubeconfig: Path, name: str, **timing: float) -> LeaderElector:
+    timing = {"lease_duration_s": 2, "renew_grace_s": 1, "retry_s": 0.2, **timing}
+    return LeaderElector(client_for(kubeconfig), lease_name="kiln-router", namespace=NS, identity=name, **timing)
+
+
+async def exactly_one_leader_for(electors: list[LeaderElector], seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert sum(e.is_leader for e in electors) <= 1
+        await asyncio.sleep(0.01)
+
+
+def test_one_leader_and_a_released_lease_is_taken_at_once(api, kubeconfig):
+    async def main():
+        a, b = elector(kubeconfig, "a"), elector(kubeconfig, "b")
+        changes = []
+        a.on_change.append(lambda leading: changes.append(("a", leading)))
+        b.on_change.append(lambda leading: changes.append(("b", leading)))
+        a.start()
+        b.start()
+        await until(lambda: a.is_leader or b.is_leader, 5, "a leader")
+        await exactly_one_leader_for([a, b], 2.5)  # renewals included (every second)
+        leader, follower = (a, b) if a.is_leader else (b, a)
+        assert holder(api) == leader.identity and leader.leading.is_set() and not follower.leading.is_set()
+        lease = api.get(LEASES, NS, "leases", "kiln-router")
+        assert lease["spec"]["leaseDurationSeconds"] == 2 and lease["spec"]["leaseTransitions"] == 0
+        await leader.stop()  # releases
+        assert not leader.is_leader and holder(api) in (None, follower.identity)
+        waited = await until(lambda: follower.is_leader, 2, "the follower to take the released lease")
+        assert waited < 1.0  # at its next attempt (every 0.2 s), not after the 2 s lease expired
+        assert holder(api) == follower.identity
+        assert api.get(LEASES, NS, "leases", "kiln-router")["spec"]["leaseTransitions"] == 1
+        await follower.stop()
+        assert holder(api) is None
+        assert changes == [(leader.identity, True), (leader.identity, False), (follower.identity, True),
+                           (follower.identity, False)]  # fmt: skip
+
+    asyncio.run(main())
+
+
+def test_a_leader_that_stops_renewing_is_replaced_after_the_lease_expires(api, kubeconfig):
+    async def main():
+        a = elector(kubeconfig, "a")
+        a.start()
+        await until(lambda: a.is_leader, 5, "a to lead")
+        b = elector(kubeconfig, "b")
+        b.start()
+        await exactly_one_leader_for([a, b], 1.0)
+        assert a.is_leader and not b.is_leader
+        renewed = dt.datetime.fromisoformat(api.get(LEASES, NS, "leases", "kiln-router")["spec"]["renewTime"])
+        await a.stop(release=False)  # as if the process died
+        assert holder(api) == "a"
+        await until(lambda: b.is_leader, 2 + 0.2 + 1.5, "b to take over")
+        took = dt.datetime.now(dt.UTC) - renewed
+        assert dt.timedelta(seconds=2) <= took <= dt.timedelta(seconds=2 + 0.2 + 1.5)
+        assert holder(api) == "b"
+        await b.stop()
+
+    asyncio.run(main())
+
+
+def test_a_conflicting_write_makes_the_loser_a_follower(api, kubeconfig):
+    async def main():
+        # an expired lease both candidates read before either writes it
+        old = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=60)
+        spec = {"holderIdentity": "gone", "leaseDurationSeconds": 2, "renewTime": old.isoformat()}
+        api.put(LEASES, NS, "leases", {"kind": "Lease", "metadata": {"name": "kiln-router"}, "spec": spec})
+        a, b = elector(kubeconfig, "a"), elector(kubeconfig, "b")
+        stale = await b.client.get(Lease, "kiln-router", namespace=NS)
+
+        async def stale_get(*args, **kwargs):
+            return stale.from_dict(stale.to_dict())  # always the version read before a wrote
+
+        b.client.get = stale_get
+        a.start()
+        await until(lambda: a.is_leader, 5, "a to lead")
+        b.start()
+        await exactly_one_leader_for([a, b], 1.5)
+        assert a.is_leader and not b.is_leader and holder(api) == "a"
+        conflicts = [r for r in api.requests if r[0] == "PUT"]
+        assert len(conflicts) >= 2  # a's renewals and b's rejected writes
+        await asyncio.gather(a.stop(), b.stop(release=False))
+
+    asyncio.run(main())
+
+
+def test_a_leader_that_sees_another_holder_or_cannot_renew_stops_leading_at_once(api, kubeconfig):
+    async def main():
+        a = elector(kubeconfig, "a")
+        seen = []
+        a.on_change.append(lambda leading: seen.append((leading, holder(api))))
+        a.start()
+        await until(lambda: a.is_leader, 5, "a to lead")
+        # another candidate took the lease (say, after a clock jump): a's next renewal sees it
+        now = dt.datetime.now(dt.UTC).isoformat()
+        lease = api.get(LEASES, NS, "leases", "kiln-router")
+        lease["spec"].update(holderIdentity="intruder", renewTime=now, leaseDurationSeconds=60)
+        api.put(LEASES, NS, "leases", lease)
+        await until(lambda: not a.is_leader, 1.5, "a to step down")
+        assert seen[-1] == (False, "intruder")
+        # the intruder gives the lease up: a takes it back, then the API server goes away
+        lease = api.get(LEASES, NS, "leases", "kiln-router")
+        del lease["spec"]["holderIdentity"]
+        api.put(LEASES, NS, "leases", lease)
+        await until(lambda: a.is_leader, 2, "a to lead again")
+        api.unavailable = True
+        waited = await until(lambda: not a.is_leader, 2, "a to step down")
+        assert waited <= 1.3  # at its first failed renewal, before the lease expires
+        assert holder(api) == "a"  # (the lease still names it: it takes it back once it can)
+        api.unavailable = False
+        await until(lambda: a.is_leader, 2, "a to lead again")
+        await a.stop()
+
+    asyncio.run(main())
+
+
+def test_the_watchdog_ends_leadership_when_a_renewal_hangs(api, kubeconfig):
+    async def main():
+        a = elector(kubeconfig, "a", lease_duration_s=2, renew_grace_s=1)
+        a.start()
+        await until(lambda: a.is_leader, 5, "a to lead")
+        started = time.monotonic()
+
+        async def hang(*args, **kwargs):
+            await asyncio.sleep(60)
+
+        a.client.get = hang
+        await until(lambda: not a.is_leader, 2.5, "a to step down")
+        assert time.monotonic() - started <= 2.1
+        await a.stop()
+
+    asyncio.run(main())
+
+
+# ---- TokenReview, in process ----------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reviewer(kubeconfig: Path, clock: Clock, **settings) -> TokenReviewer:
+    settings = {"deadline_s": 2.0, "positive_ttl_s": 60, "negative_ttl_s": 10, "max_entries": 4096, **settings}
+    return TokenReviewer(client_for(kubeconfig), clock=clock, **settings)
+
+
+def test_token_review_answers_and_cache_ttls(api, kubeconfig):
+    api.tokens["good"] = User("system:serviceaccount:team:app", uid="u-1", groups=["system:serviceaccounts"])
+    api.tokens["scoped"] = User("scoped", audiences=["kiln"])
+
+    async def main():
+        clock = Clock()
+        r = reviewer(kubeconfig, clock)
+        review = await r.review("good", ["kiln"])
+        assert review.authenticated and review.username == "system:serviceaccount:team:app"
+        assert review.uid == "u-1" and review.groups == ("system:serviceaccounts",) and review.error == ""
+        denied = await r.review("bad")
+        assert not denied.authenticated and denied.error == "invalid bearer token"
+        assert not (await r.review("scoped", ["other"])).authenticated  # audiences are part of the question
+        assert (await r.review("scoped", ["kiln"])).authenticated
+        assert api.token_reviews == 4
+        # within the TTLs: from the cache
+        clock.now += 9
+        assert (await r.review("good", ["kiln"])).authenticated and not (await r.review("bad")).authenticated
+        assert api.token_reviews == 4 and r.hits == 2
+        # the negative TTL (10 s) has passed, the positive one (60 s) not
+        clock.now += 2
+        assert not (await r.review("bad")).authenticated and api.token_reviews == 5
+        assert (await r.review("good", ["kiln"])).authenticated and api.token_reviews == 5
+        clock.now += 50
+        assert (await r.review("good", ["kiln"])).authenticated and api.token_reviews == 6
+        # a revoked token is still accepted until its entry expires
+        del api.tokens["good"]
+        assert (await r.review("good", ["kiln"])).authenticated and api.token_reviews == 6
+        clock.now += 61
+        assert not (await r.review("good", ["kiln"])).authenticated and api.token_reviews == 7
+        assert all("good" not in str(key) for key in r.cache)  # keyed by a hash, never the token
+
+    asyncio.run(main())
+
+
+def test_token_review_cache_evicts_the_least_recently_used(api, kubeconfig):
+    for t in "abc":
+        api.tokens[t] = User(t)
+
+    async def main():
+        r = reviewer(kubeconfig, Clock(), max_entries=2)
+        await r.review("a")
+        await r.review("b")
+        await r.review("a")  # a is now the most recently used
+        await r.review("c")  # evicts b
+        assert len(r.cache) == 2 and api.token_reviews == 3
+        await r.review("a")
+        await r.review("c")
+        assert api.token_reviews == 3
+        await r.review("b")
+        assert api.token_reviews == 4
+
+    asyncio.run(main())
+
+
+def test_token_review_past_the_deadline_is_unavailable_and_not_cached(api, kubeconfig):
+    api.tokens["good"] = User("me")
+
+    async def main():
+        r = reviewer(kubeconfig, Clock(), deadline_s=0.3)
+        api.token_review_delay_s = 1.0
+        started = time.monotonic()
+        with pytest.raises(ReviewUnavailable, match="within 300 ms"):
+            await r.review("good")
+        assert time.monotonic() - started < 0.9
+        with pytest.raises(ReviewUnavailable, match="within 100 ms"):
+            await r.review("good", deadline_s=0.1)  # a caller's tighter deadline wins
+        api.token_review_delay_s = 0.0
+        calls = api.token_reviews
+        assert (await r.review("good")).authenticated and api.token_reviews == calls + 1
+        api.unavailable = True
+        with pytest.raises(ReviewUnavailable, match="503"):
+            await r.review("other")
+        assert len(r.cache) == 1
+
+    asyncio.run(main())
+
+
+# ---- router processes -------------------------------------------------------------------------------
+
+
+def router_config(tmp: Path, **sections) -> Path:
+    config = {
+        "listen": "127.0.0.1:0",
+        "admin_listen": "127.0.0.1:0",
+        "mock_mode": True,
+        "profile": [{"name": "p"}],
+        "workerset": [{"name": "a", "profile": "p", "kv_block_size": BS}],
+        **sections,
+    }
+    tmp.mkdir(exist_ok=True)
+    return write_config(tmp, config, {"a": [{"worker_id_str": "w0", "worker_id_num": 0, "model_name": "m"}]})
+
+
+def is_leader(router: RouterProcess) -> bool:
+    return router.get("/api/state").json()["leader"]
+
+
+def test_router_processes_elect_one_leader(api, kubeconfig, tmp_path):
+    election = {"leader_election": {"enabled": True, "lease_duration_secs": 3, "renew_grace_secs": 1, "retry_secs": 1}}
+    path = router_config(tmp_path / "r", **election)
+    env = {"KUBECONFIG": str(kubeconfig), "POD_NAME": "router"}
+    routers = [RouterProcess(path, **env), RouterProcess(path, **env)]
+    try:
+        wait_until(lambda: sum(map(is_leader, routers)) == 1, 20, "one leader")
+        for _ in range(10):  # through a renewal or two
+            assert sum(map(is_leader, routers)) == 1
+            time.sleep(0.2)
+        leader, follower = sorted(routers, key=is_leader, reverse=True)
+        assert holder(api, "bllmp").startswith("router-")
+        assert leader.metric("kiln_router_leader") == 1 and follower.metric("kiln_router_leader") == 0
+        # killed: no release; the follower takes over once the lease has expired
+        leader.proc.send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        wait_until(lambda: is_leader(follower), 3 + 1 + 3, "the follower to take over")
+        assert time.monotonic() - started >= 0.5
+        # a clean stop releases the lease: a new replica takes over at its next attempt
+        third = RouterProcess(path, **env)
+        routers.append(third)
+        time.sleep(1.5)
+        assert not is_leader(third)
+        code, output = follower.stop()
+        assert code == 0 and "released lease kiln/bllmp" in output, output[-3000:]
+        started = time.monotonic()
+        wait_until(lambda: is_leader(third), 2.5, "the new replica to take the released lease")
+    finally:
+        for router in routers:
+            router.stop()
+
+
+def test_router_token_review_over_grpc(api, kubeconfig, tmp_path):
+    api.tokens["good"] = User("alice", uid="u-7", groups=["team"])
+    review_settings = {"enabled": True, "default_deadline_ms": 500, "positive_ttl_secs": 60, "negative_ttl_secs": 60}
+    path = router_config(tmp_path / "r", token_review=review_settings)
+    router = RouterProcess(path, admin=False, KUBECONFIG=str(kubeconfig))
+    try:
+        review = router_pb2_grpc.TokenReviewStub(router.channel).Review
+        answer = review(router_pb2.TokenReviewRequest(token="good", audiences=["kiln"]), timeout=20)
+        assert answer.authenticated and answer.username == "alice" and answer.uid == "u-7"
+        assert list(answer.groups) == ["team"] and answer.error == ""
+        answer = review(router_pb2.TokenReviewRequest(token="bad"), timeout=20)
+        assert not answer.authenticated and answer.error == "invalid bearer token" and answer.username == ""
+        review(router_pb2.TokenReviewRequest(token="good", audiences=["kiln"]), timeout=20)
+        assert api.token_reviews == 2  # the third came from the cache
+        code, details = code_of(review, router_pb2.TokenReviewRequest())
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        api.token_review_delay_s = 1.5
+        code, details = code_of(review, router_pb2.TokenReviewRequest(token="slow"))
+        assert code == grpc.StatusCode.UNAVAILABLE and "within 500 ms" in details
+        api.token_review_delay_s = 0.0
+        api.tokens["slow"] = User("slow")
+        assert review(router_pb2.TokenReviewRequest(token="slow"), timeout=20).authenticated  # not cached
+        health = health_pb2_grpc.HealthStub(router.channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service="kiln.router.v1.TokenReview"), timeout=20).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        code, output = router.stop()
+    assert code == 0, output[-3000:]
+
+
+def test_unloadable_kubeconfig_is_a_startup_error(api, tmp_path):
+    bad = tmp_path / "kubeconfig"
+    bad.write_text("apiVersion: v1\nkind: Config\n")  # no context
+    path = router_config(tmp_path / "r", leader_election={"enabled": True})
+    router = None
+    with pytest.raises(AssertionError, match=r"router exited \(2\)"):
+        router = RouterProcess(path, KUBECONFIG=str(bad))
+    assert router is None
