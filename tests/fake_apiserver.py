@@ -6,8 +6,10 @@ It is a real HTTP server (a ThreadingHTTPServer on loopback) speaking just enoug
   ("apis/coordination.k8s.io/v1", "kiln", "leases", "kiln-router"), with one resourceVersion
   counter: GET (one or a list), POST (409 AlreadyExists), PUT (409 Conflict when
   metadata.resourceVersion is stale, 404 when absent) and DELETE. Any namespaced or cluster-scoped
-  plural works, so later tests can store EndpointSlices, Pods or custom resources the same way;
-  there is no watch yet.
+  plural works, so later tests can store EndpointSlices, Pods or custom resources the same way.
+  A list takes `labelSelector` (equality terms only: `a=b,c!=d`) and `?watch=true` streams
+  ADDED/MODIFIED/DELETED events as JSON lines after `resourceVersion` (until `timeoutSeconds`,
+  the client leaving, or the server stopping).
 - TokenReviews (POST /apis/authentication.k8s.io/v1/tokenreviews), answered from `tokens`, which
   the test fills, counted in `token_reviews`, slowed by `token_review_delay_s`.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 BEARER = "fake-apiserver-token"
 TOKEN_REVIEWS = "apis/authentication.k8s.io/v1"
@@ -56,6 +58,10 @@ class FakeApiServer:
         self.token_review_delay_s = 0.0
         self.unavailable = False
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request
+        # every change, for watches: (resourceVersion, event type, key, object)
+        self.events: list[tuple[int, str, tuple[str, str, str, str], dict[str, Any]]] = []
+        self.changed = threading.Condition(self.lock)
+        self.stopping = False
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -66,6 +72,9 @@ class FakeApiServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            self.stopping = True
+            self.changed.notify_all()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -95,16 +104,78 @@ class FakeApiServer:
         with self.lock:
             return self._store(api, namespace, plural, obj)
 
+    def delete(self, api: str, namespace: str, plural: str, name: str) -> None:
+        with self.lock:
+            self._remove((api, namespace, plural, name))
+
     def _store(self, api: str, namespace: str, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
         self.resource_version += 1
         meta = obj.setdefault("metadata", {})
         meta["resourceVersion"] = str(self.resource_version)
         if namespace:
             meta["namespace"] = namespace
-        self.objects[(api, namespace, plural, meta["name"])] = obj
+        key = (api, namespace, plural, meta["name"])
+        self._event("MODIFIED" if key in self.objects else "ADDED", key, obj)
+        self.objects[key] = obj
         return json.loads(json.dumps(obj))
 
-    def handle(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, dict[str, Any]]:
+    def _remove(self, key: tuple[str, str, str, str]) -> dict[str, Any] | None:
+        obj = self.objects.pop(key, None)
+        if obj is not None:
+            self.resource_version += 1
+            obj = {**obj, "metadata": {**obj["metadata"], "resourceVersion": str(self.resource_version)}}
+            self._event("DELETED", key, obj)
+        return obj
+
+    def _event(self, kind: str, key: tuple[str, str, str, str], obj: dict[str, Any]) -> None:
+        self.events.append((self.resource_version, kind, key, json.loads(json.dumps(obj))))
+        self.changed.notify_all()
+
+    def _selected(self, api: str, ns: str, plural: str, query: dict[str, list[str]]):
+        """The predicate of a list or watch: same resource, namespace (unless none) and labels."""
+        terms = [t for t in (query.get("labelSelector", [""])[0]).split(",") if t]
+
+        def selected(key: tuple[str, str, str, str], obj: dict[str, Any]) -> bool:
+            if key[0] != api or key[2] != plural or (ns and key[1] != ns):
+                return False
+            labels = obj.get("metadata", {}).get("labels") or {}
+            for term in terms:
+                name, op, value = re.match(r"^([^!=]+)(!=|==|=)?(.*)$", term).groups()
+                if op is None and name not in labels:
+                    return False
+                if op in ("=", "==") and labels.get(name) != value or op == "!=" and labels.get(name) == value:
+                    return False
+            return True
+
+        return selected
+
+    def watch(self, api: str, ns: str, plural: str, query: dict[str, list[str]], send) -> None:
+        """Calls send(event) for each change after the query's resourceVersion, until timeoutSeconds,
+        the server stopping, or send raising (the client went away)."""
+        selected = self._selected(api, ns, plural, query)
+        since = int(query.get("resourceVersion", ["0"])[0] or 0)
+        deadline = time.monotonic() + float(query.get("timeoutSeconds", ["3600"])[0])
+        while True:
+            with self.lock:
+                if not since:  # no version given: the current objects first, as ADDED
+                    since = self.resource_version
+                    pending = [("ADDED", o) for k, o in sorted(self.objects.items()) if selected(k, o)]
+                else:
+                    pending = [(t, o) for rv, t, k, o in self.events if rv > since and selected(k, o)]
+                    since = self.resource_version
+                if not pending:
+                    left = deadline - time.monotonic()
+                    if self.stopping or left <= 0:
+                        return
+                    self.changed.wait(min(left, 0.5))
+                    continue
+            for kind, obj in pending:
+                send({"type": kind, "object": obj})
+
+    def handle(
+        self, method: str, path: str, body: dict[str, Any] | None, query: dict[str, list[str]] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        query = query or {}
         self.requests.append((method, path))
         if self.unavailable:
             return _status(503, "ServiceUnavailable", "the fake apiserver is unavailable")
@@ -118,8 +189,8 @@ class FakeApiServer:
             key = (api, ns, plural, name or "")
             current = self.objects.get(key)
             if method == "GET" and name is None:
-                items = [o for (a, n, p, _), o in sorted(self.objects.items()) if (a, p) == (api, plural)]
-                items = [o for o in items if not ns or o["metadata"].get("namespace") == ns]
+                selected = self._selected(api, ns, plural, query)
+                items = [o for k, o in sorted(self.objects.items()) if selected(k, o)]
                 kind = (items[0]["kind"] + "List") if items else "List"
                 meta = {"resourceVersion": str(self.resource_version)}
                 return 200, {"apiVersion": api.removeprefix("apis/"), "kind": kind, "metadata": meta, "items": items}
@@ -143,7 +214,7 @@ class FakeApiServer:
                     return _status(409, "Conflict", message)
                 return 200, self._store(api, ns, plural, body)
             if method == "DELETE" and name is not None:
-                if self.objects.pop(key, None) is None:
+                if self._remove(key) is None:
                     return _not_found(plural, name)
                 return _status(200, "", "deleted", status="Success")
         return _status(405, "MethodNotAllowed", f"{method} {path} is not supported by the fake")
@@ -188,11 +259,15 @@ def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
         def _serve(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
+            url = urlsplit(self.path)
+            query = parse_qs(url.query)
             if self.headers.get("Authorization") != f"Bearer {BEARER}":
                 code, body = _status(401, "Unauthorized", "Unauthorized")
+            elif self.command == "GET" and query.get("watch", [""])[0] in ("true", "1") and not api.unavailable:
+                return self._watch(url.path, query)
             else:
                 try:
-                    code, body = api.handle(self.command, urlsplit(self.path).path, json.loads(raw) if raw else None)
+                    code, body = api.handle(self.command, url.path, json.loads(raw) if raw else None, query)
                 except json.JSONDecodeError:
                     code, body = _status(400, "BadRequest", "the body is not JSON")
             data = json.dumps(body).encode()
@@ -204,6 +279,34 @@ def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.write(data)
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True  # the client gave up (a deadline): nothing to tell it
+
+        def _watch(self, path: str, query: dict[str, list[str]]) -> None:
+            m = _PATH.match(path)
+            if m is None or m["name"] is not None:
+                code, body = _status(404, "NotFound", f"no watch route for {path}")
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+
+            def send(event: dict[str, Any]) -> None:
+                line = json.dumps(event).encode() + b"\n"
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+                self.wfile.flush()
+
+            try:
+                api.watch(m["api"], m["ns"] or "", m["plural"], query, send)
+                self.wfile.write(b"0\r\n\r\n")  # the end of the stream: the client watches again
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            self.close_connection = True
 
         do_GET = do_POST = do_PUT = do_DELETE = _serve
 

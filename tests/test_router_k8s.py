@@ -424,3 +424,42 @@ def test_unloadable_kubeconfig_is_a_startup_error(api, tmp_path):
     with pytest.raises(AssertionError, match=r"router exited \(2\)"):
         router = RouterProcess(path, KUBECONFIG=str(bad))
     assert router is None
+
+
+# ---- the fake itself: lists and watches, for later tests ------------------------------------------------
+
+
+def test_fake_apiserver_lists_and_watches_with_lightkube(api, kubeconfig):
+    from lightkube.models.meta_v1 import ObjectMeta
+    from lightkube.resources.core_v1 import ConfigMap
+
+    async def main():
+        client = client_for(kubeconfig)
+        await client.create(ConfigMap(metadata=ObjectMeta(name="a", labels={"app": "x"}), data={"k": "1"}))
+        await client.create(ConfigMap(metadata=ObjectMeta(name="b", labels={"app": "y"})), namespace="other")
+        assert [c.metadata.name async for c in client.list(ConfigMap, namespace="*")] == [
+            "a",
+            "b",
+        ]  # by namespace, then name
+        assert [c.metadata.name async for c in client.list(ConfigMap, labels={"app": "x"}, namespace="*")] == ["a"]
+        events = []
+
+        async def watch():
+            async for kind, cm in client.watch(ConfigMap, namespace=NS, server_timeout=5):
+                events.append((kind, cm.metadata.name, (cm.data or {}).get("k")))
+                if kind == "DELETED":
+                    return
+
+        task = asyncio.create_task(watch())
+        await until(lambda: events, 5, "the current objects, as ADDED")
+        cm = await client.get(ConfigMap, "a", namespace=NS)
+        cm.data = {"k": "2"}
+        await client.replace(cm)
+        await client.create(ConfigMap(metadata=ObjectMeta(name="c"), data={"k": "3"}))
+        await client.create(ConfigMap(metadata=ObjectMeta(name="d")), namespace="other")  # not watched
+        await client.delete(ConfigMap, "a", namespace=NS)
+        async with asyncio.timeout(10):
+            await task
+        assert events == [("ADDED", "a", "1"), ("MODIFIED", "a", "2"), ("ADDED", "c", "3"), ("DELETED", "a", "2")]
+
+    asyncio.run(main())

@@ -17,7 +17,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,7 +26,9 @@ from grpc_reflection.v1alpha import reflection
 from kiln.router import bodies
 from kiln.router.core import PickError, PickInput, PickResult, RouterCore
 from kiln.router.proto import router_pb2, router_pb2_grpc
-from kiln.router.token_review import ReviewUnavailable, TokenReviewer
+
+if TYPE_CHECKING:
+    from kiln.router.token_review import TokenReviewer  # (imports lightkube: only with [token_review])
 
 log = logging.getLogger("kiln.router")
 
@@ -176,6 +178,8 @@ class TokenReviewService(router_pb2_grpc.TokenReviewServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token is required")
         if self.reviewer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router has no Kubernetes client")
+        from kiln.router.token_review import ReviewUnavailable
+
         remaining = context.time_remaining()  # the caller's deadline, None without one
         try:
             review = await self.reviewer.review(request.token, tuple(request.audiences), remaining)
