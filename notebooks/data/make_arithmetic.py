@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-SYSTEM = "You are a calculator. Reply with the result only, as <answer>N</answer>."
+SYSTEM = "You are a calculator. Write the sum and its result, as <answer>a + b = N</answer>."
 ASKS = ["What is {a} + {b}?", "{a} + {b} = ?", "Add {a} and {b}.", "What is the sum of {a} and {b}?"]
 
 
