@@ -181,6 +181,11 @@ SCHEMA: tuple[Key, ...] = (
         "models a distillation job may name as teacher: \"name=path\" (HF directory or GGUF); loaded on first use"),
     Key("cache", "dir", "str", "", None, "cache directory; empty = $XDG_CACHE_HOME/kiln or ~/.cache/kiln"),
     Key("cache", "compilation_dir", "str", "", None, "JAX persistent compilation cache; empty = <cache dir>/jax"),
+    Key("backend", "route", "str", "auto", one_of("auto", "xla", "vulkan", "iree-cpu"),
+        "how steps run: xla (JAX's own backend), vulkan or iree-cpu (IREE); auto = chosen from capabilities"),
+    Key("backend", "iree_cache_dir", "str", "", None, "compiled IREE modules; empty = <cache dir>/iree"),
+    Key("debug", "inject_device_loss_after_steps", "int", 0, at_least(0),
+        "for tests: the engine step after this many raises device loss; 0 = never"),
 )
 # fmt: on
 

@@ -109,7 +109,7 @@ def fails(kiln, *args: str, env: dict[str, str] | None = None) -> str:
 def test_defaults_have_source_default(kiln):
     doc = resolved(kiln)
     assert doc["config_file"] is None
-    assert list(doc["settings"]) == ["server", "model", "engine", "adapters", "train", "cache"]
+    assert list(doc["settings"]) == ["server", "model", "engine", "adapters", "train", "cache", "backend", "debug"]
     assert doc["settings"]["server"]["port"] == {"value": 8000, "source": "default"}
     assert doc["settings"]["server"]["host"] == {"value": "127.0.0.1", "source": "default"}
     assert doc["settings"]["engine"]["decode_row_buckets"]["value"] == [1, 2, 4, 8, 16, 32]
