@@ -1,5 +1,6 @@
 """The router core's bookkeeping in process: requests in flight, observations, body budgets and
-tenant labels, with a stand-in scraper so that scrape timing is the test's to choose."""
+tenant labels, with a stand-in scraper so that scrape timing is the test's to choose; and workers
+joining and leaving at run time, with the real ingest and scraper."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import time
 
 import pytest
 
+from kiln.engine.kv_events import AllBlocksCleared, BlockStored, KVEventPublisher
 from kiln.router.bodies import BodyBudget, BodyRejected
 from kiln.router.bookkeeping import InFlight, Observation, Observations
 from kiln.router.config import RouterConfig, Worker
-from kiln.router.core import PickError, PickInput, RouterCore
+from kiln.router.core import PickError, PickInput, RouterCore, derive_worker_id_num
+from kiln.router.ingest import KVIngest
 from kiln.router.kv_index import block_keys
 from kiln.router.metrics import RouterMetrics, tenant_labeller
-from kiln.router.scrape import WorkerHealth
+from kiln.router.scrape import Scraper, WorkerHealth
 
 BS = 4
 
@@ -157,3 +160,72 @@ def test_tenant_labels():
     assert tenant_labeller("all")("acme") == "acme" and tenant_labeller("all")("") == "unknown"
     listed = tenant_labeller(("acme", "beta"))
     assert [listed(t) for t in ("acme", "beta", "zeta", "")] == ["acme", "beta", "other", "other"]
+
+
+# ---- workers that come and go, with the real ingest, scraper and tokenization -----------------------------
+
+
+def test_workers_added_and_removed_at_run_time():
+    pubs = [KVEventPublisher("tcp://127.0.0.1:*") for _ in range(2)]
+    cfg = config()
+    cfg = cfg.model_copy(update={"workerset": (cfg.workerset[0].model_copy(update={"workers": ()}),)})
+    prompt = list(range(3 * BS))
+
+    def worker(i: int) -> Worker:
+        num = derive_worker_id_num(f"kiln/pod-{i}")
+        return Worker(worker_id_str=f"pod-{i}", worker_id_num=num, model_name="m", zmq_endpoint=pubs[i].endpoint)
+
+    async def until(predicate, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.02)
+
+    async def main():
+        core = RouterCore.from_config(cfg, RouterMetrics(cfg))
+        assert isinstance(core.ingests["a"], KVIngest) and isinstance(core.scraper, Scraper)
+        await core.start()
+        try:
+            with pytest.raises(PickError) as e:
+                await core.pick(PickInput(model="m", token_ids=prompt))
+            assert e.value.kind == "not_found"
+            w0, w1 = worker(0), worker(1)
+            await core.add_worker("a", w0)
+            await core.add_worker("a", w1)
+            assert set(core.state()["workers"][i]["worker"] for i in range(2)) == {"pod-0", "pod-1"}
+            assert core.state()["worker_sets"][0]["workers"] == 2
+            ingest = core.ingests["a"]
+            while ingest.stats(w0.worker_id_num).last_seq is None:  # (a SUB joining late misses messages)
+                pubs[0].publish([AllBlocksCleared()])
+                await asyncio.sleep(0.02)
+            pubs[0].publish([BlockStored([1, 2, 3], None, prompt, BS)])
+            await until(lambda: core.sets["a"].index.blocks_of(w0.worker_id_num) == 3, "w0's blocks")
+            first = await core.pick(PickInput(model="m", token_ids=prompt))
+            assert (first.worker_id, first.cached_blocks) == ("pod-0", 3)
+            assert core.inflight.count(w0.worker_id_num) == 1
+
+            assert await core.remove_worker(w0.worker_id_num) and not await core.remove_worker(w0.worker_id_num)
+            assert core.inflight.count(w0.worker_id_num) == 0 and core.sets["a"].index.blocks_of(w0.worker_id_num) == 0
+            assert w0.worker_id_num not in core.ingests["a"].status() and w0.worker_id_num not in core.scraper.states()
+            assert core.feedback(first.request_id, ttft_ms=100.0)  # feedback for a worker that left is still taken
+            picks = {(await core.pick(PickInput(model="m", token_ids=prompt))).worker_id for _ in range(5)}
+            assert picks == {"pod-1"}
+
+            with pytest.raises(ValueError, match="taken"):  # ids are unique across worker sets
+                await core.add_worker_set(cfg.workerset[0].model_copy(update={"name": "b", "workers": (w1,)}))
+            assert "b" not in core.sets
+            await core.remove_worker_set("a")
+            assert not core.workers and not core.ingests and core.state()["worker_sets"] == []
+        finally:
+            await core.stop()
+            for pub in pubs:
+                pub.close()
+
+    asyncio.run(main())
+
+
+def test_derived_worker_ids_are_stable_and_step_past_taken_ones():
+    num = derive_worker_id_num("kiln/pod-0")
+    assert num == derive_worker_id_num("kiln/pod-0") >= 1 << 40 and num != derive_worker_id_num("kiln/pod-1")
+    assert derive_worker_id_num("kiln/pod-0", {num}) == num + 1
+    assert derive_worker_id_num("kiln/pod-0", {num, num + 1}) == num + 2

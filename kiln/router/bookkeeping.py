@@ -80,6 +80,14 @@ class InFlight:
             self._drop(entry)
         return len(old)
 
+    def drop_worker(self, worker: int) -> int:
+        """Forget every entry of `worker` (it left); returns how many."""
+        w = self._workers.get(worker)
+        entries = list(w.entries.values()) if w is not None else []
+        for entry in entries:
+            self._drop(entry)
+        return len(entries)
+
     def count(self, worker: int) -> int:
         w = self._workers.get(worker)
         return len(w.entries) if w is not None else 0

@@ -17,6 +17,14 @@ If the prompt cannot be tokenized because no renderer answers, the pick is made 
 In mock mode there is no ingest, scraping or tokenization: the worker is a stable hash of the
 model and the prompt over the workers of the first worker set whose `model_name` is the model.
 
+Workers and worker sets can come and go while the router runs (`add_worker`, `remove_worker`,
+`add_worker_set`, `remove_worker_set`), as Kubernetes discovery finds them (discovery.py): a
+worker added is subscribed to and scraped at once; one removed is never picked again, and its
+prefix index entries and requests in flight are dropped. A discovered worker's `worker_id_num` is
+`derive_worker_id_num` of its identity: stable across restarts and replicas, and never one in use.
+A worker whose `model_name` is empty serves the first model its `/v1/models` lists (and any other
+listed there).
+
 Everything runs on one asyncio loop; only the prefix index is shared with ingest threads (it has
 its own lock).
 """
@@ -31,7 +39,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -109,6 +117,16 @@ class _Set:
     ingest: KVIngest | None
     heat: PrefixHeat = field(default_factory=PrefixHeat)
     tokenize_warned_at: float = -TOKENIZE_LOG_EVERY_S
+    workers: dict[int, Worker] = field(default_factory=dict)  # by worker_id_num, in the order added
+
+
+def derive_worker_id_num(identity: str, taken: Collection[int] = ()) -> int:
+    """A stable worker_id_num for a discovered worker (e.g. `namespace/pod`): a hash of its identity in
+    2**40 .. 2**41 - 1, above any id a workers file is likely to use, stepping past ids in `taken`."""
+    num = (1 << 40) + int.from_bytes(hashlib.sha256(identity.encode()).digest()[:5], "big")
+    while num in taken:
+        num = (1 << 40) + (num + 1) % (1 << 40)
+    return num
 
 
 class RouterCore:
@@ -145,10 +163,14 @@ class RouterCore:
             self.sets[ws.name] = entry
             for worker in ws.workers:
                 self.workers[worker.worker_id_num] = (worker, entry)
+                entry.workers[worker.worker_id_num] = worker
                 self.tally[worker.worker_id_num] = _Tally()
         self._sweeper: asyncio.Task | None = None
+        self._started = False
         self._pool_warned = False
         self.leader_election: LeaderElector | None = None  # set by serve() with [leader_election]
+        # Why the router is not ready yet, by who says so (e.g. a discovery that has not listed yet).
+        self.not_ready: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, config: RouterConfig, metrics: RouterMetrics, bodies: BodyBudget | None = None) -> RouterCore:
@@ -180,8 +202,10 @@ class RouterCore:
         if self.scraper is not None:
             self.scraper.start()
         self._sweeper = asyncio.create_task(self._sweep())
+        self._started = True
 
     async def stop(self) -> None:
+        self._started = False
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -199,6 +223,107 @@ class RouterCore:
             now = time.monotonic()
             self.observations.expire(now)
             self.inflight.expire(now - ttl)
+
+    # ---- membership -----------------------------------------------------------------------------
+
+    async def add_worker_set(self, ws: WorkerSet, profile: Profile | None = None) -> None:
+        """A worker set found at run time (an InferenceWorkerSet), with its workers; replaces one of the
+        same name. Raises KeyError for an unknown profile, TokenizeConfigError when its profile's
+        tokenization cannot work (as at startup)."""
+        profile = profile if profile is not None else self.config.profile_named(ws.profile)
+        for worker in ws.workers:
+            if (held := self.workers.get(worker.worker_id_num)) is not None and held[1].ws.name != ws.name:
+                raise ValueError(f"worker_id_num {worker.worker_id_num} is taken by worker {held[0].worker_id_str}")
+        if ws.name in self.sets:
+            await self.remove_worker_set(ws.name)
+        ingest = None
+        if not self.mock:
+            from kiln.router.ingest import KVIngest
+
+            ingest = KVIngest(ws.model_copy(update={"workers": ()}), replay_timeout_ms=self.config.replay_timeout_ms)
+            if self._started:
+                ingest.start()
+            self.ingests[ws.name] = ingest
+        index = ingest.index if ingest is not None else KVIndex(ws.kv_block_size)
+        entry = _Set(ws.model_copy(update={"workers": ()}), profile, index, ingest)
+        if self.tokenization is not None:
+            try:
+                await self.tokenization.register_worker_set(entry.ws)
+            except Exception:
+                if ingest is not None:
+                    await asyncio.to_thread(ingest.stop)
+                    del self.ingests[ws.name]
+                raise
+        self.sets[ws.name] = entry
+        for worker in ws.workers:
+            await self.add_worker(ws.name, worker)
+
+    async def remove_worker_set(self, name: str) -> None:
+        """Forget a worker set: its workers (as `remove_worker`), its ingest and its prefix index."""
+        entry = self.sets.get(name)
+        if entry is None:
+            return
+        for num in list(entry.workers):
+            await self.remove_worker(num)
+        del self.sets[name]
+        if entry.ingest is not None:
+            self.ingests.pop(name, None)
+            await asyncio.to_thread(entry.ingest.stop)
+        if self.tokenization is not None:
+            self.tokenization.unregister_worker_set(name)
+
+    async def add_worker(self, workerset: str, worker: Worker) -> None:
+        """A worker joins a worker set: its KV events are subscribed to and it is scraped from now on.
+        A worker of the same set with the same worker_id_num is replaced; raises ValueError when another
+        set's worker has that worker_id_num, KeyError for an unknown set."""
+        entry = self.sets[workerset]
+        num = worker.worker_id_num
+        if num in self.workers:
+            if self.workers[num][1] is not entry:
+                other = self.workers[num][0]
+                raise ValueError(f"worker_id_num {num} is taken by worker {other.worker_id_str} of another set")
+            await self.remove_worker(num)
+        if entry.ingest is not None:
+            if not worker.zmq_endpoint:
+                raise ValueError(f"worker {worker.worker_id_str} has no zmq_endpoint")
+            await asyncio.to_thread(entry.ingest.add_worker, worker)
+        else:
+            entry.index.add_worker(num)
+        entry.workers[num] = worker
+        self.workers[num] = (worker, entry)
+        self.tally[num] = _Tally()
+        if self.scraper is not None:
+            self.scraper.add_worker(worker, workerset)
+        if self.tokenization is not None:
+            await self.tokenization.add_worker(workerset, worker)
+        log.info(
+            "worker set %s: worker %s added (%s)", workerset, worker.worker_id_str, worker.endpoint or "no endpoint"
+        )
+
+    async def remove_worker(self, worker_id_num: int) -> bool:
+        """A worker leaves: no more picks, no more ingest or scraping, and its index entries and requests
+        in flight are dropped. False when no such worker is known."""
+        found = self.workers.pop(worker_id_num, None)
+        if found is None:
+            return False
+        worker, entry = found
+        entry.workers.pop(worker_id_num, None)
+        self.tally.pop(worker_id_num, None)
+        self.inflight.drop_worker(worker_id_num)
+        if self.tokenization is not None:
+            self.tokenization.remove_worker(entry.ws.name, worker_id_num)
+        if self.scraper is not None:
+            await self.scraper.remove_worker(worker_id_num)
+        if entry.ingest is not None:
+            await asyncio.to_thread(entry.ingest.remove_worker, worker_id_num)
+        else:
+            entry.index.remove_worker(worker_id_num)
+        log.info("worker set %s: worker %s removed", entry.ws.name, worker.worker_id_str)
+        return True
+
+    def worker_id_num_for(self, identity: str) -> int:
+        """`derive_worker_id_num(identity)`, stepping past the ids of workers already known."""
+        return derive_worker_id_num(identity, self.workers)
 
     # ---- picking --------------------------------------------------------------------------------
 
@@ -224,6 +349,13 @@ class RouterCore:
         health = self._health(worker.worker_id_num)
         return health is not None and model in health.models
 
+    def _base_model(self, worker: Worker) -> str:
+        """The worker's `model_name`; unset, the first model its /v1/models lists."""
+        if worker.model_name:
+            return worker.model_name
+        health = self._health(worker.worker_id_num)
+        return health.models[0] if health is not None and health.models else ""
+
     def _health(self, worker_id_num: int) -> WorkerHealth | None:
         if self.scraper is None:
             return None
@@ -243,7 +375,7 @@ class RouterCore:
 
     async def _pick(self, request: PickInput) -> PickResult:
         model = request.model
-        serving = [(e, [w for w in e.ws.workers if self._serves(w, model)]) for e in self.sets.values()]
+        serving = [(e, [w for w in e.workers.values() if self._serves(w, model)]) for e in self.sets.values()]
         serving = [(e, ws) for e, ws in serving if ws]
         if not serving:
             raise PickError("not_found", f"no worker set serves model {model!r}")
@@ -257,7 +389,13 @@ class RouterCore:
             raise PickError("unavailable", f"no eligible worker for model {model!r} in worker set(s) {sets}: {why}")
 
         token_ids = list(request.token_ids) if request.token_ids else await self._tokenize(entry, model, request.body)
-        lora = None if any(w.model_name == model for w in entry.ws.workers) else model  # an adapter's blocks
+        eligible = [w for w in eligible if w.worker_id_num in entry.workers]  # (one may have left meanwhile)
+        if not eligible:
+            raise PickError(
+                "unavailable", f"no eligible worker for model {model!r}: they left worker set {entry.ws.name}"
+            )
+        # a model no worker has as its base is an adapter: its blocks are keyed by its name
+        lora = None if any(self._base_model(w) == model for w in entry.workers.values()) else model
         keys = entry.index.prompt_keys(token_ids, lora) if token_ids else []
         matched = entry.index.match(token_ids, lora) if keys else {}
         picker, tracking = entry.profile.picker, entry.profile.picker.inflight_tracking
@@ -312,7 +450,7 @@ class RouterCore:
     def _pick_mock(self, request: PickInput) -> PickResult:
         model = request.model
         for entry in self.sets.values():
-            workers = [w for w in entry.ws.workers if w.model_name == model]
+            workers = [w for w in entry.workers.values() if w.model_name == model]
             if workers:
                 break
         else:
@@ -374,7 +512,8 @@ class RouterCore:
             error = ttft_ms - observation.predicted_ms
             self.metrics.prediction_error.labels(observation.workerset).observe(error)
             self.metrics.prediction_abs_error.labels(observation.workerset).observe(abs(error))
-            self.tally[observation.worker_id_num].ttft_ms = ttft_ms
+            if (tally := self.tally.get(observation.worker_id_num)) is not None:  # (None: the worker left)
+                tally.ttft_ms = ttft_ms
         return True
 
     # ---- reading --------------------------------------------------------------------------------
@@ -383,7 +522,7 @@ class RouterCore:
         """Ready once every static worker set has a worker whose KV events arrived (at once in mock mode)."""
         if self.mock:
             return True, []
-        reasons = []
+        reasons = list(self.not_ready.values())
         for entry in self.sets.values():
             if entry.ws.discovery.mode != "static" or entry.ingest is None:
                 continue
@@ -466,7 +605,7 @@ class RouterCore:
                     "name": name,
                     "profile": e.profile.name,
                     "kv_block_size": e.ws.kv_block_size,
-                    "workers": len(e.ws.workers),
+                    "workers": len(e.workers),
                     "index_blocks": e.index.size(),
                 }
                 for name, e in self.sets.items()

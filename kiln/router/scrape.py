@@ -1,7 +1,8 @@
 """Worker scraping: each worker's load from its `/metrics`, and what it serves from its `/v1/models`.
 
 Per worker, one asyncio task GETs `metrics_url` every `metrics_poll_ms` and reads three vLLM
-gauges, keeping only samples whose `model_name` label is the worker's `model_name`:
+gauges, keeping only samples whose `model_name` label is the worker's `model_name` (for a
+discovered worker without one, the first model its `/v1/models` lists):
 
     vllm:num_requests_running, vllm:num_requests_waiting   summed over matching samples
     vllm:kv_cache_usage_perc                               averaged, clamped to 0..1
@@ -302,7 +303,7 @@ class Scraper:
                     text = body.decode("utf-8")
                 except UnicodeDecodeError:
                     raise ScrapeError("not UTF-8 text") from None
-                sample = parse_metrics(text, w.model_name)
+                sample = parse_metrics(text, w.model_name or next(iter(tracked.state.models), ""))
             except (ScrapeError, httpx.HTTPError) as e:
                 self._metrics_failed(tracked, _describe(e))
                 return

@@ -298,8 +298,11 @@ class Tokenization:
         """A worker registers in a registered set; with local.warmup its model's tokenizer is loaded now."""
         entry = self._sets[worker_set]
         entry.workers[worker.worker_id_num] = worker
-        if entry.mode != "render" and self.config.tokenize.local.warmup:
+        if entry.mode != "render" and self.config.tokenize.local.warmup and worker.model_name:
             await self.warm(worker.model_name)
+
+    def unregister_worker_set(self, worker_set: str) -> None:
+        self._sets.pop(worker_set, None)
 
     def remove_worker(self, worker_set: str, worker_id_num: int) -> None:
         if (entry := self._sets.get(worker_set)) is not None:
