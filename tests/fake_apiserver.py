@@ -9,12 +9,16 @@ It is a real HTTP server (a ThreadingHTTPServer on loopback) speaking just enoug
   plural works, so later tests can store EndpointSlices, Pods or custom resources the same way.
   A list takes `labelSelector` (equality terms only: `a=b,c!=d`) and `?watch=true` streams
   ADDED/MODIFIED/DELETED events as JSON lines after `resourceVersion` (until `timeoutSeconds`,
-  the client leaving, or the server stopping).
+  the client leaving, the server stopping, or `end_watches()`). After `compact()`, a watch from an
+  older resourceVersion gets an ERROR event with 410 Expired, as from a real apiserver.
+- The status subresource (`.../{plural}/{name}/status`): GET, PUT and PATCH (JSON merge patch)
+  change only the object's `status`, and are counted in `status_writes` as (plural, name).
 - TokenReviews (POST /apis/authentication.k8s.io/v1/tokenreviews), answered from `tokens`, which
   the test fills, counted in `token_reviews`, slowed by `token_review_delay_s`.
 
 Every request must carry the bearer token of the kubeconfig that `write_kubeconfig` writes;
-`unavailable = True` answers 503 to everything (an apiserver that is down but listening).
+`unavailable = True` answers 503 to everything (an apiserver that is down but listening);
+a plural in `forbidden` answers 403 (RBAC that does not allow it).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ TOKEN_REVIEWS = "apis/authentication.k8s.io/v1"
 
 # /api/v1/... or /apis/{group}/{version}/..., then namespaces/{ns}/ or not, then {plural}[/{name}]
 _PATH = re.compile(
-    r"^/(?P<api>api/v1|apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?/?$"
+    r"^/(?P<api>api/v1|apis/[^/]+/[^/]+)(?:/namespaces/(?P<ns>[^/]+))?/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?"
+    r"(?P<status>/status)?/?$"
 )
 
 
@@ -57,6 +62,10 @@ class FakeApiServer:
         self.token_reviews = 0
         self.token_review_delay_s = 0.0
         self.unavailable = False
+        self.forbidden: set[str] = set()  # plurals answered 403
+        self.status_writes: list[tuple[str, str]] = []  # (plural, name) of each status PUT or PATCH
+        self.compacted = 0  # watches from before this resourceVersion get 410 Expired
+        self.watch_epoch = 0  # end_watches() bumps it: open watches end
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request
         # every change, for watches: (resourceVersion, event type, key, object)
         self.events: list[tuple[int, str, tuple[str, str, str, str], dict[str, Any]]] = []
@@ -108,6 +117,18 @@ class FakeApiServer:
         with self.lock:
             self._remove((api, namespace, plural, name))
 
+    def compact(self) -> None:
+        """Forget the event history: a watch resuming from before now gets 410 Expired."""
+        with self.lock:
+            self.compacted = self.resource_version
+            self.changed.notify_all()
+
+    def end_watches(self) -> None:
+        """End every open watch stream (as an apiserver restart would)."""
+        with self.lock:
+            self.watch_epoch += 1
+            self.changed.notify_all()
+
     def _store(self, api: str, namespace: str, plural: str, obj: dict[str, Any]) -> dict[str, Any]:
         self.resource_version += 1
         meta = obj.setdefault("metadata", {})
@@ -155,8 +176,16 @@ class FakeApiServer:
         selected = self._selected(api, ns, plural, query)
         since = int(query.get("resourceVersion", ["0"])[0] or 0)
         deadline = time.monotonic() + float(query.get("timeoutSeconds", ["3600"])[0])
+        with self.lock:
+            epoch = self.watch_epoch
+            expired = since and since < self.compacted
+        if expired:
+            send({"type": "ERROR", "object": _status(410, "Expired", f"too old resource version: {since}")[1]})
+            return
         while True:
             with self.lock:
+                if self.watch_epoch != epoch:
+                    return
                 if not since:  # no version given: the current objects first, as ADDED
                     since = self.resource_version
                     pending = [("ADDED", o) for k, o in sorted(self.objects.items()) if selected(k, o)]
@@ -183,11 +212,15 @@ class FakeApiServer:
         if m is None:
             return _status(404, "NotFound", f"no route for {path}")
         api, ns, plural, name = m["api"], m["ns"] or "", m["plural"], m["name"]
+        if plural in self.forbidden:
+            return _status(403, "Forbidden", f'{plural} is forbidden: User "fake" cannot {method.lower()} {plural}')
         if (api, plural) == (TOKEN_REVIEWS, "tokenreviews") and method == "POST":
             return 201, self._review(body or {})
         with self.lock:
             key = (api, ns, plural, name or "")
             current = self.objects.get(key)
+            if m["status"] and name is not None:
+                return self._status_subresource(method, key, current, body)
             if method == "GET" and name is None:
                 selected = self._selected(api, ns, plural, query)
                 items = [o for k, o in sorted(self.objects.items()) if selected(k, o)]
@@ -219,6 +252,27 @@ class FakeApiServer:
                 return _status(200, "", "deleted", status="Success")
         return _status(405, "MethodNotAllowed", f"{method} {path} is not supported by the fake")
 
+    def _status_subresource(
+        self, method: str, key: tuple[str, str, str, str], current: dict[str, Any] | None, body: dict[str, Any] | None
+    ) -> tuple[int, dict[str, Any]]:
+        plural, name = key[2], key[3]
+        if current is None:
+            return _not_found(plural, name)
+        if method == "GET":
+            return 200, current
+        if method not in ("PUT", "PATCH") or body is None:
+            return _status(405, "MethodNotAllowed", f"{method} of {plural}/status is not supported by the fake")
+        self.status_writes.append((plural, name))
+        updated = json.loads(json.dumps(current))
+        if method == "PUT":
+            sent = body.get("metadata", {}).get("resourceVersion")
+            if sent and sent != current["metadata"]["resourceVersion"]:
+                return _status(409, "Conflict", f'Operation cannot be fulfilled on {plural} "{name}"')
+            updated["status"] = body.get("status")
+        else:
+            updated["status"] = _merge(current.get("status"), body.get("status"))
+        return 200, self._store(key[0], key[1], plural, updated)
+
     def _review(self, review: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             self.token_reviews += 1
@@ -236,6 +290,19 @@ class FakeApiServer:
             info = {"username": user.username, "uid": user.uid, "groups": user.groups}
             status = {"authenticated": True, "user": info, "audiences": wanted}
         return {**review, "apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "status": status}
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return patch
+    merged = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            merged.pop(k, None)
+        else:
+            merged[k] = _merge(merged.get(k), v)
+    return merged
 
 
 def _status(code: int, reason: str, message: str, status: str = "Failure") -> tuple[int, dict[str, Any]]:
@@ -282,8 +349,12 @@ def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
 
         def _watch(self, path: str, query: dict[str, list[str]]) -> None:
             m = _PATH.match(path)
-            if m is None or m["name"] is not None:
-                code, body = _status(404, "NotFound", f"no watch route for {path}")
+            if m is None or m["name"] is not None or m["plural"] in api.forbidden:
+                code, body = (
+                    _status(404, "NotFound", f"no watch route for {path}")
+                    if m is None or m["name"] is not None
+                    else api.handle("GET", path, None)
+                )
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
@@ -308,6 +379,6 @@ def _handler(api: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 pass
             self.close_connection = True
 
-        do_GET = do_POST = do_PUT = do_DELETE = _serve
+        do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
 
     return Handler

@@ -18,10 +18,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lightkube import ApiError, KubeConfig
 from lightkube.resources.coordination_v1 import Lease
 from server_process import free_port
+from test_router_scrape import FakeWorker
 from test_router_server import BS, RouterProcess, code_of, wait_until, write_config
 
+from kiln.router.config import DiscoveryDefaults, RouterConfig
+from kiln.router.core import PickInput, RouterCore
+from kiln.router.discovery import EndpointSliceDiscovery
 from kiln.router.k8s import KubernetesError, describe_error, load_kube_config, make_client, own_namespace
 from kiln.router.leader import LeaderElector
+from kiln.router.metrics import RouterMetrics
 from kiln.router.proto import router_pb2, router_pb2_grpc
 from kiln.router.token_review import ReviewUnavailable, TokenReviewer
 
@@ -461,5 +466,189 @@ def test_fake_apiserver_lists_and_watches_with_lightkube(api, kubeconfig):
         async with asyncio.timeout(10):
             await task
         assert events == [("ADDED", "a", "1"), ("MODIFIED", "a", "2"), ("ADDED", "c", "3"), ("DELETED", "a", "2")]
+
+    asyncio.run(main())
+
+
+# ---- discovery: a worker set's workers from its Service's EndpointSlices -----------------------------------
+
+SLICES = "apis/discovery.k8s.io/v1"
+MODELS = {"data": [{"id": "m", "owned_by": "kiln"}]}
+
+
+def fake_worker() -> FakeWorker:
+    """A worker's HTTP side: /v1/models says it serves m; /metrics reports no load."""
+    worker = FakeWorker()
+    worker.routes["/v1/models"] = (200, "application/json", MODELS)
+    worker.routes["/metrics"] = (200, "text/plain", b"")
+    return worker
+
+
+def endpoint_slice(name: str, service: str, http_port: int, *pods: tuple[str, bool], zone: str = "zone-a") -> dict:
+    """An EndpointSlice of `service` listing pods (name, ready) at 127.0.0.1, with named ports."""
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "endpoints": [
+            {
+                "addresses": ["127.0.0.1"],
+                "conditions": {"ready": ready},
+                "targetRef": {"kind": "Pod", "name": pod, "namespace": NS},
+                "nodeName": "node-1",
+                "zone": zone,
+            }
+            for pod, ready in pods
+        ],
+        "ports": [{"name": "http", "port": http_port, "protocol": "TCP"}, {"name": "zmq", "port": free_port()}],
+    }
+
+
+def put_slice(api: FakeApiServer, *args, **kw) -> None:
+    api.put(SLICES, NS, "endpointslices", endpoint_slice(*args, **kw))
+
+
+def live_config(**top) -> RouterConfig:
+    """Not mock: real ingest, scraping and tokenization; scrapes far apart, so that a worker without
+    KV events stays alive for the test."""
+    return RouterConfig.model_validate(
+        {
+            "listen": "127.0.0.1:0",
+            "metrics_poll_ms": 60_000,
+            "profile": [{"name": "p"}],
+            "workerset": [
+                {
+                    "name": "a",
+                    "profile": "p",
+                    "kv_block_size": BS,
+                    "discovery": {"mode": "kubernetes", "service_name": "kiln-worker"},
+                }
+            ],
+            **top,
+        }
+    )
+
+
+async def picked(core: RouterCore, n: int = 6, **kw) -> set[str]:
+    """The workers n picks go to (in flight requests spread them) and end them with Feedback."""
+    got = set()
+    for i in range(n):
+        result = await core.pick(PickInput(model="m", token_ids=list(range(i, i + 4 * BS)), **kw))
+        got.add(result.worker_id)
+    for request_id in list(core.inflight._where):
+        core.feedback(request_id)
+    return got
+
+
+def test_discovery_follows_endpoint_slices(api, kubeconfig, caplog):
+    workers = [fake_worker() for _ in range(3)]
+    put_slice(api, "kw-a", "kiln-worker", workers[0].port, ("pod-0", True))
+    put_slice(api, "kw-b", "kiln-worker", workers[1].port, ("pod-1", True))
+    not_ready = endpoint_slice("kw-c", "kiln-worker", workers[2].port, ("pod-2", False))
+    api.put(SLICES, NS, "endpointslices", not_ready)
+    put_slice(api, "other", "other-service", workers[2].port, ("pod-9", True))
+    api.put("api/v1", NS, "pods", {"metadata": {"name": "pod-0"}, "status": {"hostIP": "10.0.0.7"}})
+    cfg = live_config()
+
+    async def main():
+        core = RouterCore.from_config(cfg, RouterMetrics(cfg))
+        await core.start()
+        api.unavailable = True
+        discovery = EndpointSliceDiscovery(
+            client_for(kubeconfig),
+            core,
+            "a",
+            namespace=NS,
+            service_name="kiln-worker",
+            defaults=cfg.workerset[0].discovery.defaults,
+            retry_s=0.1,
+        )
+        discovery.start()
+        try:
+            await until(lambda: discovery.failing is not None, 5, "the first list to fail")
+            ready, reasons = core.ready()
+            assert not ready and "EndpointSlices of Service kiln/kiln-worker are not listed yet" in reasons[0]
+            assert "cannot follow the EndpointSlices of Service kiln/kiln-worker" in caplog.text
+            assert "answered 503" in caplog.text
+
+            api.unavailable = False
+            await until(lambda: discovery.listed, 5, "the first list")
+            assert core.ready() == (True, [])
+            names = lambda: {w.worker_id_str for w, _ in core.workers.values()}  # noqa: E731
+            assert names() == {"pod-0", "pod-1"}  # pod-2 is not ready; pod-9 is another Service's
+            view = {v["worker"]: v for v in core.state()["workers"]}
+            assert view["pod-0"]["endpoint"] == f"127.0.0.1:{workers[0].port}"
+            assert view["pod-0"]["labels"] == {
+                "pod_name": "pod-0",
+                "namespace": NS,
+                "node_name": "node-1",
+                "node_ip": "10.0.0.7",  # from the Pod
+                "pod_ip": "127.0.0.1",
+                "availability_zone": "zone-a",
+            }
+            await until(lambda: all(core.scraper.states()[n].models for n in core.workers), 5, "/v1/models")
+            assert await picked(core) == {"pod-0", "pod-1"}
+
+            # a pod turns ready, another stops being ready, a slice goes away: picks follow
+            api.put(
+                SLICES, NS, "endpointslices", endpoint_slice("kw-c", "kiln-worker", workers[2].port, ("pod-2", True))
+            )
+            api.put(
+                SLICES, NS, "endpointslices", endpoint_slice("kw-b", "kiln-worker", workers[1].port, ("pod-1", False))
+            )
+            await until(lambda: names() == {"pod-0", "pod-2"}, 5, "pod-2 in, pod-1 out")
+            await until(lambda: all(core.scraper.states()[n].models for n in core.workers), 5, "/v1/models")
+            assert await picked(core) == {"pod-0", "pod-2"}
+            api.delete(SLICES, NS, "endpointslices", "kw-a")
+            await until(lambda: names() == {"pod-2"}, 5, "pod-0 out")
+            assert await picked(core) == {"pod-2"}
+
+            # the apiserver goes away: the workers stay, and picks go on
+            caplog.clear()
+            api.unavailable = True
+            api.end_watches()
+            await until(lambda: discovery.failing is not None, 5, "the watch to fail")
+            assert "keeping its 1 known worker(s)" in caplog.text
+            assert names() == {"pod-2"} and core.ready()[0]
+            assert await picked(core) == {"pod-2"}
+            api.put(
+                SLICES, NS, "endpointslices", endpoint_slice("kw-a", "kiln-worker", workers[0].port, ("pod-0", True))
+            )
+            api.unavailable = False  # back: listed again
+            await until(lambda: names() == {"pod-0", "pod-2"}, 5, "the list after the outage")
+            assert discovery.failing is None
+
+            # a watch that expires (410) lists again, quietly
+            api.compact()
+            api.end_watches()
+            api.delete(SLICES, NS, "endpointslices", "kw-c")
+            await until(lambda: names() == {"pod-0"}, 5, "pod-2 out after the 410")
+            assert discovery.failing is None
+        finally:
+            await discovery.stop()
+            await core.stop()
+            for worker in workers:
+                worker.stop()
+
+    asyncio.run(main())
+
+
+def test_discovery_without_rbac_says_so(api, kubeconfig, caplog):
+    api.forbidden.add("endpointslices")
+    cfg = live_config()
+
+    async def main():
+        core = RouterCore(cfg, metrics=RouterMetrics(cfg))
+        discovery = EndpointSliceDiscovery(
+            client_for(kubeconfig), core, "a", namespace=NS, service_name="kiln-worker", defaults=DiscoveryDefaults()
+        )
+        discovery.start()
+        try:
+            await until(lambda: discovery.failing is not None, 5, "the list to fail")
+            assert "denied by" in discovery.failing and "RBAC" in discovery.failing
+            assert not core.ready()[0]
+        finally:
+            await discovery.stop()
 
     asyncio.run(main())

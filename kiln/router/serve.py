@@ -7,8 +7,10 @@ the admin server binds, then (with [leader_election]) the replica starts campaig
 Shutdown runs the other way round: the Lease is released, health NOT_SERVING, the gRPC server
 stops (calls under way get a short grace), the admin server, scraping and ingest stop.
 
-The Kubernetes client (k8s.py), needed by [token_review] and [leader_election], is built before
-anything starts: credentials that cannot be loaded are a configuration error.
+The Kubernetes client (k8s.py), needed by [token_review], [leader_election], [kubernetes], [policy]
+and worker sets with `discovery.mode = "kubernetes"`, is built before anything starts: credentials
+that cannot be loaded are a configuration error. Discovery (discovery.py) starts with ingest and
+scraping, before the gRPC server binds, and stops before them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kiln.router.metrics import RouterMetrics
 if TYPE_CHECKING:
     from lightkube import AsyncClient
 
+    from kiln.router.discovery import EndpointSliceDiscovery
     from kiln.router.leader import LeaderElector
 
 log = logging.getLogger("kiln.router")
@@ -47,8 +50,9 @@ async def serve(config: RouterConfig) -> int:
     admin: AdminServer | None = None
     kube: AsyncClient | None = None
     elector: LeaderElector | None = None
+    discoveries: list[EndpointSliceDiscovery] = []
     try:
-        if config.token_review.enabled or config.leader_election.enabled:
+        if needs_kubernetes(config):
             from kiln.router.k8s import KubernetesError, make_client
 
             try:
@@ -61,6 +65,9 @@ async def serve(config: RouterConfig) -> int:
         except RouterConfigError as e:
             log.error("%s", e)
             return EXIT_CONFIG_ERROR
+        discoveries = _discoveries(config, core, kube)
+        for discovery in discoveries:
+            discovery.start()
         if config.mock_mode:
             log.warning("mock mode: picks are a hash of model and prompt; no KV events, scraping or tokenization")
         reviewer = None
@@ -108,10 +115,45 @@ async def serve(config: RouterConfig) -> int:
             await grpc_server.stop()
         if admin is not None:
             await admin.stop()
+        for discovery in discoveries:
+            await discovery.stop()
         await core.stop()
         if kube is not None:
             await kube.close()
         log.info("router stopped")
+
+
+def needs_kubernetes(config: RouterConfig) -> bool:
+    """Whether anything configured talks to the Kubernetes API."""
+    return (
+        config.token_review.enabled
+        or config.leader_election.enabled
+        or config.kubernetes.enabled
+        or config.policy.enabled
+        or any(ws.discovery.mode == "kubernetes" for ws in config.workerset)
+    )
+
+
+def _discoveries(config: RouterConfig, core: RouterCore, client: AsyncClient | None) -> list[EndpointSliceDiscovery]:
+    """EndpointSlice discovery for each [[workerset]] with discovery.mode = "kubernetes"."""
+    sets = [ws for ws in config.workerset if ws.discovery.mode == "kubernetes"]
+    if not sets:
+        return []
+    from kiln.router.discovery import EndpointSliceDiscovery
+    from kiln.router.k8s import own_namespace
+
+    assert client is not None
+    return [
+        EndpointSliceDiscovery(
+            client,
+            core,
+            ws.name,
+            namespace=ws.discovery.namespace or own_namespace(client),
+            service_name=ws.discovery.service_name,
+            defaults=ws.discovery.defaults,
+        )
+        for ws in sets
+    ]
 
 
 def _elector(config: RouterConfig, client: AsyncClient) -> LeaderElector:
