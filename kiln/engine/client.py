@@ -5,6 +5,9 @@ Callers on any thread submit, abort and schedule boundary calls through the inbo
 asyncio side only enqueues and awaits (deltas reach each event loop in one
 `call_soon_threadsafe` per engine step). Readers on other threads see only the snapshot
 the engine thread publishes after every iteration.
+
+After device loss the thread stays up but runs nothing: requests in flight end with
+DeviceLost, and new requests and boundary calls are refused with it.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from typing import Any
 
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
+from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
 from kiln.engine.sampling import SamplingParams
+from kiln.errors import DeviceLost
 from kiln.models.loader import LoadedModel
 
 log = logging.getLogger("kiln.engine")
@@ -124,7 +129,8 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                adapter: AdapterWeights | None = None, cache_salt: str | None = None) -> RequestStream:
         """Validates the request now (raising InvalidRequest) and returns its stream. Call from
-        the event loop that will read the stream."""
+        the event loop that will read the stream. Raises DeviceLost once the device is gone."""
+        self.core.check_device()
         requests = self.core.make_requests(request_id, prompt_ids, params, adapter, cache_salt)
         stream = RequestStream(self, request_id, params.n, asyncio.get_running_loop())
         self._enqueue_adds(requests, stream)
@@ -134,6 +140,7 @@ class AsyncEngine:
                     adapter: AdapterWeights | None = None, cache_salt: str | None = None) -> list[str]:
         """Like submit, for callers without an event loop: `sink` is called in the engine thread
         with every delta (keep it short). Returns the ids of the n choices' requests."""
+        self.core.check_device()
         requests = self.core.make_requests(request_id, prompt_ids, params, adapter, cache_salt)
         self._enqueue_adds(requests, sink)
         return [r.request_id for r in requests]
@@ -221,7 +228,13 @@ class AsyncEngine:
         return self.snapshot["waiting"] + self._pending_adds
 
     def alive(self) -> bool:
+        """The engine thread runs (it stays up after device loss; see `device_lost`)."""
         return self._thread.is_alive() and not self._stop
+
+    @property
+    def device_lost(self) -> DeviceLost | None:
+        """The device loss that ended serving on this process, if any (permanent)."""
+        return self.core.device_lost
 
     def shutdown(self) -> None:
         self._stop = True
@@ -253,6 +266,9 @@ class AsyncEngine:
                 if self.core.steps == steps:  # nothing could run (e.g. every adapter slot is busy)
                     self._wake.wait(0.001)
                     self._wake.clear()
+            except DeviceLost as exc:  # raised outside a step (a step turns its own into final deltas)
+                if self.core.device_lost is None:
+                    self._lose_device(exc)
             except Exception:  # the loop must survive anything one iteration does
                 log.exception("engine iteration failed")
                 time.sleep(0.01)
@@ -273,7 +289,11 @@ class AsyncEngine:
                     sink = (mailbox, sink)
                 for req in requests:
                     self._sinks[req.request_id] = sink
-                    self.core.add_request(req)
+                    if self.core.device_lost is None:
+                        self.core.add_request(req)
+                    else:  # submitted before the device was lost, picked up after
+                        self._dispatch([Delta(req.request_id, req.index, [], "", finish_reason="error",
+                                              error=DeviceLost(self.core.device_lost.message))])
                 with self._pending_lock:
                     self._pending_adds -= len(requests)
             elif kind == "abort":
@@ -281,14 +301,25 @@ class AsyncEngine:
             elif kind == "call":
                 _, fn, future = item
                 try:
+                    self.core.check_device()
                     result = fn()
                 except Exception as exc:  # a boundary task must not kill the loop
-                    log.exception("iteration-boundary task failed")
-                    self.snapshot = self.core.snapshot()
+                    if is_device_loss(exc):
+                        exc = as_device_lost(exc)
+                        if self.core.device_lost is None:
+                            self._lose_device(exc)
+                    else:
+                        log.exception("iteration-boundary task failed")
+                        self.snapshot = self.core.snapshot()
                     future.set_exception(exc)
                 else:
                     self.snapshot = self.core.snapshot()  # the caller sees the state its call left
                     future.set_result(result)
+
+    def _lose_device(self, exc: DeviceLost) -> None:
+        outputs = self.core.lose_device(exc)
+        self.snapshot = self.core.snapshot()
+        self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[Delta]) -> None:
         """Hands each delta to its caller; a caller that has gone away gets its request aborted."""

@@ -30,6 +30,7 @@ class EngineConfig:
     max_loras: int = _default("adapters.max_loras")
     max_lora_rank: int = _default("adapters.max_lora_rank")
     allow_live_capture: bool = True  # the serving profile's live_graph_capture
+    inject_device_loss_after_steps: int = _default("debug.inject_device_loss_after_steps")  # 0: never
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -42,4 +43,5 @@ class EngineConfig:
             kv_events_replay_endpoint=e.kv_events_replay_endpoint, kv_events_encoding=e.kv_events_encoding,
             seed=e.seed, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
             allow_live_capture=settings.serving_profile.policy.live_graph_capture,
+            inject_device_loss_after_steps=settings.debug.inject_device_loss_after_steps,
         )

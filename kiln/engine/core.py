@@ -3,6 +3,10 @@
 It holds the block pool, the scheduler, the runner, the LoRA slots and accelerator
 ownership, and is driven by one thread at a time: the async client's engine thread when
 serving, or a caller's own loop (benchmarks, trainers' rollouts, tests).
+
+A step failure fails that step's requests only. Device loss (DeviceLost, raised by the runner)
+is terminal: every request ends with it, their blocks are freed, and from then on `step` and
+`add_request` raise it; only a new process gets a device again.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from kiln.engine.request import Request
 from kiln.engine.runner import Runner, StepResult
 from kiln.engine.sampling import SamplingParams
 from kiln.engine.scheduler import Scheduler, StepFailure, StepPlan
-from kiln.errors import InvalidRequest
+from kiln.errors import DeviceLost, InvalidRequest
 from kiln.models.loader import LoadedModel
 
 log = logging.getLogger("kiln.engine")
@@ -55,6 +59,8 @@ class EngineCore:
                                    fits=self.runner.fits, on_finish=self._on_finish)
         self.grammars = GrammarCompiler(model.tokenizer, cfg.vocab_size, self.eos_ids)
         self.steps = 0
+        self.step_failures = 0  # batches that failed (their requests ended with an error)
+        self.device_lost: DeviceLost | None = None  # set once, for the life of the process
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
 
     # ---- requests ----------------------------------------------------------------------------
@@ -90,7 +96,13 @@ class EngineCore:
                 for i in range(params.n)]
 
     def add_request(self, req: Request) -> None:
+        self.check_device()
         self.scheduler.add(req)
+
+    def check_device(self) -> None:
+        """Raises DeviceLost once the device is gone."""
+        if self.device_lost is not None:
+            raise DeviceLost(self.device_lost.message)
 
     def abort(self, request_id: str) -> list[Delta]:
         """Ends a request (and its siblings) now; returns their final deltas."""
@@ -102,9 +114,23 @@ class EngineCore:
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[Delta]:
+        """One iteration; on device loss, the final (failed) deltas of every request."""
+        self.check_device()
         plan = self.scheduler.schedule()
-        results = self.execute(plan)
+        try:
+            results = self.execute(plan)
+        except DeviceLost as exc:
+            return plan.finished + self.lose_device(exc)
         return self.update_from_output(plan, results)
+
+    def lose_device(self, exc: DeviceLost) -> list[Delta]:
+        """The device is gone: ends every request with `exc` (freeing its blocks and slot) and
+        refuses all work from now on. Returns the requests' final deltas."""
+        log.critical("device lost: %s; every request fails until the process restarts", exc.message)
+        self.device_lost = exc
+        outputs = [self.scheduler.finish(req, "error", exc) for req in list(self.scheduler.requests.values())]
+        self._events = []  # nothing is published about a KV state that no longer exists
+        return outputs
 
     def execute(self, plan: StepPlan) -> list[StepResult | StepFailure | None]:
         """Runs each planned batch as one inference step under accelerator ownership (writers
@@ -118,6 +144,7 @@ class EngineCore:
             with self.ownership.inference():
                 results.append(self.runner.execute(batch))
             self.steps += 1
+            self.step_failures += isinstance(results[-1], StepFailure)
         return results
 
     def update_from_output(self, plan: StepPlan, results: list[StepResult | StepFailure | None]) -> list[Delta]:
@@ -192,6 +219,8 @@ class EngineCore:
             "generation_tokens": sched.stats.generation_tokens,
             "preemptions": sched.stats.preemptions,
             "finished": sched.stats.finished,
+            "step_failures": self.step_failures,
+            "device_lost": self.device_lost.message if self.device_lost else None,
         }
 
     def close(self) -> None:

@@ -52,6 +52,11 @@ class _SnapshotCollector:
         yield self._family(GaugeMetricFamily, "kiln:capturing_step_buckets",
                            "Step shape buckets compiling in the background", s["capturing_steps"])
         yield self._family(CounterMetricFamily, "kiln:engine_steps", "Jitted steps executed", s["steps"])
+        yield self._family(CounterMetricFamily, "kiln:step_failures",
+                           "Batches whose step failed (their requests ended with an error)", s["step_failures"])
+        yield self._family(GaugeMetricFamily, "kiln:device_lost",
+                           "1 once the accelerator is lost (every request fails until a restart)",
+                           int(s["device_lost"] is not None))
         yield self._family(CounterMetricFamily, "kiln:padded_steps",
                            "Steps run padded in a bigger compiled bucket while their own compiled", s["padded_steps"])
         gauges = (("num_requests_running", "Requests in the running batch", "running"),

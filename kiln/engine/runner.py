@@ -11,8 +11,10 @@ background; any other waits for its bucket to compile. When the serving
 profile forbids live capture, nothing new compiles: a batch runs in a compiled bucket that
 fits or fails with GraphCaptureDisabled (`fits` tells the scheduler beforehand).
 
-A failed step that took the donated KV state with it is recovered here (`reset_kv`); the
-scheduler then recomputes the running requests.
+A failed step fails only its own rows (RequestFailed, code accelerator_error); one that took
+the donated KV state with it is recovered here (`reset_kv`) and the scheduler then recomputes
+the running requests. An error that means the device itself is gone (see faults.py) is raised
+as DeviceLost instead: nothing runs on this process's accelerator again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from jax._src import dispatch
 
 from kiln.engine.config import EngineConfig
+from kiln.engine.faults import DeviceLossInjector, as_device_lost, is_device_loss
 from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.output import TokenLogprob
@@ -274,6 +277,7 @@ class Runner:
         self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         self.padded_steps = 0  # steps run in a bigger compiled bucket while theirs compiled
         self.masks = MaskFiller()
+        self.device_loss = DeviceLossInjector(config.inject_device_loss_after_steps)  # [debug] fault injection
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
         self.flops_per_token = 2 * cfg.num_layers * layer_params
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
@@ -571,20 +575,26 @@ class Runner:
     # ---- step --------------------------------------------------------------------------
 
     def execute(self, batch: Batch) -> StepResult | StepFailure:
-        """Runs one planned batch; a failure fails its rows, never the process."""
+        """Runs one planned batch; a failure fails its rows, never the process. Raises DeviceLost
+        when the error says the device is gone."""
         rows = batch.rows
         try:
             shape = self.resolve(self.shape_for(rows))
         except GraphCaptureDisabled as exc:
             return StepFailure(exc)
         try:
-            return self._run(rows, shape)
+            result = self._run(rows, shape)
         except Exception as exc:
+            if is_device_loss(exc):
+                raise as_device_lost(exc) from exc
             log.exception("step failed")
             kv_lost = self.kv.k.is_deleted()
             if kv_lost:
                 self.reset_kv()
-            return StepFailure(RequestFailed(f"request failed: {type(exc).__name__}"), kv_lost)
+            return StepFailure(RequestFailed(f"the accelerator step failed: {type(exc).__name__}",
+                                             code="accelerator_error"), kv_lost)
+        self.device_loss.step_succeeded()
+        return result
 
     def _run(self, rows: Rows, shape: StepShape) -> StepResult:
         work = [RowWork(r.all_ids[r.num_computed : r.num_computed + n], r.num_computed, r.block_ids, r.adapter_slot)
@@ -606,6 +616,7 @@ class Runner:
         step = self.executables[shape]
         self.executables.move_to_end(shape)
         args = (self.params, self.kv, inputs, last_index, rs, targets, self._lora(rows, shape))
+        self.device_loss.before_step()
         if shape.flags.mask:
             sampled, prompt, self.kv = step(*args, masks=lambda: self._masks(rows, shape))
         else:

@@ -16,13 +16,18 @@ OPEN_ROUTES = {"/health", "/v1/health", "/metrics"}  # answered without an API k
 
 
 def _health(request: Request) -> Response:
+    """200 only when serving; device loss (backend_runtime.healthy false) lasts until a restart."""
     st = server_state(request)
     admission = st.profile.policy.inference_admission
     engine_ok = st.engine.alive()
-    if st.profile.profile is ServingProfile.MAINTENANCE:
-        status = "maintenance"
-    elif not engine_ok:
+    lost = st.engine.device_lost
+    backend_ok = engine_ok and lost is None
+    reason = (f"device_lost: {lost.message}" if lost is not None
+              else None if engine_ok else "engine_stopped: the engine loop is not running")
+    if not backend_ok:
         status = "unhealthy"
+    elif st.profile.profile is ServingProfile.MAINTENANCE:
+        status = "maintenance"
     elif st.prewarm == "pending":
         status = "starting"
     else:
@@ -31,8 +36,9 @@ def _health(request: Request) -> Response:
         "status": status,
         "model": st.model_id,
         "serving_profile": st.profile.to_json(),
-        "backend_runtime": {"healthy": engine_ok, "platform": jax.default_backend(),
-                            "devices": [str(d) for d in jax.devices()], "route": st.backend_route},
+        "backend_runtime": {"healthy": backend_ok, "reason": reason, "restart_required": lost is not None,
+                            "platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+                            "route": st.backend_route},
         "checks": {"inference_admission": admission, "engine_loop": engine_ok, "model_loaded": True,
                    "prewarm": st.prewarm},
     }

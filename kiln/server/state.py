@@ -13,7 +13,7 @@ from kiln.config import Settings
 from kiln.engine.client import AsyncEngine
 from kiln.engine.grammar import GrammarCompiler
 from kiln.engine.metrics import EngineMetrics
-from kiln.errors import AdmissionRejected, NotFound, QueueFull
+from kiln.errors import AdmissionRejected, DeviceLost, NotFound, QueueFull
 from kiln.profiles import ResolvedProfile
 
 Lineage = dict[str, Any]
@@ -53,7 +53,9 @@ class ServerState:
         return f"xla:{jax.default_backend()}"
 
     def admit_inference(self) -> None:
-        """Request policy before anything is submitted: profile, engine health, queue length."""
+        """Request policy before anything is submitted: device, profile, engine health, queue length."""
+        if self.engine.device_lost is not None:
+            raise DeviceLost(self.engine.device_lost.message)
         if not self.profile.policy.inference_admission:
             raise AdmissionRejected("inference is disabled by the maintenance serving profile",
                                     code="inference_disabled_by_profile")
