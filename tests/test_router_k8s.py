@@ -21,13 +21,14 @@ from server_process import free_port
 from test_router_scrape import FakeWorker
 from test_router_server import BS, RouterProcess, code_of, wait_until, write_config
 
-from kiln.router.config import DiscoveryDefaults, RouterConfig
-from kiln.router.core import PickInput, RouterCore
+from kiln.router.config import DiscoveryDefaults, RouterConfig, Worker
+from kiln.router.core import PickError, PickInput, RouterCore, WorkerMeta
 from kiln.router.discovery import EndpointSliceDiscovery
 from kiln.router.k8s import KubernetesError, describe_error, load_kube_config, make_client, own_namespace
 from kiln.router.leader import LeaderElector
 from kiln.router.metrics import RouterMetrics
 from kiln.router.proto import router_pb2, router_pb2_grpc
+from kiln.router.resources import PoolWatcher, StatusWriter, WorkerSetWatcher
 from kiln.router.token_review import ReviewUnavailable, TokenReviewer
 
 LEASES = "apis/coordination.k8s.io/v1"
@@ -650,5 +651,182 @@ def test_discovery_without_rbac_says_so(api, kubeconfig, caplog):
             assert not core.ready()[0]
         finally:
             await discovery.stop()
+
+    asyncio.run(main())
+
+
+# ---- custom resources: InferenceWorkerSet and InferencePool ------------------------------------------------
+
+CRDS = "apis/kinference.buoyant.io/v1alpha1"
+
+
+def worker_set_cr(name: str, labels: dict | None = None, **spec) -> dict:
+    return {
+        "apiVersion": "kinference.buoyant.io/v1alpha1",
+        "kind": "InferenceWorkerSet",
+        "metadata": {"name": name, "labels": labels or {"team": "a"}, "generation": 1},
+        "spec": {"profile": "p", "kvBlockSize": BS, **spec},
+    }
+
+
+def accepted(api: FakeApiServer, plural: str, name: str) -> dict | None:
+    """The Accepted condition of a resource's status, or None."""
+    obj = api.get(CRDS, NS, plural, name)
+    conditions = ((obj or {}).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == "Accepted"), None)
+
+
+def test_inference_worker_sets_and_status_written_by_the_leader_only(api, kubeconfig):
+    workers = [fake_worker() for _ in range(2)]
+    api.put(CRDS, NS, "inferenceworkersets", worker_set_cr("qwen", modelName="m", serviceName="kw-qwen"))
+    api.put(CRDS, NS, "inferenceworkersets", worker_set_cr("typo", modelName="m", serviceName="x", profile="nope"))
+    api.put(CRDS, NS, "inferenceworkersets", worker_set_cr("bad", serviceName="x", kvBlockSize="16"))
+    api.put(CRDS, NS, "inferenceworkersets", worker_set_cr("theirs", labels={"team": "b"}, serviceName="x"))
+    put_slice(api, "kw-qwen-1", "kw-qwen", workers[0].port, ("qwen-0", True))
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    lease = {"holderIdentity": "other", "leaseDurationSeconds": 60, "renewTime": now}
+    api.put(LEASES, NS, "leases", {"metadata": {"name": "kiln-router"}, "spec": lease})
+    cfg = live_config(workerset=[], kubernetes={"enabled": True, "namespace": NS, "selector": "team in (a, c)"})
+
+    async def main():
+        client = client_for(kubeconfig)
+        core = RouterCore.from_config(cfg, RouterMetrics(cfg))
+        await core.start()
+        leader = elector(kubeconfig, "me")
+        status = StatusWriter(client, leader, every_s=0.1)
+        watcher = WorkerSetWatcher(client, core, cfg, status, retry_s=0.1)
+        status.start()
+        watcher.start()
+        leader.start()
+        try:
+            await until(lambda: watcher.listed, 5, "the InferenceWorkerSets")
+            assert set(core.sets) == {"qwen"}  # typo and bad are skipped, theirs is not selected
+            names = lambda: {w.worker_id_str for w, _ in core.workers.values()}  # noqa: E731
+            await until(lambda: names() == {"qwen-0"}, 5, "qwen's worker")
+            assert await picked(core, 3) == {"qwen-0"}  # modelName: served without a /v1/models poll
+            await asyncio.sleep(0.5)
+            assert api.status_writes == [] and not leader.is_leader  # another replica holds the Lease
+
+            api.delete(LEASES, NS, "leases", "kiln-router")  # free: this replica leads, and writes
+            await until(lambda: leader.is_leader, 5, "leadership")
+            await until(lambda: len({n for _, n in api.status_writes}) == 3, 5, "three statuses")
+            assert api.get(CRDS, NS, "inferenceworkersets", "theirs").get("status") is None
+            good = api.get(CRDS, NS, "inferenceworkersets", "qwen")["status"]
+            assert good["workers"] == 1 and good["aliveWorkers"] == 1 and good["observedGeneration"] == 1
+            assert accepted(api, "inferenceworkersets", "qwen")["status"] == "True"
+            typo = accepted(api, "inferenceworkersets", "typo")
+            assert (typo["status"], typo["reason"]) == ("False", "UnknownProfile") and "'nope'" in typo["message"]
+            bad = accepted(api, "inferenceworkersets", "bad")
+            assert (bad["status"], bad["reason"]) == ("False", "Invalid") and "kvBlockSize" in bad["message"]
+
+            put_slice(api, "kw-qwen-2", "kw-qwen", workers[1].port, ("qwen-1", True))  # counts follow
+            await until(lambda: names() == {"qwen-0", "qwen-1"}, 5, "qwen's second worker")
+            await until(lambda: api.get(CRDS, NS, "inferenceworkersets", "qwen")["status"]["workers"] == 2, 5, "2")
+
+            # a fixed resource is taken; a deleted one goes
+            api.put(CRDS, NS, "inferenceworkersets", worker_set_cr("typo", modelName="m", serviceName="kw-qwen"))
+            await until(lambda: "typo" in core.sets, 5, "the fixed resource")
+            await until(lambda: accepted(api, "inferenceworkersets", "typo")["status"] == "True", 5, "accepted")
+            api.delete(CRDS, NS, "inferenceworkersets", "qwen")
+            await until(lambda: "qwen" not in core.sets, 5, "the deleted resource's set to go")
+            assert {e.ws.name for _, e in core.workers.values()} == {"typo"}
+
+            # the Lease lost: no more writes, at once
+            await leader.stop(release=False)
+            written = len(api.status_writes)
+            put_slice(api, "kw-qwen-2", "kw-qwen", workers[1].port, ("qwen-1", False))
+            await until(lambda: len(core.sets["typo"].workers) == 1, 5, "a worker to leave")
+            await asyncio.sleep(0.5)
+            assert len(api.status_writes) == written
+        finally:
+            await leader.stop(release=False)
+            await watcher.stop()
+            await status.stop()
+            await core.stop()
+            for worker in workers:
+                worker.stop()
+
+    asyncio.run(main())
+
+
+def test_inference_pools_restrict_picks(api, kubeconfig):
+    pool = {"apiVersion": "kinference.buoyant.io/v1alpha1", "kind": "InferencePool"}
+    api.put(CRDS, NS, "inferencepools", {**pool, "metadata": {"name": "only-b"}, "spec": {"workerSets": ["b"]}})
+    labelled = {"selector": {"matchLabels": {"tier": "x"}}, "targetPortName": "alt"}
+    api.put(CRDS, NS, "inferencepools", {**pool, "metadata": {"name": "tier-x"}, "spec": labelled})
+    api.put(CRDS, NS, "inferencepools", {**pool, "metadata": {"name": "broken"}, "spec": {"targetPortName": "http"}})
+
+    def cfg_with(policy: bool) -> RouterConfig:
+        cfg = RouterConfig.model_validate(
+            {
+                "listen": "127.0.0.1:0",
+                "mock_mode": True,
+                "profile": [{"name": "p"}],
+                "workerset": [{"name": n, "profile": "p", "kv_block_size": BS} for n in ("a", "b")],
+                "policy": {"enabled": policy, "namespace": NS},
+            }
+        )
+        sets = tuple(
+            ws.model_copy(update={"workers": (Worker(worker_id_str=f"{ws.name}0", worker_id_num=i, model_name="m"),)})
+            for i, ws in enumerate(cfg.workerset)
+        )
+        return cfg.model_copy(update={"workerset": sets})
+
+    async def pick_in(core: RouterCore, pool: str, n: int = 8) -> set[tuple[str, str]]:
+        got = set()
+        for i in range(n):
+            r = await core.pick(PickInput(model="m", token_ids=[i, i + 1], inference_pool=pool))
+            got.add((r.worker_id, r.endpoint))
+        return got
+
+    async def main():
+        client = client_for(kubeconfig)
+        cfg = cfg_with(policy=True)
+        core = RouterCore(cfg, metrics=RouterMetrics(cfg))
+        status = StatusWriter(client, None, every_s=0.1)  # no leader election: always writes
+        pools = PoolWatcher(client, core, cfg, status, retry_s=0.1)
+        with pytest.raises(PickError) as e:
+            await pick_in(core, "only-b")
+        assert e.value.kind == "unavailable" and "not listed yet" in e.value.message
+        status.start()
+        pools.start()
+        try:
+            await until(lambda: core.pools is not None, 5, "the pools")
+            assert await pick_in(core, "only-b") == {("b0", "")}
+            assert {w for w, _ in await pick_in(core, "")} == {"a0"}  # mock: the first set serving m
+            with pytest.raises(PickError) as e:
+                await pick_in(core, "tier-x")  # no worker has the label
+            assert e.value.kind == "not_found" and "InferencePool kiln/tier-x" in e.value.message
+            labels = WorkerMeta({"tier": "x"}, {"http": 8000, "alt": 9000})
+            pod = Worker(
+                worker_id_str="pod-x", worker_id_num=7, model_name="m", pod_ip="10.0.0.9", endpoint="10.0.0.9:8000"
+            )
+            await core.add_worker("a", pod, labels)
+            assert await pick_in(core, "tier-x") == {("pod-x", "10.0.0.9:9000")}  # the pool's target port
+            assert await pick_in(core, "kiln/only-b") == {("b0", "")}
+            for name, kind in (("nope", "not_found"), ("broken", "not_found")):
+                with pytest.raises(PickError) as e:
+                    await pick_in(core, name)
+                assert e.value.kind == kind and "no InferencePool named" in e.value.message
+            names = ("broken", "only-b", "tier-x")
+            await until(lambda: all(accepted(api, "inferencepools", n) for n in names), 5, "the pools' status")
+            assert accepted(api, "inferencepools", "broken")["reason"] == "Invalid"
+            assert accepted(api, "inferencepools", "only-b")["status"] == "True"
+            await until(
+                lambda: (api.get(CRDS, NS, "inferencepools", "tier-x").get("status") or {}).get("workers") == 1,
+                5,
+                "count",
+            )
+            api.delete(CRDS, NS, "inferencepools", "only-b")
+            await until(lambda: ("kiln", "only-b") not in pools.pools, 5, "the deleted pool")
+            with pytest.raises(PickError):
+                await pick_in(core, "only-b")
+        finally:
+            await pools.stop()
+            await status.stop()
+
+        off = cfg_with(policy=False)  # the pool is not looked at: load alone
+        core = RouterCore(off, metrics=RouterMetrics(off))
+        assert {w for w, _ in await pick_in(core, "only-b")} == {"a0"}  # as without a pool
 
     asyncio.run(main())

@@ -39,7 +39,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from kiln.router.ingest import KVIngest
     from kiln.router.leader import LeaderElector
     from kiln.router.metrics import RouterMetrics
+    from kiln.router.resources import Pool, Pools
     from kiln.router.scrape import Scraper, WorkerHealth
     from kiln.router.tokenization import Tokenization
 
@@ -109,6 +110,15 @@ class _Tally:
     ttft_ms: float | None = None  # the last time to first token Feedback reported
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerMeta:
+    """What discovery knows of a worker beyond its Worker entry: its pod's labels (for pool selectors)
+    and its Service's named ports (for a pool's targetPortName)."""
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ports: Mapping[str, int] = field(default_factory=dict)
+
+
 @dataclass(eq=False)
 class _Set:
     ws: WorkerSet
@@ -156,6 +166,9 @@ class RouterCore:
         self.sets: dict[str, _Set] = {}
         self.workers: dict[int, tuple[Worker, _Set]] = {}
         self.tally: dict[int, _Tally] = {}
+        self.meta: dict[int, WorkerMeta] = {}  # discovered workers only
+        # With [policy]: the InferencePools (resources.PoolWatcher sets it); None until they are listed.
+        self.pools: Pools | None = None
         for ws in config.workerset:
             ingest = self.ingests.get(ws.name)
             index = ingest.index if ingest is not None else KVIndex(ws.kv_block_size)
@@ -167,7 +180,6 @@ class RouterCore:
                 self.tally[worker.worker_id_num] = _Tally()
         self._sweeper: asyncio.Task | None = None
         self._started = False
-        self._pool_warned = False
         self.leader_election: LeaderElector | None = None  # set by serve() with [leader_election]
         # Why the router is not ready yet, by who says so (e.g. a discovery that has not listed yet).
         self.not_ready: dict[str, str] = {}
@@ -272,7 +284,7 @@ class RouterCore:
         if self.tokenization is not None:
             self.tokenization.unregister_worker_set(name)
 
-    async def add_worker(self, workerset: str, worker: Worker) -> None:
+    async def add_worker(self, workerset: str, worker: Worker, meta: WorkerMeta | None = None) -> None:
         """A worker joins a worker set: its KV events are subscribed to and it is scraped from now on.
         A worker of the same set with the same worker_id_num is replaced; raises ValueError when another
         set's worker has that worker_id_num, KeyError for an unknown set."""
@@ -292,6 +304,8 @@ class RouterCore:
         entry.workers[num] = worker
         self.workers[num] = (worker, entry)
         self.tally[num] = _Tally()
+        if meta is not None:
+            self.meta[num] = meta
         if self.scraper is not None:
             self.scraper.add_worker(worker, workerset)
         if self.tokenization is not None:
@@ -309,6 +323,7 @@ class RouterCore:
         worker, entry = found
         entry.workers.pop(worker_id_num, None)
         self.tally.pop(worker_id_num, None)
+        self.meta.pop(worker_id_num, None)
         self.inflight.drop_worker(worker_id_num)
         if self.tokenization is not None:
             self.tokenization.remove_worker(entry.ws.name, worker_id_num)
@@ -334,14 +349,35 @@ class RouterCore:
             raise PickError("invalid", "model is required")
         if not request.token_ids and not _has_prompt(request.body):
             raise PickError("invalid", "a prompt is required: token_ids, prompt or messages")
-        if request.inference_pool and self.config.policy.enabled and not self._pool_warned:
-            self._pool_warned = True  # the pool restriction comes with the policy watch, not built yet
-            log.warning(
-                "inference_pool %r: no pool data yet, so picks are not restricted by pool", request.inference_pool
-            )
-        result = self._pick_mock(request) if self.mock else await self._pick(request)
+        pool = self._pool(request.inference_pool)
+        result = self._pick_mock(request, pool) if self.mock else await self._pick(request, pool)
         self.metrics.pick_seconds.observe(time.perf_counter() - started)
         return result
+
+    def _pool(self, name: str) -> Pool | None:
+        """The InferencePool a request names, with [policy] enabled; None without one (or without [policy]:
+        then a pool's name is ignored and the pick is made on load alone)."""
+        if not name or not self.config.policy.enabled:
+            return None
+        if self.pools is None:
+            raise PickError("unavailable", f"inference_pool {name!r}: the InferencePools are not listed yet")
+        try:
+            return self.pools.lookup(name)
+        except KeyError as e:
+            raise PickError("not_found", e.args[0]) from None
+        except ValueError as e:
+            raise PickError("invalid", str(e)) from None
+
+    def _in_pool(self, pool: Pool | None, worker: Worker, entry: _Set) -> bool:
+        return pool is None or pool.admits(entry.ws.name, self.meta.get(worker.worker_id_num))
+
+    def _endpoint(self, worker: Worker, pool: Pool | None) -> str:
+        """Where the caller sends the request: the worker's endpoint, or the pool's target port on it."""
+        meta = self.meta.get(worker.worker_id_num)
+        if pool is not None and meta is not None and worker.pod_ip and pool.target_port in meta.ports:
+            host = f"[{worker.pod_ip}]" if ":" in worker.pod_ip else worker.pod_ip
+            return f"{host}:{meta.ports[pool.target_port]}"
+        return worker.endpoint or ""
 
     def _serves(self, worker: Worker, model: str) -> bool:
         if worker.model_name == model:
@@ -373,12 +409,15 @@ class RouterCore:
             return "evicted"
         return None
 
-    async def _pick(self, request: PickInput) -> PickResult:
+    async def _pick(self, request: PickInput, pool: Pool | None = None) -> PickResult:
         model = request.model
-        serving = [(e, [w for w in e.workers.values() if self._serves(w, model)]) for e in self.sets.values()]
+        serving = [
+            (e, [w for w in e.workers.values() if self._serves(w, model) and self._in_pool(pool, w, e)])
+            for e in self.sets.values()
+        ]
         serving = [(e, ws) for e, ws in serving if ws]
         if not serving:
-            raise PickError("not_found", f"no worker set serves model {model!r}")
+            raise PickError("not_found", f"no worker{_of(pool)} serves model {model!r}")
         for entry, workers in serving:
             eligible = [w for w in workers if self._ineligible(w, entry) is None]
             if eligible:
@@ -428,7 +467,15 @@ class RouterCore:
         worker, _ = self.workers[choice.worker_id]
         prediction = choice.prediction
         return self._record(
-            request, worker, entry, prediction.total_ms, prediction.load.cached_blocks, len(keys), choice.reason, keys
+            request,
+            worker,
+            entry,
+            prediction.total_ms,
+            prediction.load.cached_blocks,
+            len(keys),
+            choice.reason,
+            keys,
+            self._endpoint(worker, pool),
         )
 
     async def _tokenize(self, entry: _Set, model: str, body: dict[str, Any] | None) -> list[int]:
@@ -447,14 +494,14 @@ class RouterCore:
                 log.warning("worker set %s: cannot tokenize (%s); routing on load alone", entry.ws.name, e)
             return []
 
-    def _pick_mock(self, request: PickInput) -> PickResult:
+    def _pick_mock(self, request: PickInput, pool: Pool | None = None) -> PickResult:
         model = request.model
         for entry in self.sets.values():
-            workers = [w for w in entry.workers.values() if w.model_name == model]
+            workers = [w for w in entry.workers.values() if w.model_name == model and self._in_pool(pool, w, entry)]
             if workers:
                 break
         else:
-            raise PickError("not_found", f"no worker set serves model {model!r}")
+            raise PickError("not_found", f"no worker{_of(pool)} serves model {model!r}")
         if request.token_ids:
             prompt: Any = {"token_ids": list(request.token_ids)}
         else:
@@ -463,7 +510,8 @@ class RouterCore:
         key = json.dumps([model, prompt], sort_keys=True, separators=(",", ":"), default=str).encode()
         worker = workers[int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % len(workers)]
         blocks = len(request.token_ids or ()) // entry.ws.kv_block_size
-        return self._record(request, worker, entry, entry.profile.predictor.base_ms, 0, blocks, "mock", ())
+        endpoint = self._endpoint(worker, pool)
+        return self._record(request, worker, entry, entry.profile.predictor.base_ms, 0, blocks, "mock", (), endpoint)
 
     def _record(
         self,
@@ -475,6 +523,7 @@ class RouterCore:
         prompt_blocks: int,
         reason: str,
         keys: Sequence[int],
+        endpoint: str,
     ) -> PickResult:
         """Count the pick, put it in flight and keep its observation for Feedback."""
         request_id = request.request_id or uuid.uuid4().hex
@@ -490,7 +539,7 @@ class RouterCore:
             request_id=request_id,
             worker_id=worker.worker_id_str,
             worker_id_num=num,
-            endpoint=worker.endpoint or "",
+            endpoint=endpoint,
             workerset=entry.ws.name,
             predicted_ms=predicted_ms,
             cached_blocks=int(cached_blocks),
@@ -617,6 +666,10 @@ class RouterCore:
             "observations": len(self.observations),
             "leader": self.is_leader(),
         }
+
+
+def _of(pool: Pool | None) -> str:
+    return f" of InferencePool {pool.key}" if pool is not None else " set"
 
 
 def _has_prompt(body: dict[str, Any] | None) -> bool:

@@ -11,8 +11,9 @@ are made to match the slices (`RouterCore.add_worker` / `remove_worker`):
   name others), else the worker set's discovery defaults; without a replay port, ingest is
   live-only;
 * its topology labels come from the slice (`targetRef` pod name and namespace, `nodeName`,
-  `zone`, the address as `pod_ip`) and, once per pod, from the Pod (`hostIP` as `node_ip`), when
-  the Pod can be read within `POD_READ_TIMEOUT_S`;
+  `zone`, the address as `pod_ip`) and, once per pod, from the Pod (`hostIP` as `node_ip`, and
+  its labels, which InferencePool selectors match), when the Pod can be read within
+  `POD_READ_TIMEOUT_S`; the slice's named ports are kept too (an InferencePool's targetPortName);
 * its worker_id_str is the pod's name (the address without a pod), its worker_id_num a stable hash
   of worker set, namespace and pod (`RouterCore.worker_id_num_for`).
 
@@ -34,10 +35,13 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.resources.discovery_v1 import EndpointSlice
 
 from kiln.router.config import DiscoveryDefaults, Worker
+from kiln.router.core import WorkerMeta
 from kiln.router.k8s import describe_error
 
 if TYPE_CHECKING:
     from kiln.router.core import RouterCore
+
+_Found = tuple[Worker, dict[str, int]]  # a worker and its slice's named ports
 
 log = logging.getLogger("kiln.router.discovery")
 
@@ -89,10 +93,10 @@ class EndpointSliceDiscovery:
         self.watch_timeout_s = watch_timeout_s
         self.listed = False  # a list has succeeded
         self.failing: str | None = None  # the last error, while the apiserver fails
-        self._slices: dict[str, list[Worker]] = {}  # slice name -> its ready endpoints' workers
+        self._slices: dict[str, list[_Found]] = {}  # slice name -> its ready endpoints' workers
         self._nums: dict[str, int] = {}  # worker identity -> worker_id_num
-        self._workers: dict[str, Worker] = {}  # identity -> the worker as the core holds it
-        self._pods: dict[str, str | None] = {}  # pod identity -> its node IP (None: unknown)
+        self._workers: dict[str, tuple[Worker, WorkerMeta]] = {}  # identity -> the worker as the core holds it
+        self._pods: dict[str, tuple[str | None, dict[str, str]]] = {}  # pod identity -> (node IP, labels)
         self._task: asyncio.Task | None = None
         self._ready_key = f"discovery:{workerset}"
 
@@ -179,7 +183,7 @@ class EndpointSliceDiscovery:
 
     # ---- slices -> workers ----------------------------------------------------------------------
 
-    def _workers_of(self, eps: EndpointSlice) -> list[Worker]:
+    def _workers_of(self, eps: EndpointSlice) -> list[_Found]:
         ports = {p.name: p.port for p in eps.ports or () if p.name and p.port}
         http = ports.get(self.ports.http, self.defaults.http_port)
         zmq = ports.get(self.ports.zmq, self.defaults.zmq_port)
@@ -196,20 +200,23 @@ class EndpointSliceDiscovery:
             pod_ns = (ref.namespace if ref is not None else None) or self.namespace
             host = _host(ip)
             found.append(
-                Worker(
-                    worker_id_str=pod or ip,
-                    worker_id_num=0,  # assigned by _reconcile
-                    model_name=self.model_name,
-                    zmq_endpoint=f"tcp://{host}:{zmq}",
-                    replay_endpoint=f"tcp://{host}:{replay}" if replay else None,
-                    metrics_url=f"http://{host}:{http}/metrics",
-                    http_url=f"http://{host}:{http}",
-                    endpoint=f"{host}:{http}",
-                    pod_name=pod,
-                    namespace=pod_ns,
-                    node_name=ep.nodeName,
-                    pod_ip=ip,
-                    availability_zone=ep.zone,
+                (
+                    Worker(
+                        worker_id_str=pod or ip,
+                        worker_id_num=0,  # assigned by _reconcile
+                        model_name=self.model_name,
+                        zmq_endpoint=f"tcp://{host}:{zmq}",
+                        replay_endpoint=f"tcp://{host}:{replay}" if replay else None,
+                        metrics_url=f"http://{host}:{http}/metrics",
+                        http_url=f"http://{host}:{http}",
+                        endpoint=f"{host}:{http}",
+                        pod_name=pod,
+                        namespace=pod_ns,
+                        node_name=ep.nodeName,
+                        pod_ip=ip,
+                        availability_zone=ep.zone,
+                    ),
+                    ports,
                 )
             )
         return found
@@ -220,42 +227,45 @@ class EndpointSliceDiscovery:
 
     async def _reconcile(self) -> None:
         """Make the core's workers of this set those of the slices (an endpoint in two slices counts once)."""
-        wanted: dict[str, Worker] = {}
+        wanted: dict[str, _Found] = {}
         for workers in self._slices.values():
-            for worker in workers:
-                wanted.setdefault(self._identity(worker), worker)
+            for worker, ports in workers:
+                wanted.setdefault(self._identity(worker), (worker, ports))
         for identity in [i for i in self._workers if i not in wanted]:
             del self._workers[identity]
             await self.core.remove_worker(self._nums.pop(identity))
         for identity in [i for i in self._pods if i not in wanted]:
             del self._pods[identity]
-        for identity, worker in wanted.items():
+        for identity, (worker, ports) in wanted.items():
             num = self._nums.get(identity)
             if num is None:
                 num = self._nums[identity] = self.core.worker_id_num_for(f"{self.workerset}/{identity}")
-            worker = worker.model_copy(update={"worker_id_num": num, "node_ip": await self._node_ip(worker)})
-            if self._workers.get(identity) == worker:
+            node_ip, labels = await self._pod(worker)
+            worker = worker.model_copy(update={"worker_id_num": num, "node_ip": node_ip})
+            meta = WorkerMeta(labels, ports)
+            if self._workers.get(identity) == (worker, meta):
                 continue
             try:
-                await self.core.add_worker(self.workerset, worker)
+                await self.core.add_worker(self.workerset, worker, meta)
             except (KeyError, ValueError) as e:  # (the set was removed meanwhile, or an id clash)
                 log.error("worker set %s: cannot add worker %s: %s", self.workerset, worker.worker_id_str, e)
                 self._nums.pop(identity, None)
                 continue
-            self._workers[identity] = worker
+            self._workers[identity] = (worker, meta)
 
-    async def _node_ip(self, worker: Worker) -> str | None:
-        """The pod's hostIP, read once per pod; None when it cannot be read quickly."""
+    async def _pod(self, worker: Worker) -> tuple[str | None, dict[str, str]]:
+        """The pod's hostIP and labels, read once per pod; (None, {}) when it cannot be read quickly."""
         if worker.pod_name is None:
-            return None
+            return None, {}
         identity = self._identity(worker)
         if identity not in self._pods:
-            node_ip = None
+            node_ip, labels = None, {}
             try:
                 async with asyncio.timeout(POD_READ_TIMEOUT_S):
                     pod = await self.client.get(Pod, worker.pod_name, namespace=worker.namespace)
                 node_ip = pod.status.hostIP if pod.status is not None else None
+                labels = dict(pod.metadata.labels or {}) if pod.metadata is not None else {}
             except Exception as e:  # only labels are missing
                 log.debug("worker %s: cannot read its Pod: %s", worker.worker_id_str, describe_error(e, self.client))
-            self._pods[identity] = node_ip
+            self._pods[identity] = (node_ip, labels)
         return self._pods[identity]

@@ -2,7 +2,8 @@
 `admin_listen`, on one asyncio loop, until SIGTERM or SIGINT.
 
 Startup order: tokenizers are registered (a local tokenizer that cannot load is a configuration
-error), ingest and scraping start, then the gRPC server binds and its health turns SERVING, then
+error), ingest and scraping start, then Kubernetes discovery and the custom resources' watchers
+(resources.py), then the gRPC server binds and its health turns SERVING, then
 the admin server binds, then (with [leader_election]) the replica starts campaigning for the Lease.
 Shutdown runs the other way round: the Lease is released, health NOT_SERVING, the gRPC server
 stops (calls under way get a short grace), the admin server, scraping and ingest stop.
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
     from kiln.router.discovery import EndpointSliceDiscovery
     from kiln.router.leader import LeaderElector
+    from kiln.router.resources import PoolWatcher, StatusWriter, WorkerSetWatcher
 
 log = logging.getLogger("kiln.router")
 
@@ -50,7 +52,7 @@ async def serve(config: RouterConfig) -> int:
     admin: AdminServer | None = None
     kube: AsyncClient | None = None
     elector: LeaderElector | None = None
-    discoveries: list[EndpointSliceDiscovery] = []
+    watchers: list[EndpointSliceDiscovery | WorkerSetWatcher | PoolWatcher | StatusWriter] = []
     try:
         if needs_kubernetes(config):
             from kiln.router.k8s import KubernetesError, make_client
@@ -60,14 +62,17 @@ async def serve(config: RouterConfig) -> int:
             except KubernetesError as e:
                 log.error("%s", e)
                 return EXIT_CONFIG_ERROR
+        if config.leader_election.enabled:
+            elector = _elector(config, kube)
+            core.leader_election = elector
         try:
             await core.start()
         except RouterConfigError as e:
             log.error("%s", e)
             return EXIT_CONFIG_ERROR
-        discoveries = _discoveries(config, core, kube)
-        for discovery in discoveries:
-            discovery.start()
+        watchers = _discoveries(config, core, kube) + _resource_watchers(config, core, kube, elector)
+        for watcher in watchers:
+            watcher.start()
         if config.mock_mode:
             log.warning("mock mode: picks are a hash of model and prompt; no KV events, scraping or tokenization")
         reviewer = None
@@ -90,9 +95,7 @@ async def serve(config: RouterConfig) -> int:
                 log.error("cannot serve admin HTTP on admin_listen = %r: %s", config.admin_listen, e)
                 return EXIT_START_FAILED
             log.info("admin HTTP listening on http://%s (/metrics, /readyz, dashboard at /)", address)
-        if config.leader_election.enabled:
-            elector = _elector(config, kube)
-            core.leader_election = elector
+        if elector is not None:
             elector.start()
             log.info(
                 "leader election: campaigning for lease %s/%s as %s",
@@ -115,8 +118,8 @@ async def serve(config: RouterConfig) -> int:
             await grpc_server.stop()
         if admin is not None:
             await admin.stop()
-        for discovery in discoveries:
-            await discovery.stop()
+        for watcher in reversed(watchers):
+            await watcher.stop()
         await core.stop()
         if kube is not None:
             await kube.close()
@@ -154,6 +157,24 @@ def _discoveries(config: RouterConfig, core: RouterCore, client: AsyncClient | N
         )
         for ws in sets
     ]
+
+
+def _resource_watchers(
+    config: RouterConfig, core: RouterCore, client: AsyncClient | None, elector: LeaderElector | None
+) -> list[StatusWriter | WorkerSetWatcher | PoolWatcher]:
+    """With [kubernetes] and/or [policy]: the status writer, then the watchers of the custom resources."""
+    if not (config.kubernetes.enabled or config.policy.enabled):
+        return []
+    from kiln.router.resources import PoolWatcher, StatusWriter, WorkerSetWatcher
+
+    assert client is not None
+    status = StatusWriter(client, elector)
+    watchers: list[StatusWriter | WorkerSetWatcher | PoolWatcher] = [status]
+    if config.kubernetes.enabled:
+        watchers.append(WorkerSetWatcher(client, core, config, status))
+    if config.policy.enabled:
+        watchers.append(PoolWatcher(client, core, config, status))
+    return watchers
 
 
 def _elector(config: RouterConfig, client: AsyncClient) -> LeaderElector:
