@@ -73,6 +73,31 @@ def test_injector_raises_after_n_successful_steps():
     assert is_device_loss(exc.value)
 
 
+def test_device_loss_in_the_engine_fails_every_caller(tiny_model):
+    """Callers without HTTP (evals, rollouts) see the same: DeviceLost, blocks freed, nothing runs again."""
+    from kiln.engine.client import AsyncEngine
+    from kiln.engine.config import EngineConfig
+    from kiln.engine.sampling import SamplingParams
+
+    engine = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4,
+                                                  max_num_batched_tokens=32, decode_row_buckets=(4,),
+                                                  prefill_token_buckets=(32,), inject_device_loss_after_steps=3))
+    try:
+        free = engine.at_boundary(lambda: engine.core.pool.num_free).result(30)
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        with pytest.raises(DeviceLost):
+            engine.complete([[5, 6, 7], [8, 9]], params, timeout=120)
+        assert engine.device_lost is not None and engine.alive()
+        assert engine.core.pool.num_free == free and not engine.core.scheduler.requests
+        with pytest.raises(DeviceLost):
+            engine.complete([[5, 6, 7]], params, timeout=30)
+        with pytest.raises(DeviceLost):
+            engine.at_boundary(lambda: None).result(30)
+        assert engine.snapshot["steps"] == 3 and engine.snapshot["device_lost"]
+    finally:
+        engine.shutdown()
+
+
 # ---- device loss: a subprocess server with [debug] inject_device_loss_after_steps ---------------
 
 LOSS_AFTER = 150  # steps: a 200-token request is still running when the device goes
