@@ -830,3 +830,40 @@ def test_inference_pools_restrict_picks(api, kubeconfig):
         assert {w for w, _ in await pick_in(core, "only-b")} == {"a0"}  # as without a pool
 
     asyncio.run(main())
+
+
+def test_router_process_with_discovery_resources_and_policy(api, kubeconfig, tmp_path):
+    pool = {"apiVersion": "kinference.buoyant.io/v1alpha1", "kind": "InferencePool"}
+    api.put(CRDS, NS, "inferenceworkersets", worker_set_cr("qwen", modelName="m2", serviceName="kw-qwen"))
+    api.put(CRDS, NS, "inferencepools", {**pool, "metadata": {"name": "q"}, "spec": {"workerSets": ["qwen"]}})
+    put_slice(api, "kw-qwen-1", "kw-qwen", 8123, ("qwen-0", True))
+    api.unavailable = True
+    election = {"enabled": True, "lease_duration_secs": 3, "renew_grace_secs": 1, "retry_secs": 1}
+    path = router_config(
+        tmp_path / "r",
+        kubernetes={"enabled": True, "namespace": NS},
+        policy={"enabled": True, "namespace": NS},
+        leader_election=election,
+    )
+    router = RouterProcess(path, KUBECONFIG=str(kubeconfig), POD_NAME="router")
+    try:
+        assert router.get("/readyz").status_code == 503  # nothing listed yet
+        api.unavailable = False
+        wait_until(lambda: router.get("/readyz").status_code == 200, 20, "ready")
+        pick = router.router.Pick(router_pb2.PickRequest(model="m2", token_ids=[1, 2, 3]), timeout=10)
+        assert (pick.worker_id, pick.endpoint, pick.workerset) == ("qwen-0", "127.0.0.1:8123", "qwen")
+        pick = router.router.Pick(router_pb2.PickRequest(model="m2", token_ids=[1], inference_pool="q"), timeout=10)
+        assert pick.worker_id == "qwen-0"
+        code, details = code_of(
+            router.router.Pick, router_pb2.PickRequest(model="m", token_ids=[1], inference_pool="q")
+        )
+        assert code == grpc.StatusCode.NOT_FOUND and "InferencePool kiln/q" in details
+        code, details = code_of(
+            router.router.Pick, router_pb2.PickRequest(model="m", token_ids=[1], inference_pool="x")
+        )
+        assert code == grpc.StatusCode.NOT_FOUND and "no InferencePool named 'x'" in details
+        wait_until(lambda: accepted(api, "inferenceworkersets", "qwen") is not None, 20, "the leader's status write")
+        assert accepted(api, "inferencepools", "q")["status"] == "True"
+    finally:
+        code, output = router.stop()
+    assert code == 0, output[-3000:]

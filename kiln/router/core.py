@@ -568,10 +568,11 @@ class RouterCore:
     # ---- reading --------------------------------------------------------------------------------
 
     def ready(self) -> tuple[bool, list[str]]:
-        """Ready once every static worker set has a worker whose KV events arrived (at once in mock mode)."""
-        if self.mock:
-            return True, []
+        """Ready once every static worker set has a worker whose KV events arrived (at once in mock mode),
+        and Kubernetes discovery and the custom resources' watchers have listed once (`not_ready`)."""
         reasons = list(self.not_ready.values())
+        if self.mock:
+            return not reasons, reasons
         for entry in self.sets.values():
             if entry.ws.discovery.mode != "static" or entry.ingest is None:
                 continue
