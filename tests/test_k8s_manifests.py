@@ -571,9 +571,9 @@ def test_docs_page_walks_through_every_manifest():
 
 
 def test_docs_static_worker_set_loads(tmp_path, in_cluster):
-    """The stopgap the docs give until discovery is built: a static set over the pods' DNS names."""
+    """The alternative the docs give to discovery: a static set over the pods' DNS names."""
     doc = (ROOT / "docs" / "kubernetes.md").read_text()
-    section = doc.split("## Routing today: a static worker set", 1)[1].split("\n## ", 1)[0]
+    section = doc.split("## A static worker set instead", 1)[1].split("\n## ", 1)[0]
     discovery, workers = re.findall(r"```toml\n(.*?)```", section, flags=re.S)
     text = router_toml_text()
     kubernetes_discovery = '[workerset.discovery]\nmode = "kubernetes"\nservice_name = "kiln-worker"\n'
