@@ -850,6 +850,8 @@ def test_router_process_with_discovery_resources_and_policy(api, kubeconfig, tmp
         assert router.get("/readyz").status_code == 503  # nothing listed yet
         api.unavailable = False
         wait_until(lambda: router.get("/readyz").status_code == 200, 20, "ready")
+        workers = lambda: [w["worker"] for w in router.get("/api/state").json()["workers"]]  # noqa: E731
+        wait_until(lambda: "qwen-0" in workers(), 20, "the InferenceWorkerSet's worker")  # (not waited for by ready)
         pick = router.router.Pick(router_pb2.PickRequest(model="m2", token_ids=[1, 2, 3]), timeout=10)
         assert (pick.worker_id, pick.endpoint, pick.workerset) == ("qwen-0", "127.0.0.1:8123", "qwen")
         pick = router.router.Pick(router_pb2.PickRequest(model="m2", token_ids=[1], inference_pool="q"), timeout=10)

@@ -14,6 +14,10 @@ it, matches it against the set's prefix index, predicts each eligible worker's l
 If the prompt cannot be tokenized because no renderer answers, the pick is made on load alone
 (no prefix credit) and counted, rather than refused: the prefix is an optimisation.
 
+With [policy] enabled, a request naming an InferencePool (`inference_pool`) is confined to the
+pool's workers (`pools`, kept by resources.PoolWatcher): an unknown pool is not_found. Without
+[policy], the name is ignored.
+
 In mock mode there is no ingest, scraping or tokenization: the worker is a stable hash of the
 model and the prompt over the workers of the first worker set whose `model_name` is the model.
 

@@ -19,7 +19,7 @@ are made to match the slices (`RouterCore.add_worker` / `remove_worker`):
 
 An apiserver that cannot be reached, or that refuses (RBAC), is logged as an error, and retried
 every `retry_s`; the workers last known stay. Until the first list succeeds, the router is not
-ready (`RouterCore.not_ready`).
+ready (`RouterCore.not_ready`), unless `gates_readiness` is off (an InferenceWorkerSet's set).
 """
 
 from __future__ import annotations
@@ -80,6 +80,7 @@ class EndpointSliceDiscovery:
         model_name: str = "",
         retry_s: float = RETRY_S,
         watch_timeout_s: int = WATCH_TIMEOUT_S,
+        gates_readiness: bool = True,
     ) -> None:
         self.client = client
         self.core = core
@@ -99,6 +100,7 @@ class EndpointSliceDiscovery:
         self._pods: dict[str, tuple[str | None, dict[str, str]]] = {}  # pod identity -> (node IP, labels)
         self._task: asyncio.Task | None = None
         self._ready_key = f"discovery:{workerset}"
+        self.gates_readiness = gates_readiness
 
     @property
     def where(self) -> str:
@@ -106,9 +108,10 @@ class EndpointSliceDiscovery:
 
     def start(self) -> None:
         if self._task is None:
-            self.core.not_ready[self._ready_key] = (
-                f"worker set {self.workerset}: the EndpointSlices of {self.where} are not listed yet"
-            )
+            if self.gates_readiness:
+                self.core.not_ready[self._ready_key] = (
+                    f"worker set {self.workerset}: the EndpointSlices of {self.where} are not listed yet"
+                )
             self._task = asyncio.create_task(self._run(), name=f"discovery-{self.workerset}")
 
     async def stop(self) -> None:
@@ -247,7 +250,7 @@ class EndpointSliceDiscovery:
                 continue
             try:
                 await self.core.add_worker(self.workerset, worker, meta)
-            except (KeyError, ValueError) as e:  # (the set was removed meanwhile, or an id clash)
+            except (KeyError, ValueError, RuntimeError) as e:  # (the set was removed meanwhile, or an id clash)
                 log.error("worker set %s: cannot add worker %s: %s", self.workerset, worker.worker_id_str, e)
                 self._nums.pop(identity, None)
                 continue

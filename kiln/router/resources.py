@@ -175,7 +175,7 @@ class StatusWriter:
 
     def _begin(self) -> None:
         self._written.clear()  # a new term writes every status again
-        if self._task is None:
+        if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="resource-status")
 
     async def _end(self) -> None:
@@ -440,6 +440,7 @@ class WorkerSetWatcher(_Follower):
             ports=ports,
             model_name=model_name,
             retry_s=self.retry_s,
+            gates_readiness=False,  # one resource's Service must not keep the whole router unready
         )
         self.derived[key] = _Derived(ws.name, discovery)
         discovery.start()
