@@ -415,6 +415,7 @@ def _set(doc: dict, dotted: str, value) -> dict:
         ("workerset.0.discovery.workers_file", "", 'workers_file = "": must be a non-empty path'),
         ("workerset.0.discovery.defaults.replay_port", "x", 'discovery.defaults.replay_port = "x": expected an int'),
         ("kubernetes.discovery_defaults.http_port", "80", 'kubernetes.discovery_defaults.http_port = "80": expected'),
+        ("kubernetes.selector", "team in a", 'kubernetes.selector = "team in a": cannot read label selector term'),
         ("tokenize.pool_max_idle_per_host", 1.5, "tokenize.pool_max_idle_per_host = 1.5: expected an integer"),
         ("tokenize.local.warmup", "no", 'tokenize.local.warmup = "no": expected a boolean'),
         ("leader_election.lease_name", "", 'leader_election.lease_name = "": must be non-empty'),

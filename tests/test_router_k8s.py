@@ -869,3 +869,29 @@ def test_router_process_with_discovery_resources_and_policy(api, kubeconfig, tmp
     finally:
         code, output = router.stop()
     assert code == 0, output[-3000:]
+
+
+def test_label_selectors():
+    from kiln.router.selectors import match_expressions, parse_selector
+
+    labels = {"team": "a", "tier": "x", "app.kubernetes.io/name": "kiln"}
+    for text, want in [
+        ("", True),
+        ("team=a", True),
+        ("team==b", False),
+        ("team!=b,tier", True),
+        ("!tier", False),
+        ("!gpu, app.kubernetes.io/name = kiln", True),
+        ("team in (a, b),tier notin (y)", True),
+        ("team notin (a)", False),
+    ]:
+        assert parse_selector(text)(labels) is want, text
+    for bad in ("team in a", "=a", "a=b=c"):
+        with pytest.raises(ValueError, match="cannot read label selector term"):
+            parse_selector(bad)
+    expressions = [{"key": "tier", "operator": "In", "values": ["x", "y"]}, {"key": "gpu", "operator": "DoesNotExist"}]
+    assert match_expressions({"matchLabels": {"team": "a"}, "matchExpressions": expressions})(labels)
+    assert not match_expressions({"matchExpressions": [{"key": "team", "operator": "NotIn", "values": ["a"]}]})(labels)
+    assert match_expressions({})(labels) and not match_expressions({"matchLabels": {"x": "1"}})(labels)
+    with pytest.raises(ValueError, match="operator"):
+        match_expressions({"matchExpressions": [{"key": "a", "operator": "Exists", "values": ["b"]}]})

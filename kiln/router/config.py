@@ -271,6 +271,15 @@ class Kubernetes(Section):
     selector: str | None = None
     discovery_defaults: DiscoveryDefaults = Field(default_factory=DiscoveryDefaults)
 
+    @field_validator("selector")
+    @classmethod
+    def _selector_reads(cls, value: str | None) -> str | None:
+        if value is not None:
+            from kiln.router.selectors import parse_selector
+
+            parse_selector(value)  # raises ValueError, which names the term it cannot read
+        return value
+
 
 class TokenReview(Section):
     section = "token_review"
