@@ -3,6 +3,8 @@
 `predict` is pure arithmetic over a profile's `[profile.predictor]` coefficients; docs/router.md
 ("Predicting latency and picking a worker") writes the formula out term by term. A `Prediction`
 keeps every term, for the dashboard and the debug log, and the load it came from, for the picker.
+A worker set's `calibration.Factors` (fitted from Feedback) scale the queue and prefill terms and
+add an offset; the identity leaves the prediction as the coefficients alone make it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kiln.router.calibration import IDENTITY, Factors
 
 if TYPE_CHECKING:
     from kiln.router.config import Predictor
@@ -64,6 +68,15 @@ class Prediction:
     batch: int  # requests running once the router's in-flight ones are admitted (not counting this one)
     queue_entries: int  # requests ahead of this one in the worker's queue
     saturated: bool  # kv_usage reached cache_pressure_saturated_threshold
+    offset_ms: float = 0.0  # the calibration's offset, a term of its own
+    factors: Factors = IDENTITY  # the calibration queue_ms and prefill_ms were scaled by
+
+    def features(self) -> tuple[float, float, float]:
+        """The uncalibrated queue and prefill terms and the sum of the other (unscaled) terms, for
+        calibration: what the total would have been is their sum."""
+        f = self.factors
+        other = self.total_ms - self.queue_ms - self.prefill_ms - self.offset_ms
+        return self.queue_ms / f.queue_scale, self.prefill_ms / f.prefill_scale, other
 
     @property
     def uncached_blocks(self) -> float:
@@ -86,6 +99,9 @@ class Prediction:
             "batch": self.batch,
             "queue_entries": self.queue_entries,
             "saturated": self.saturated,
+            "offset_ms": self.offset_ms,
+            "queue_scale": self.factors.queue_scale,
+            "prefill_scale": self.factors.prefill_scale,
         }
 
 
@@ -101,8 +117,11 @@ def running_penalty(p: Predictor, qr: int) -> float:
     return peak * (falloff_qr - qr) / (falloff_qr - peak_qr)
 
 
-def predict(p: Predictor, load: WorkerLoad, prompt_blocks: int, inflight_tracking: bool) -> Prediction:
-    """The latency, in ms, that `load`'s worker is expected to take over a prompt of `prompt_blocks` blocks."""
+def predict(
+    p: Predictor, load: WorkerLoad, prompt_blocks: int, inflight_tracking: bool, factors: Factors = IDENTITY
+) -> Prediction:
+    """The latency, in ms, that `load`'s worker is expected to take over a prompt of `prompt_blocks` blocks,
+    with the queue and prefill terms scaled (and the offset added) by `factors`."""
     prompt_blocks = max(0, prompt_blocks)
     # The prefix: what the worker holds, plus what the router's in-flight requests are still prefilling
     # there, weighted by how much of that overlap the router trusts to materialise.
@@ -119,8 +138,9 @@ def predict(p: Predictor, load: WorkerLoad, prompt_blocks: int, inflight_trackin
 
     # Each uncached block costs a fixed amount, plus attention over every block of the prompt.
     prefill = uncached * (p.attention_uncached_block_ms + p.attention_uncached_per_every_block_ms * prompt_blocks)
+    prefill *= factors.prefill_scale
     forward = p.forward_pass_ms * (batch + 1)  # one step of the batch this request joins
-    queue = p.queue_ms_per_entry * queue_entries
+    queue = p.queue_ms_per_entry * queue_entries * factors.queue_scale
     penalty = running_penalty(p, batch)
     kv_usage = min(1.0, max(0.0, load.kv_usage))
     pressure = p.cache_pressure_penalty_ms * kv_usage
@@ -132,7 +152,7 @@ def predict(p: Predictor, load: WorkerLoad, prompt_blocks: int, inflight_trackin
 
     return Prediction(
         worker_id=load.worker_id,
-        total_ms=p.base_ms + forward + prefill + queue + penalty + pressure + cold,
+        total_ms=p.base_ms + forward + prefill + queue + penalty + pressure + cold + factors.offset_ms,
         base_ms=p.base_ms,
         forward_ms=forward,
         prefill_ms=prefill,
@@ -146,11 +166,17 @@ def predict(p: Predictor, load: WorkerLoad, prompt_blocks: int, inflight_trackin
         batch=batch,
         queue_entries=queue_entries,
         saturated=saturated,
+        offset_ms=factors.offset_ms,
+        factors=factors,
     )
 
 
 def predict_all(
-    p: Predictor, loads: Iterable[WorkerLoad], prompt_blocks: int, inflight_tracking: bool
+    p: Predictor,
+    loads: Iterable[WorkerLoad],
+    prompt_blocks: int,
+    inflight_tracking: bool,
+    factors: Factors = IDENTITY,
 ) -> list[Prediction]:
     """`predict` for each worker, in the order given."""
-    return [predict(p, load, prompt_blocks, inflight_tracking) for load in loads]
+    return [predict(p, load, prompt_blocks, inflight_tracking, factors) for load in loads]

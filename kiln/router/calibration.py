@@ -1,0 +1,125 @@
+"""Calibrating a worker set's predictor to its hardware, from the TTFT that Feedback reports.
+
+The `[profile.predictor]` coefficients are guesses; on slower hardware a queued request costs more
+than `queue_ms_per_entry`, and a router trusting the default piles requests onto the worker holding
+a prefix. `Calibration` fits, per worker set, the observed time to first token of each pick against
+the terms its prediction was made of:
+
+    observed_ttft ~ other + offset + queue_scale * queue_ms + prefill_scale * prefill_ms
+
+where queue_ms and prefill_ms are the uncalibrated queue and prefill terms of the prediction and
+`other` the sum of the rest (base, forward pass, running penalty, cache pressure, saturation). The
+fit is an exponentially weighted least squares (each observation's weight decays by DECAY per newer
+one) with a ridge prior of PRIOR_WEIGHT observations pulling it toward the identity (offset 0,
+scales 1); it is applied only once MIN_OBSERVATIONS observations came, and its scales are clamped to
+SCALE_MIN .. SCALE_MAX and its offset to OFFSET_MIN_MS .. OFFSET_MAX_MS. Before that, and for a
+worker set with no Feedback, predictions are exactly the uncalibrated ones.
+
+The spec's configuration has no key for it: these are module constants (docs/router.md, "Calibration").
+An update (on Feedback) is a 3x3 solve; a pick only multiplies two terms by the current factors.
+Not thread-safe: the router's event loop owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MIN_OBSERVATIONS = 20  # fitted factors apply from this many TTFT observations on
+DECAY = 0.995  # weight kept by each observation per newer one: an effective window of ~200 picks
+PRIOR_WEIGHT = 1.0  # the identity counts as this many observations (in each fitted coordinate)
+SCALE_MIN, SCALE_MAX = 0.25, 8.0
+OFFSET_MIN_MS, OFFSET_MAX_MS = -2000.0, 5000.0
+OUTLIER_MS = 600_000.0  # a TTFT above this (10 minutes) is a stuck request, not a latency: ignored
+
+
+@dataclass(frozen=True, slots=True)
+class Factors:
+    """What a prediction's terms are multiplied by (and shifted by); the identity by default."""
+
+    queue_scale: float = 1.0
+    prefill_scale: float = 1.0
+    offset_ms: float = 0.0
+
+    @property
+    def identity(self) -> bool:
+        return self.queue_scale == 1.0 and self.prefill_scale == 1.0 and self.offset_ms == 0.0
+
+
+IDENTITY = Factors()
+
+
+class Calibration:
+    """One worker set's online fit; `factors` is what picks use now (IDENTITY until fitted)."""
+
+    def __init__(self) -> None:
+        self.observations = 0  # TTFT observations taken (not decayed)
+        self.factors = IDENTITY
+        self.fitted = IDENTITY  # the last solve, before the MIN_OBSERVATIONS gate
+        # Decayed sums over observations of x = (1, queue_ms, prefill_ms) and y = ttft - other:
+        self._xx = [[0.0] * 3 for _ in range(3)]
+        self._xy = [0.0] * 3
+
+    def observe(self, ttft_ms: float, queue_ms: float, prefill_ms: float, other_ms: float) -> None:
+        """One pick's observed TTFT and its prediction's uncalibrated terms."""
+        if not 0.0 < ttft_ms <= OUTLIER_MS or queue_ms < 0 or prefill_ms < 0:
+            return
+        x = (1.0, queue_ms, prefill_ms)
+        y = ttft_ms - other_ms
+        for i in range(3):
+            self._xy[i] = DECAY * self._xy[i] + x[i] * y
+            row = self._xx[i]
+            for j in range(3):
+                row[j] = DECAY * row[j] + x[i] * x[j]
+        self.observations += 1
+        self.fitted = self._solve()
+        if self.observations >= MIN_OBSERVATIONS:
+            self.factors = self.fitted
+
+    def _solve(self) -> Factors:
+        """The ridge solution toward the identity, clamped."""
+        n = self._xx[0][0]  # the decayed count
+        prior = (0.0, 1.0, 1.0)
+        # The prior's strength in each coordinate: PRIOR_WEIGHT observations of that regressor's mean square.
+        ridge = [PRIOR_WEIGHT * max(self._xx[i][i] / n, 1.0) if n > 0 else PRIOR_WEIGHT for i in range(3)]
+        a = [[self._xx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+        b = [self._xy[i] + ridge[i] * prior[i] for i in range(3)]
+        theta = _solve3(a, b)
+        if theta is None:
+            return self.fitted
+        offset, queue, prefill = theta
+        return Factors(
+            queue_scale=min(SCALE_MAX, max(SCALE_MIN, queue)),
+            prefill_scale=min(SCALE_MAX, max(SCALE_MIN, prefill)),
+            offset_ms=min(OFFSET_MAX_MS, max(OFFSET_MIN_MS, offset)),
+        )
+
+    def view(self) -> dict[str, Any]:
+        """For /api/state and /metrics."""
+        f = self.factors
+        return {
+            "active": self.observations >= MIN_OBSERVATIONS,
+            "observations": self.observations,
+            "min_observations": MIN_OBSERVATIONS,
+            "queue_scale": f.queue_scale,
+            "prefill_scale": f.prefill_scale,
+            "offset_ms": f.offset_ms,
+        }
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
+    """x with a x = b (Gaussian elimination with partial pivoting); None when singular."""
+    m = [[*a[i], b[i]] for i in range(3)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, 3):
+            f = m[r][col] / m[col][col]
+            for c in range(col, 4):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * 3
+    for r in (2, 1, 0):
+        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
+    return x[0], x[1], x[2]

@@ -1,0 +1,143 @@
+"""The predictor's calibration from Feedback (kiln/router/calibration.py): identity until enough
+observations, the fit recovering a queue cost the coefficients underestimate, its bounds, and what
+it does to a pick."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kiln.router import calibration
+from kiln.router.calibration import IDENTITY, Calibration, Factors
+from kiln.router.config import Picker, Predictor
+from kiln.router.picker import pick
+from kiln.router.predictor import WorkerLoad, predict, predict_all
+
+PROMPT = 400  # blocks: a long shared prefix
+DEFAULT = Predictor()
+# The worker holding the whole prefix, with a full batch (no running penalty) and one request queued...
+LOADED = WorkerLoad(0, running=5, waiting=1, cached_blocks=PROMPT)
+# ...and an idle worker without it.
+IDLE = WorkerLoad(1)
+
+
+def observe_hardware(cal: Calibration, n: int, queue_cost: float = 3.0, prefill_cost: float = 1.0, seed: int = 0):
+    """n picks on hardware where a queued request costs `queue_cost` times queue_ms_per_entry and prefill
+    `prefill_cost` times the coefficients' prefill, with the predictions made as the router makes them (with
+    the calibration of the moment), and their TTFTs fed back."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        load = WorkerLoad(
+            rng.randrange(4), running=rng.randrange(8), waiting=rng.randrange(5), cached_blocks=rng.randrange(PROMPT)
+        )
+        prediction = predict(DEFAULT, load, PROMPT, True, cal.factors)
+        queue_ms, prefill_ms, other_ms = prediction.features()
+        ttft = other_ms + queue_cost * queue_ms + prefill_cost * prefill_ms + rng.gauss(0, 50)
+        cal.observe(ttft, queue_ms, prefill_ms, other_ms)
+
+
+def test_queueing_at_three_times_the_coefficient_turns_the_pick_to_the_idle_worker():
+    uncalibrated = predict_all(DEFAULT, [LOADED, IDLE], PROMPT, True)
+    assert uncalibrated[0].total_ms < uncalibrated[1].total_ms  # the defaults pile onto the prefix
+    assert pick(uncalibrated, Picker(), random.Random(0)).worker_id == 0
+
+    cal = Calibration()
+    observe_hardware(cal, 300)
+    f = cal.factors
+    assert f.queue_scale == pytest.approx(3.0, abs=0.1)
+    assert f.prefill_scale == pytest.approx(1.0, abs=0.1)
+    assert abs(f.offset_ms) < 150  # (the offset takes a little of the queue cost early on)
+    calibrated = predict_all(DEFAULT, [LOADED, IDLE], PROMPT, True, f)
+    assert calibrated[0].total_ms > calibrated[1].total_ms
+    assert pick(calibrated, Picker(), random.Random(0)).worker_id == 1
+    # what the calibrated predictor says is what the hardware does
+    loaded = calibrated[0]
+    assert loaded.queue_ms == pytest.approx(3 * DEFAULT.queue_ms_per_entry, rel=0.05)
+
+
+def test_no_observations_change_nothing():
+    cal = Calibration()
+    assert cal.factors is IDENTITY and cal.factors.identity
+    for load in (LOADED, IDLE, WorkerLoad(2, running=2, waiting=3, kv_usage=0.95, cached_blocks=7)):
+        assert predict(DEFAULT, load, PROMPT, True, cal.factors) == predict(DEFAULT, load, PROMPT, True)
+    assert cal.view() == {
+        "active": False,
+        "observations": 0,
+        "min_observations": calibration.MIN_OBSERVATIONS,
+        "queue_scale": 1.0,
+        "prefill_scale": 1.0,
+        "offset_ms": 0.0,
+    }
+
+
+def test_the_fit_applies_only_from_min_observations_on():
+    cal = Calibration()
+    observe_hardware(cal, calibration.MIN_OBSERVATIONS - 1)
+    assert cal.factors is IDENTITY and not cal.view()["active"]
+    assert cal.fitted.queue_scale > 1.5  # fitted already, not applied
+    observe_hardware(cal, 1, seed=1)
+    assert cal.factors == cal.fitted and cal.view()["active"]
+
+
+def test_observations_the_predictor_already_matches_keep_the_identity():
+    cal = Calibration()
+    observe_hardware(cal, 200, queue_cost=1.0, prefill_cost=1.0)
+    f = cal.factors
+    assert f.queue_scale == pytest.approx(1.0, abs=0.05) and f.prefill_scale == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_factors_are_clamped():
+    cal = Calibration()
+    observe_hardware(cal, 200, queue_cost=100.0, prefill_cost=0.0)
+    f = cal.factors
+    assert f.queue_scale == calibration.SCALE_MAX and f.prefill_scale == calibration.SCALE_MIN
+    assert calibration.OFFSET_MIN_MS <= f.offset_ms <= calibration.OFFSET_MAX_MS
+    cal = Calibration()
+    for _ in range(100):
+        cal.observe(50_000.0, 0.0, 0.0, 400.0)  # a constant way above any prediction: all offset
+    assert cal.factors.offset_ms == calibration.OFFSET_MAX_MS
+
+
+def test_unusable_observations_are_ignored():
+    cal = Calibration()
+    for ttft in (0.0, -5.0, calibration.OUTLIER_MS + 1, float("nan")):
+        cal.observe(ttft, 1000.0, 100.0, 400.0)
+    cal.observe(500.0, -1.0, 100.0, 400.0)
+    assert cal.observations == 0 and cal.factors is IDENTITY
+
+
+def test_the_fit_follows_a_change_of_hardware():
+    cal = Calibration()
+    observe_hardware(cal, 300, queue_cost=3.0)
+    observe_hardware(cal, 1500, queue_cost=1.5, seed=1)  # older observations decay away
+    assert cal.factors.queue_scale == pytest.approx(1.5, abs=0.1)
+
+
+def test_features_are_the_uncalibrated_terms():
+    f = Factors(queue_scale=2.5, prefill_scale=0.5, offset_ms=120.0)
+    load = WorkerLoad(3, running=3, waiting=2, kv_usage=0.4, cached_blocks=100, inflight=1)
+    plain, scaled = predict(DEFAULT, load, PROMPT, True), predict(DEFAULT, load, PROMPT, True, f)
+    assert scaled.features() == pytest.approx(
+        (plain.queue_ms, plain.prefill_ms, plain.total_ms - plain.queue_ms - plain.prefill_ms)
+    )
+    assert scaled.total_ms == pytest.approx(plain.total_ms + 1.5 * plain.queue_ms - 0.5 * plain.prefill_ms + 120.0)
+    assert scaled.terms()["queue_scale"] == 2.5 and scaled.terms()["offset_ms"] == 120.0
+
+
+def test_a_calibrated_pick_stays_well_under_a_millisecond():
+    cal = Calibration()
+    observe_hardware(cal, 100)
+    rng = random.Random(0)
+    loads = [
+        WorkerLoad(i, running=rng.randrange(8), waiting=rng.randrange(4), cached_blocks=rng.randrange(PROMPT))
+        for i in range(16)
+    ]
+    picker, times = Picker(), []
+    for _ in range(2000):
+        started = time.perf_counter()
+        pick(predict_all(DEFAULT, loads, PROMPT, True, cal.factors), picker, rng)
+        times.append(time.perf_counter() - started)
+    times.sort()
+    assert times[int(0.99 * len(times))] < 1e-3, times[int(0.99 * len(times))]
