@@ -174,6 +174,7 @@ def mock(tmp_path_factory):
         "body_max_request_kb": 2,
         "body_max_total_kb": 3,
         "body_idle_timeout_secs": 2,
+        "body_ttl_secs": 4,
         "profile": [{"name": "p", "predictor": {"base_ms": 123.0}}],
         "workerset": [
             {"name": "a", "profile": "p", "kv_block_size": BS},
@@ -283,10 +284,39 @@ def test_push_body_errors(mock):
         time.sleep(3)  # over body_idle_timeout_secs = 2
         yield router_pb2.BodyChunk(data=b'"prompt": "x"}', last=True)
 
+    started = time.monotonic()
     code, details = code_of(push, stalls())
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "body_idle_timeout_secs" in details
+    assert time.monotonic() - started < 3.5  # refused at the idle timeout (2 s), not at the TTL (4 s)
     assert mock.metric("kiln_router_body_rejections_total", reason="too_large") == 1
+    assert mock.metric("kiln_router_body_rejections_total", reason="idle") == 1
     wait_until(lambda: mock.metric("kiln_router_body_bytes_buffered") == 0, what="bodies to be released")
+
+
+def test_a_body_still_arriving_after_body_ttl_secs_is_dropped(mock):
+    """A stream that never pauses past body_idle_timeout_secs (2 s) but is still arriving after body_ttl_secs
+    (4 s) is refused with DEADLINE_EXCEEDED, and its bytes leave the server-wide budget (3 KB): a body that
+    needs nearly all of it is taken right after."""
+    held = []
+
+    def trickles():
+        yield router_pb2.BodyChunk(data=b'{"model": "m", "prompt": "' + b"t" * 1500)
+        for _ in range(40):  # 20 s at most; the TTL ends it after about 4
+            time.sleep(0.5)
+            held.append(mock.metric("kiln_router_body_bytes_buffered"))
+            yield router_pb2.BodyChunk(data=b"t")
+        yield router_pb2.BodyChunk(data=b'"}', last=True)
+
+    started = time.monotonic()
+    code, details = code_of(mock.router.PushBody, trickles())
+    took = time.monotonic() - started
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "body_ttl_secs" in details, details
+    assert 3.5 < took < 15, took
+    assert max(h or 0 for h in held) >= 1500  # the bytes were held while the stream was open
+    assert mock.metric("kiln_router_body_rejections_total", reason="ttl") == 1
+    wait_until(lambda: mock.metric("kiln_router_body_bytes_buffered") == 0, what="the body to be released")
+    big = json.dumps({"model": "m", "prompt": "b" * 1900}).encode()  # within 2 KB, most of the 3 KB budget
+    assert mock.router.PushBody(iter(chunks(big, size=500)), timeout=20).worker_id
 
 
 def test_bodies_share_one_budget(mock):
@@ -316,7 +346,8 @@ def test_bodies_share_one_budget(mock):
 def test_mock_feedback_and_admin(mock):
     pick = mock.router.Pick(router_pb2.PickRequest(model="m", prompt="feedback", request_id="fb-1"), timeout=20)
     assert pick.request_id == "fb-1"
-    assert mock.router.Feedback(router_pb2.FeedbackRequest(request_id="fb-1", ttft_ms=150.0), timeout=20).known
+    feedback = router_pb2.FeedbackRequest(request_id="fb-1", ttft_ms=150.0, e2e_ms=700.0)
+    assert mock.router.Feedback(feedback, timeout=20).known
     assert not mock.router.Feedback(router_pb2.FeedbackRequest(request_id="fb-1", ttft_ms=1.0), timeout=20).known
     assert not mock.router.Feedback(router_pb2.FeedbackRequest(request_id="never"), timeout=20).known
     code, _ = code_of(mock.router.Feedback, router_pb2.FeedbackRequest())
@@ -336,8 +367,18 @@ def test_mock_feedback_and_admin(mock):
     assert mock.metric("kiln_router_prediction_error_ms_bucket", workerset="a", le="50.0") == 1
     assert mock.metric("kiln_router_prediction_abs_error_ms_sum", workerset="a") == pytest.approx(150.0 - 123.0)
     assert mock.metric("kiln_router_feedback_total", outcome="unknown") == 2
+    # the observed latencies, labelled like the picks (the pick had no tenant: "other")
+    observed = {"workerset": "a", "worker": pick.worker_id, "tenant": "other"}
+    assert mock.metric("kiln_router_ttft_ms_count", **observed) == 1
+    assert mock.metric("kiln_router_ttft_ms_sum", **observed) == 150.0
+    assert mock.metric("kiln_router_e2e_ms_count", **observed) == 1
+    assert mock.metric("kiln_router_e2e_ms_sum", **observed) == 700.0
+    assert mock.metric("kiln_router_e2e_ms_bucket", **observed, le="400.0") == 0
+    assert mock.metric("kiln_router_e2e_ms_bucket", **observed, le="800.0") == 1
     state = mock.get("/api/state").json()
     assert state["mode"] == "mock" and state["workers_total"] == 5
+    fed = next(w for w in state["workers"] if w["worker"] == pick.worker_id)
+    assert (fed["ttft_ms"], fed["e2e_ms"]) == (150.0, 700.0)
     assert [w["worker"] for w in state["workers"]] == ["w0", "w1", "w2", "w3", "x0"]
 
 
@@ -608,6 +649,17 @@ def test_feedback_and_metrics(live):
     assert m("kiln_router_picks_total", workerset="a", worker="w1", reason="best", tenant="unknown") >= 1
     assert m("kiln_router_feedback_total", outcome="ok") >= 2
     assert m("kiln_router_prediction_error_ms_count", workerset="a") >= 2
+    # pick_and_finish reports ttft_ms 400 and e2e_ms 900, labelled by worker set, worker and tenant
+    for tenant in ("acme", "unknown"):
+        assert m("kiln_router_ttft_ms_count", workerset="a", worker="w1", tenant=tenant) >= 1
+        assert m("kiln_router_e2e_ms_count", workerset="a", worker="w1", tenant=tenant) >= 1
+    acme = {"workerset": "a", "worker": "w1", "tenant": "acme"}
+    assert m("kiln_router_e2e_ms_sum", **acme) == 900.0 * m("kiln_router_e2e_ms_count", **acme)
+    # fewer than MIN_OBSERVATIONS TTFTs so far: the calibration is counting, not applied
+    assert m("kiln_router_calibration_observations_total", workerset="a") >= 2
+    assert m("kiln_router_calibration_scale", workerset="a", term="queue") == 1.0
+    assert m("kiln_router_calibration_scale", workerset="a", term="prefill") == 1.0
+    assert m("kiln_router_calibration_offset_ms", workerset="a") == 0.0
     assert m("kiln_router_worker_kv_usage", workerset="a", worker="w0") == 0.25
     assert m("kiln_router_worker_alive", workerset="a", worker="w1") == 1
     assert m("kiln_router_worker_evicted", workerset="a", worker="w3") == 1
@@ -631,6 +683,10 @@ def test_dashboard_and_state(live):
     assert w["w0"]["engine"] == "kiln" and w["w0"]["labels"] == {"availability_zone": "zone-0"}
     assert w["w3"]["evicted"] and "block_size 8" in w["w3"]["evicted_reason"]
     assert w["w1"]["picks"] >= 1 and w["w1"]["predicted_ms"] is not None
+    assert (w["w1"]["ttft_ms"], w["w1"]["e2e_ms"]) == (400.0, 900.0)
+    calibration = state["worker_sets"][0]["calibration"]
+    assert not calibration["active"] and calibration["observations"] >= 1
+    assert (calibration["queue_scale"], calibration["prefill_scale"], calibration["offset_ms"]) == (1.0, 1.0, 0.0)
 
 
 def test_the_dashboard_draws_kv_usage_bars(live):

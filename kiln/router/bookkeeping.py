@@ -128,6 +128,10 @@ class Observation:
     workerset: str
     predicted_ms: float
     picked_at: float  # time.monotonic()
+    tenant: str = ""
+    # What calibration.Calibration fits against the observed TTFT: the prediction's uncalibrated queue
+    # and prefill terms and the sum of the others; None for a pick not predicted term by term (mock mode).
+    features: tuple[float, float, float] | None = None
 
 
 class Observations:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from kiln.router.bookkeeping import InFlight, Observation, Observations
+from kiln.router.calibration import Calibration
 from kiln.router.config import Profile, RouterConfig, Worker, WorkerSet
 from kiln.router.kv_index import KVIndex
 from kiln.router.picker import PrefixHeat, pick, prefix_key
@@ -112,6 +113,7 @@ class _Tally:
     picks: int = 0
     predicted_ms: float | None = None  # the last prediction made for the worker, picked or not
     ttft_ms: float | None = None  # the last time to first token Feedback reported
+    e2e_ms: float | None = None  # the last end-to-end latency Feedback reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,7 @@ class _Set:
     index: KVIndex
     ingest: KVIngest | None
     heat: PrefixHeat = field(default_factory=PrefixHeat)
+    calibration: Calibration = field(default_factory=Calibration)
     tokenize_warned_at: float = -TOKENIZE_LOG_EVERY_S
     workers: dict[int, Worker] = field(default_factory=dict)  # by worker_id_num, in the order added
 
@@ -461,7 +464,7 @@ class RouterCore:
                     inflight=self.inflight.count(num),
                 )
             )
-        predictions = predict_all(entry.profile.predictor, loads, len(keys), tracking)
+        predictions = predict_all(entry.profile.predictor, loads, len(keys), tracking, entry.calibration.factors)
         share = entry.heat.observe(prefix_key(keys))
         choice = pick(predictions, picker, self.rng, prefix_share_pct=share)
         for p in predictions:
@@ -480,6 +483,7 @@ class RouterCore:
             choice.reason,
             keys,
             self._endpoint(worker, pool),
+            prediction.features(),
         )
 
     async def _tokenize(self, entry: _Set, model: str, body: dict[str, Any] | None) -> list[int]:
@@ -528,6 +532,7 @@ class RouterCore:
         reason: str,
         keys: Sequence[int],
         endpoint: str,
+        features: tuple[float, float, float] | None = None,
     ) -> PickResult:
         """Count the pick, put it in flight and keep its observation for Feedback."""
         request_id = request.request_id or uuid.uuid4().hex
@@ -535,7 +540,11 @@ class RouterCore:
         num = worker.worker_id_num
         if not self.mock:
             self.inflight.add(request_id, num, keys, now)
-        self.observations.add(Observation(request_id, num, worker.worker_id_str, entry.ws.name, predicted_ms, now))
+        self.observations.add(
+            Observation(
+                request_id, num, worker.worker_id_str, entry.ws.name, predicted_ms, now, request.tenant, features
+            )
+        )
         self.tally[num].picks += 1
         labels = self.metrics.tenant_labels(request.tenant)
         self.metrics.picks.labels(workerset=entry.ws.name, worker=worker.worker_id_str, reason=reason, **labels).inc()
@@ -560,13 +569,30 @@ class RouterCore:
         if observation is None:
             self.metrics.feedback.labels("unknown").inc()
             return False
-        self.metrics.feedback.labels("failed" if failed else "ok").inc()
-        if not failed and ttft_ms > 0:
+        metrics = self.metrics
+        metrics.feedback.labels("failed" if failed else "ok").inc()
+        if failed:
+            return True
+        labels = {
+            "workerset": observation.workerset,
+            "worker": observation.worker_id_str,
+            **metrics.tenant_labels(observation.tenant),
+        }
+        tally = self.tally.get(observation.worker_id_num)  # (None: the worker left)
+        if ttft_ms > 0:
             error = ttft_ms - observation.predicted_ms
-            self.metrics.prediction_error.labels(observation.workerset).observe(error)
-            self.metrics.prediction_abs_error.labels(observation.workerset).observe(abs(error))
-            if (tally := self.tally.get(observation.worker_id_num)) is not None:  # (None: the worker left)
+            metrics.prediction_error.labels(observation.workerset).observe(error)
+            metrics.prediction_abs_error.labels(observation.workerset).observe(abs(error))
+            metrics.ttft.labels(**labels).observe(ttft_ms)
+            if tally is not None:
                 tally.ttft_ms = ttft_ms
+            entry = self.sets.get(observation.workerset)
+            if entry is not None and observation.features is not None:
+                entry.calibration.observe(ttft_ms, *observation.features)
+        if e2e_ms > 0:
+            metrics.e2e.labels(**labels).observe(e2e_ms)
+            if tally is not None:
+                tally.e2e_ms = e2e_ms
         return True
 
     # ---- reading --------------------------------------------------------------------------------
@@ -615,6 +641,7 @@ class RouterCore:
             "picks": tally.picks,
             "predicted_ms": tally.predicted_ms,
             "ttft_ms": tally.ttft_ms,
+            "e2e_ms": tally.e2e_ms,
             "labels": {k: v for k in TOPOLOGY if (v := getattr(worker, k)) is not None},
             "ingest": vars(ingest) if ingest is not None else None,
         }
@@ -624,7 +651,10 @@ class RouterCore:
         tokenization = self.tokenization
         return {
             "workers": [self.worker_view(w, e) for w, e in self.workers.values()],
-            "worker_sets": [{"name": name, "index_blocks": e.index.size()} for name, e in self.sets.items()],
+            "worker_sets": [
+                {"name": name, "index_blocks": e.index.size(), "calibration": e.calibration.view()}
+                for name, e in self.sets.items()
+            ],
             "tokenize": {
                 "mismatches": dict(tokenization.mismatches) if tokenization else {},
                 "local_failures": dict(tokenization.local_failures) if tokenization else {},
@@ -661,6 +691,7 @@ class RouterCore:
                     "kv_block_size": e.ws.kv_block_size,
                     "workers": len(e.workers),
                     "index_blocks": e.index.size(),
+                    "calibration": e.calibration.view(),
                 }
                 for name, e in self.sets.items()
             ],

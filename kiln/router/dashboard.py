@@ -35,7 +35,8 @@ PAGE = """<!doctype html>
 <table>
   <thead><tr>
     <th>worker</th><th>worker set</th><th>status</th><th>running</th><th>waiting</th><th>KV usage</th>
-    <th>index blocks</th><th>in flight</th><th>picks</th><th>predicted ms</th><th>TTFT ms</th><th>engine</th>
+    <th>index blocks</th><th>in flight</th><th>picks</th><th>predicted ms</th><th>TTFT ms</th><th>E2E ms</th>
+    <th>engine</th>
     <th>labels</th>
   </tr></thead>
   <tbody id="workers"></tbody>
@@ -50,8 +51,16 @@ function cell(row, text, cls) {
   return td;
 }
 function ms(v) { return v === null || v === undefined ? "" : v.toFixed(0); }
+function calibration(w) {
+  const c = w.calibration;
+  if (!c) return "";
+  if (!c.active) return `, uncalibrated (${c.observations} of ${c.min_observations} TTFTs)`;
+  return `, calibrated: queue x${c.queue_scale.toFixed(2)}, prefill x${c.prefill_scale.toFixed(2)}, ` +
+    `offset ${c.offset_ms.toFixed(0)} ms`;
+}
 function render(s) {
-  const sets = s.worker_sets.map(w => `${w.name}: ${w.workers} workers, ${w.index_blocks} blocks`).join("; ");
+  const sets = s.worker_sets.map(w => `${w.name}: ${w.workers} workers, ${w.index_blocks} blocks` + calibration(w))
+    .join("; ");
   const summary = document.getElementById("summary");
   summary.textContent = `${s.mode} mode, ${s.ready ? "ready" : "not ready"}; ${s.picks_total} picks; ` +
     `${s.inflight} in flight; ${sets}` +
@@ -84,6 +93,7 @@ function render(s) {
     cell(row, w.picks, "num");
     cell(row, ms(w.predicted_ms), "num");
     cell(row, ms(w.ttft_ms), "num");
+    cell(row, ms(w.e2e_ms), "num");
     cell(row, w.engine);
     cell(row, Object.entries(w.labels).map(([k, v]) => `${k}=${v}`).join(" "), "labels");
     body.appendChild(row);

@@ -5,7 +5,8 @@ Figures the router already keeps elsewhere (each worker's scraped load, ingest c
 sizes, tokenization mismatches, buffered bodies) are read when `/metrics` is scraped, through a
 collector over a `snapshot` callable, so that nothing is counted twice.
 
-`[metrics] tenant_labels` decides whether the pick and failure counters carry a `tenant` label:
+`[metrics] tenant_labels` decides whether the pick and failure counters and the observed latency
+histograms (`ttft_ms`, `e2e_ms`) carry a `tenant` label:
 `none`: no such label; `all`: each tenant its own (an empty tenant is `unknown`); a list: those
 tenants their own, every other one (an empty one included) `other`.
 """
@@ -24,6 +25,8 @@ from kiln.router.config import RouterConfig
 PREFIX = "kiln_router_"
 # Observed TTFT minus predicted latency, in ms: negative when the worker was faster than predicted.
 ERROR_BUCKETS_MS = (-5000, -2000, -1000, -500, -200, -100, -50, 0, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# Observed time to first token and end-to-end latency, in ms, from Feedback.
+LATENCY_BUCKETS_MS = (25, 50, 100, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 51200, 102400, 204800)
 PICK_BUCKETS_S = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 # ingest counter -> metric name (without the prefix and _total)
@@ -87,6 +90,20 @@ class RouterMetrics:
             buckets=tuple(b for b in ERROR_BUCKETS_MS if b > 0),
             registry=r,
         )
+        self.ttft = Histogram(
+            PREFIX + "ttft_ms",
+            "Observed time to first token, from Feedback, by worker set and worker",
+            ("workerset", "worker", *tenant),
+            buckets=LATENCY_BUCKETS_MS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_ms",
+            "Observed end-to-end latency (request sent to last token), from Feedback, by worker set and worker",
+            ("workerset", "worker", *tenant),
+            buckets=LATENCY_BUCKETS_MS,
+            registry=r,
+        )
         self.feedback = Counter(
             PREFIX + "feedback",
             "Feedback calls: ok, failed (the request failed) or unknown (no pick held)",
@@ -119,7 +136,7 @@ class _StateCollector(Collector):
     """Gauges and counters read from the router's state when /metrics is scraped.
 
     The snapshot: {"workers": [{workerset, worker, alive, evicted, running, waiting, kv_usage, inflight,
-    index_blocks, ingest: {counter: value} | None}], "worker_sets": [{name, index_blocks}],
+    index_blocks, ingest: {counter: value} | None}], "worker_sets": [{name, index_blocks, calibration}],
     "tokenize": {"mismatches": {(set, model): n}, "local_failures": {(set, model): n}},
     "bodies": {"bytes": n, "count": n}, "observations": n, "leader": bool | None}.
     """
@@ -166,9 +183,32 @@ class _StateCollector(Collector):
         blocks = GaugeMetricFamily(
             PREFIX + "index_blocks", "Distinct KV blocks in the worker set's prefix index", labels=("workerset",)
         )
+        scales = GaugeMetricFamily(
+            PREFIX + "calibration_scale",
+            "Factor the predictor's queue or prefill term is scaled by, fitted from Feedback (1 until fitted)",
+            labels=("workerset", "term"),
+        )
+        offsets = GaugeMetricFamily(
+            PREFIX + "calibration_offset_ms",
+            "Milliseconds the calibration adds to every prediction, fitted from Feedback (0 until fitted)",
+            labels=("workerset",),
+        )
+        observed = CounterMetricFamily(
+            PREFIX + "calibration_observations",
+            "Time to first token observations the worker set's calibration has taken",
+            labels=("workerset",),
+        )
         for ws in s["worker_sets"]:
             blocks.add_metric([ws["name"]], ws["index_blocks"])
+            if (c := ws.get("calibration")) is not None:
+                scales.add_metric([ws["name"], "queue"], c["queue_scale"])
+                scales.add_metric([ws["name"], "prefill"], c["prefill_scale"])
+                offsets.add_metric([ws["name"]], c["offset_ms"])
+                observed.add_metric([ws["name"]], c["observations"])
         yield blocks
+        yield scales
+        yield offsets
+        yield observed
 
         for key, doc in (
             ("mismatches", "Prompts whose local tokenization differed from /render (compare mode)"),
