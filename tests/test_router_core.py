@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 
 import pytest
@@ -229,3 +230,50 @@ def test_derived_worker_ids_are_stable_and_step_past_taken_ones():
     assert num == derive_worker_id_num("kiln/pod-0") >= 1 << 40 and num != derive_worker_id_num("kiln/pod-1")
     assert derive_worker_id_num("kiln/pod-0", {num}) == num + 1
     assert derive_worker_id_num("kiln/pod-0", {num, num + 1}) == num + 2
+
+
+def test_feedback_calibrates_the_worker_sets_predictor():
+    """TTFTs fed back where a queued request costs 3x queue_ms_per_entry: once MIN_OBSERVATIONS came, the
+    worker holding a long prefix behind one queued request loses the pick to an idle worker without it."""
+    from kiln.router.calibration import MIN_OBSERVATIONS
+
+    core, scraper = core_with(config())
+    p = core.config.profile[0].predictor
+    prefix = list(range(400))  # 100 blocks: 2 s of prefill at 20 ms a block
+    core.sets["a"].index.store(0, list(range(1, 101)), None, prefix)
+
+    def load(waiting: dict[int, int]) -> None:  # full batches (no running penalty)
+        for n, w in waiting.items():
+            scraper.states[n] = dataclasses.replace(scraper.states[n], running=5, waiting=w)
+
+    load({0: 1, 1: 0, 2: 0})
+    first = pick(core, prefix)
+    assert first.worker_id == "w0"  # uncalibrated: the prefix outweighs the queue
+    assert core.feedback(first.request_id, failed=True)  # (a failed request: nothing to calibrate on)
+    rng = random.Random(0)
+    for i in range(MIN_OBSERVATIONS + 20):
+        waiting = rng.randrange(4)
+        load({n: waiting for n in range(3)})
+        tokens = prefix[: 4 * rng.randrange(10, 101)] if i % 3 == 0 else [5000 + i] * 4 * rng.randrange(10, 101)
+        r = pick(core, tokens, tenant="acme")
+        per_block = p.attention_uncached_block_ms + p.attention_uncached_per_every_block_ms * r.prompt_blocks
+        ttft = p.base_ms + 3 * p.queue_ms_per_entry * waiting + (r.prompt_blocks - r.cached_blocks) * per_block
+        assert core.feedback(r.request_id, ttft_ms=ttft, e2e_ms=ttft + 1000.0)
+    view = core.state()["worker_sets"][0]["calibration"]
+    assert view["active"] and view["observations"] == MIN_OBSERVATIONS + 20
+    assert view["queue_scale"] == pytest.approx(3.0, abs=0.1) and view["prefill_scale"] == pytest.approx(1.0, abs=0.1)
+    assert core.snapshot()["worker_sets"][0]["calibration"] == view
+    load({0: 1, 1: 0, 2: 0})
+    calibrated = pick(core, prefix)
+    assert calibrated.worker_id in ("w1", "w2") and calibrated.cached_blocks == 0
+    assert any(w["e2e_ms"] is not None for w in core.state()["workers"])
+    exported = RouterMetrics(core.config, core.snapshot).render().decode()  # (as /metrics reads the state)
+    samples = {
+        line.rpartition(" ")[0]: float(line.rpartition(" ")[2])
+        for line in exported.splitlines()
+        if not line.startswith("#")
+    }
+    assert samples['kiln_router_calibration_scale{term="queue",workerset="a"}'] == view["queue_scale"]
+    assert samples['kiln_router_calibration_scale{term="prefill",workerset="a"}'] == view["prefill_scale"]
+    assert samples['kiln_router_calibration_offset_ms{workerset="a"}'] == view["offset_ms"]
+    assert samples['kiln_router_calibration_observations_total{workerset="a"}'] == MIN_OBSERVATIONS + 20
