@@ -311,6 +311,10 @@ class Settings:
     def compilation_dir(self) -> Path:
         return Path(self.cache.compilation_dir).expanduser() if self.cache.compilation_dir else self.cache_dir() / "jax"
 
+    def iree_cache_dir(self) -> Path:
+        directory = self.backend.iree_cache_dir
+        return Path(directory).expanduser() if directory else self.cache_dir() / "iree"
+
     def training_dir(self) -> Path:
         return Path(self.train.data_dir).expanduser() if self.train.data_dir else self.cache_dir() / "data"
 

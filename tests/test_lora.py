@@ -57,17 +57,17 @@ def test_rows_with_different_adapters_equal_merged_weights(model):
         state = set_slot(state, slot, adapter, scale)
     rng = np.random.RandomState(0)
     seqs = [list(rng.randint(3, cfg.vocab_size, size=n)) for n in (11, 7, 9)]
-    rows = [RowWork(seqs[0], 0, [0], 0), RowWork(seqs[1], 0, [3], 1), RowWork(seqs[2], 0, [5], 2)]
+    rows = [RowWork(seqs[0], 0, [1], 0), RowWork(seqs[1], 0, [3], 1), RowWork(seqs[2], 0, [5], 2)]
     batched = run(cfg, params, rows, state)
-    base = run(cfg, params, [RowWork(seqs[0], 0, [0])])
+    base = run(cfg, params, [RowWork(seqs[0], 0, [1])])
     np.testing.assert_allclose(batched[:11], base, atol=1e-4, rtol=0)
     for i, slot in ((1, 1), (2, 2)):
         adapter, scale = adapters[slot]
-        expected = run(cfg, merged(params, adapter, scale), [RowWork(seqs[i], 0, [0])])
+        expected = run(cfg, merged(params, adapter, scale), [RowWork(seqs[i], 0, [1])])
         start = sum(len(s) for s in seqs[:i])
         got = batched[start : start + len(seqs[i])]
         np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
-        assert np.abs(expected - run(cfg, params, [RowWork(seqs[i], 0, [0])])).max() > 1e-2  # the adapter matters
+        assert np.abs(expected - run(cfg, params, [RowWork(seqs[i], 0, [1])])).max() > 1e-2  # the adapter matters
 
 
 def test_slot_rules(model):

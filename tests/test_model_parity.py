@@ -68,7 +68,7 @@ def test_mixed_batch_of_decode_rows_and_prefill_chunks(tiny):
     rng = np.random.RandomState(3)
     seqs = [rng.randint(3, cfg.vocab_size, size=n) for n in (30, 21, 12)]
     refs = [hf_logits(model, s) for s in seqs]
-    tables = [[3, 9], [0, 6], [11]]
+    tables = [[3, 9], [1, 6], [11]]  # block 0 is the padding target, never a row's
     kv = init_kv_cache(cfg, num_blocks=12, block_size=BLOCK)
     # step 1: row 0 prefills 20 tokens, row 1 prefills its first chunk of 16
     step1 = [RowWork(list(seqs[0][:20]), 0, tables[0]), RowWork(list(seqs[1][:16]), 0, tables[1])]

@@ -30,6 +30,7 @@ from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
+from kiln.engine.routes import StepRoute
 from kiln.engine.sampling import SamplingParams
 from kiln.errors import DeviceLost
 from kiln.models.loader import LoadedModel
@@ -106,8 +107,9 @@ def _deliver(batch: list[tuple[RequestStream, Delta]]) -> None:
 
 
 class AsyncEngine:
-    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, metrics: EngineMetrics | None = None):
-        self.core = EngineCore(model, config or EngineConfig(), metrics)
+    def __init__(self, model: LoadedModel, config: EngineConfig | None = None, metrics: EngineMetrics | None = None,
+                 route: StepRoute | None = None):
+        self.core = EngineCore(model, config or EngineConfig(), metrics, route)
         self.model = model
         self.config = self.core.config
         self.max_model_len = self.core.max_model_len

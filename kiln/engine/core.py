@@ -22,6 +22,7 @@ from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
 from kiln.engine.ownership import Ownership
 from kiln.engine.request import Request
+from kiln.engine.routes import XLA, StepRoute
 from kiln.engine.runner import Runner, StepResult
 from kiln.engine.sampling import SamplingParams
 from kiln.engine.scheduler import Scheduler, StepFailure, StepPlan
@@ -32,8 +33,10 @@ log = logging.getLogger("kiln.engine")
 
 
 class EngineCore:
-    def __init__(self, model: LoadedModel, config: EngineConfig, metrics: EngineMetrics | None = None):
+    def __init__(self, model: LoadedModel, config: EngineConfig, metrics: EngineMetrics | None = None,
+                 route: StepRoute | None = None):
         self.model = model
+        self.route = route or XLA
         self.config = config
         self.metrics = metrics
         cfg = model.config
@@ -48,12 +51,15 @@ class EngineCore:
 
             self.publisher = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint or None,
                                               encoding=config.kv_events_encoding)
-        self.pool = BlockPool(config.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+        # a route under prefix-reuse quarantine prefills every request afresh
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size,
+                              config.enable_prefix_caching and self.route.reuses_prefixes,
                               on_stored=self._on_stored if self.publisher else None,
                               on_removed=self._on_removed if self.publisher else None)
         self.ownership = Ownership()
         self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype)
-        self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, model.dtype)
+        self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, model.dtype,
+                             self.route)
         self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,
                                    tokenizer=model.tokenizer, eos_ids=self.eos_ids, step_cost=self.runner.step_cost,
                                    fits=self.runner.fits, on_finish=self._on_finish)

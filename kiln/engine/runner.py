@@ -40,6 +40,7 @@ from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.output import TokenLogprob
 from kiln.engine.request import Request
+from kiln.engine.routes import XLA, RouteCannotRun, StepRoute
 from kiln.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampled, SamplingFlags, sample
 from kiln.engine.scheduler import Batch, Rows, StepFailure
 from kiln.errors import GraphCaptureDisabled, RequestFailed
@@ -257,8 +258,10 @@ class StepResult:
 
 class Runner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, max_model_len: int,
-                 eos_ids: tuple[int, ...], lora_slots: LoraSlots, kv_dtype: str = "float32"):
+                 eos_ids: tuple[int, ...], lora_slots: LoraSlots, kv_dtype: str = "float32",
+                 route: StepRoute = XLA):
         self.cfg = cfg
+        self.route = route
         self.params = params
         self.config = config
         self.block_size = config.block_size
@@ -317,6 +320,8 @@ class Runner:
         for future in self._capturing.values():
             future.cancel()
         self._capturing.clear()
+        if self.route.is_iree:  # resized with XLA on the host; the next step uploads it again
+            self.kv = KVCache(*(jnp.asarray(self.route.device.to_host(x)) for x in self.kv))
 
         def resized(x: jax.Array) -> jax.Array:
             if moves:
@@ -431,6 +436,8 @@ class Runner:
         """The executable of one bucket (any thread; the persistent compilation cache applies)."""
         params, kv = abstract or self._abstract
         inputs, last_index, rs, targets = self._padding_inputs(shape)
+        if self.route.is_iree:
+            return self._compile_iree(shape, params, kv, inputs, last_index, rs, targets, lora)
         before = _mapped_regions()
         if shape.flags.mask:
             forward = forward_step.lower(params, kv, inputs, last_index, targets, lora, cfg=self.cfg,
@@ -444,6 +451,30 @@ class Runner:
             self._map_samples.append(_mapped_regions() - before)
         return executable
 
+    def _compile_iree(self, shape: StepShape, params, kv, inputs, last_index, rs, targets, lora) -> Callable:
+        """The bucket on an IREE route: one module, or the forward pass on the device and sampling
+        with XLA on the host where the device's sampling cannot be trusted (see routes.py)."""
+        route = self.route
+        if shape.prompt_logprobs and not route.gate("top_k"):
+            raise RouteCannotRun(f"prompt logprobs are not available on the {route.name} route: its top-k "
+                                 "failed the correctness gate")
+        host_sampling = (shape.flags.mask or (shape.flags.filtering and not route.gate("sort"))
+                         or (shape.flags.top_logprobs and not route.gate("top_k")))
+        static = {"cfg": self.cfg, "with_prompt_logprobs": shape.prompt_logprobs}
+        if not host_sampling:
+            return route.compile(model_step, (params, kv, inputs, last_index, rs, targets, lora),
+                                 {**static, "flags": shape.flags}, device_outputs=(2,))
+        from kiln.iree.step import HostSampling
+
+        forward = route.compile(forward_step, (params, kv, inputs, last_index, targets, lora), static,
+                                device_outputs=(0, 2))
+        row_logits = jax.ShapeDtypeStruct((shape.rows, self.cfg.vocab_size), jnp.float32)
+        sampler = HostSampling(route.device, sample_step.lower(row_logits, rs, flags=shape.flags).compile())
+        if shape.flags.mask:
+            return MaskedStep(forward, sampler)
+        return lambda params, kv, inputs, last_index, rs, targets, lora: MaskedStep(forward, sampler)(
+            params, kv, inputs, last_index, rs, targets, lora, masks=lambda: rs.allowed)
+
     def compile_bucket(self, shape: StepShape) -> Callable:
         """Compiles one bucket without keeping it (`kiln warmup`: the persistent cache keeps it)."""
         return self._compile(shape, self._lora_abstract(shape))
@@ -454,7 +485,7 @@ class Runner:
         kernel caps a process's mappings (vm.max_map_count); an evicted bucket is reloaded from
         the persistent compilation cache when needed again."""
         self.executables[shape] = executable
-        keep = max(8, int(MAPPING_SHARE * _MAX_MAPPINGS) // max(1, *self._map_samples))
+        keep = max(8, int(MAPPING_SHARE * _MAX_MAPPINGS) // max([1, *self._map_samples]))
         if len(self.executables) > keep:
             while len(self.executables) > keep * 3 // 4:  # evict a batch: clearing JAX's caches costs retraces
                 evicted, _ = self.executables.popitem(last=False)
@@ -508,8 +539,7 @@ class Runner:
     def _padding_inputs(self, shape: StepShape) -> tuple[StepInputs, np.ndarray, RowSampling, np.ndarray]:
         """Inputs of an all-padding batch of this shape (what a compile sees)."""
         S, T = shape.rows, shape.tokens
-        pad_slot = self.num_blocks * self.block_size
-        inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), np.full(T, pad_slot, np.int32),
+        inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
                             np.zeros(T, np.int32), np.full((S, shape.query), T, np.int32),
                             np.zeros((S, shape.blocks), np.int32), np.zeros(S, np.int32))
         return inputs, np.zeros(S, np.int32), self._sampling_arrays([], shape), np.full(T, -1, np.int32)
@@ -580,7 +610,7 @@ class Runner:
         rows = batch.rows
         try:
             shape = self.resolve(self.shape_for(rows))
-        except GraphCaptureDisabled as exc:
+        except (GraphCaptureDisabled, RouteCannotRun) as exc:
             return StepFailure(exc)
         try:
             result = self._run(rows, shape)
@@ -588,7 +618,7 @@ class Runner:
             if is_device_loss(exc):
                 raise as_device_lost(exc) from exc
             log.exception("step failed")
-            kv_lost = self.kv.k.is_deleted()
+            kv_lost = self.route.is_iree or self.kv.k.is_deleted()  # IREE consumed it in place
             if kv_lost:
                 self.reset_kv()
             return StepFailure(RequestFailed(f"the accelerator step failed: {type(exc).__name__}",

@@ -183,14 +183,15 @@ def sample(logits: jax.Array, rs: RowSampling, flags: SamplingFlags) -> Sampled:
         ids = jnp.arange(V, dtype=jnp.int32)
         bits = jnp.right_shift(rs.allowed[:, ids // 32], ids % 32) & 1
         x = jnp.where(bits == 1, x, -jnp.inf)
-    x = x.at[rows, rs.bias_ids].add(rs.bias_values, mode="drop")
+    # padded id lists use id V: they write an extra column, cut off after (indices stay in bounds)
+    x = jnp.pad(x, ((0, 0), (0, 1))).at[rows, rs.bias_ids].add(rs.bias_values)[:, :V]
     if flags.penalties:
         out_counts = _presence(rs.output_ids, V)
         seen = (out_counts + _presence(rs.prompt_ids, V)) > 0
         rep = rs.repetition[:, None]
         x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
         x = x - rs.frequency[:, None] * out_counts - rs.presence[:, None] * (out_counts > 0)
-    x = x.at[rows, rs.banned_ids].set(-jnp.inf, mode="drop")
+    x = jnp.pad(x, ((0, 0), (0, 1))).at[rows, rs.banned_ids].set(-jnp.inf)[:, :V]
     greedy = _argmax(x)
 
     def draw():

@@ -12,13 +12,14 @@ from kiln.config import Settings
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.runner import COUNTER
-from kiln.engine.setup import configure_compilation_cache, load_model_from_settings
+from kiln.engine.setup import configure_compilation_cache, load_model_from_settings, select_route_from_settings
 
 
 def warmup(settings: Settings) -> int:
     start = time.monotonic()
     configure_compilation_cache(settings.compilation_dir())
-    core = EngineCore(load_model_from_settings(settings), EngineConfig.from_settings(settings))
+    model = load_model_from_settings(settings)
+    core = EngineCore(model, EngineConfig.from_settings(settings), route=select_route_from_settings(settings, model))
     try:
         runner = core.runner
         shapes = runner.warmup_shapes(settings.engine.warmup_context_tokens, lora=True)

@@ -36,7 +36,7 @@ def build_step_inputs(
     M = max_blocks or max(len(r.block_table) for r in rows)
     if total > T or len(rows) > S or any(len(r.tokens) > Q or len(r.block_table) > M for r in rows):
         raise ValueError("rows do not fit the requested step shape")
-    pad_slot = num_blocks * block_size
+    pad_slot = 0  # block 0 is never allocated: padding tokens' K/V is written there and never read
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slots = np.full(T, pad_slot, np.int32)

@@ -49,8 +49,9 @@ class StepInputs(NamedTuple):
     """Fixed-shape inputs of one step; the engine pads each field to a shape bucket.
 
     tokens, positions, slots, token_rows: [T]. slots is the flat pool slot
-    (block * block_size + offset) each token's K/V goes to; padding tokens use
-    num_blocks * block_size, which is out of range and dropped.
+    (block * block_size + offset) each token's K/V goes to; padding tokens use slot 0,
+    in block 0, which the block pool never hands out (every index stays in bounds: IREE's
+    scatters do not drop out-of-range updates).
     query_index: [S, Q] flat token index of each row's q-th new token (T for padding).
     block_tables: [S, max_blocks]. adapter_slots: [S] (0 = no adapter).
     """
@@ -165,7 +166,8 @@ def _attention(q, k_all, v_all, layer_idx, inputs: StepInputs, plan: _AttentionP
     probs = jnp.where(plan.valid_query[:, None, None, :, None], probs, 0.0).astype(q.dtype)
     out = jax.lax.batch_matmul(probs.reshape(S * KH, G * Q, C), v.astype(q.dtype))  # [S*KH, G*Q, D]
     out = out.reshape(S, KH, G, Q, D).transpose(0, 3, 1, 2, 4).reshape(S * Q, KH * G, D)
-    return jnp.zeros((T, KH * G, D), q.dtype).at[plan.query_scatter].set(out.astype(q.dtype), mode="drop")
+    # padding queries land in an extra row T, cut off after: every scatter index stays in bounds
+    return jnp.zeros((T + 1, KH * G, D), q.dtype).at[plan.query_scatter].set(out.astype(q.dtype))[:T]
 
 
 def decoder_layer(h: jax.Array, layer: dict, proj: Callable, cos, sin, attend: Callable, cfg: ModelConfig):

@@ -38,7 +38,7 @@ def _health(request: Request) -> Response:
         "serving_profile": st.profile.to_json(),
         "backend_runtime": {"healthy": backend_ok, "reason": reason, "restart_required": lost is not None,
                             "platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-                            "route": st.backend_route},
+                            "route": st.backend_route, "route_reason": st.engine.core.route.choice.reason},
         "checks": {"inference_admission": admission, "engine_loop": engine_ok, "model_loaded": True,
                    "prewarm": st.prewarm},
     }
@@ -60,7 +60,8 @@ def config(request: Request) -> dict[str, Any]:
     st = server_state(request)
     model = {"id": st.model_id, "weights_digest": st.engine.model.weights_digest,
              "max_model_len": st.engine.max_model_len}
-    return {**st.settings.to_json(), "model": model, "version": __version__}
+    return {**st.settings.to_json(), "model": model, "backend": st.engine.core.route.choice.to_json(),
+            "version": __version__}
 
 
 @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")

@@ -13,6 +13,7 @@ import uvicorn
 
 from kiln.config import Settings
 from kiln.errors import KilnError, ModelLoadError
+from kiln.iree.device import RouteUnavailable
 from kiln.profiles import ServingProfile, log_startup
 from kiln.server.app import create_app
 from kiln.server.state import ServerState
@@ -71,6 +72,9 @@ def serve(settings: Settings) -> int:
         engine = build_engine(settings)
     except ModelLoadError as exc:
         print(f"kiln: error: cannot load the model: {exc}", file=sys.stderr)
+        return 1
+    except RouteUnavailable as exc:
+        print(f"kiln: error: backend: {exc}", file=sys.stderr)
         return 1
     registry = AdapterRegistry(engine, AdapterStore(settings.adapter_store()),
                                settings.serving_profile.policy.adapter_weight_transitions)

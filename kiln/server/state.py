@@ -50,7 +50,8 @@ class ServerState:
 
     @property
     def backend_route(self) -> str:
-        return f"xla:{jax.default_backend()}"
+        route = self.engine.core.route
+        return f"xla:{jax.default_backend()}" if route.name == "xla" else route.name
 
     def admit_inference(self) -> None:
         """Request policy before anything is submitted: device, profile, engine health, queue length."""

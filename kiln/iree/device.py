@@ -1,0 +1,164 @@
+"""An IREE device: opening it, what it can do, and moving arrays on and off it.
+
+`IreeDevice.open("vulkan" | "local-task")` opens the driver's first device and reads its
+capabilities from the driver's own report (`dump_device_info`): device type, the shader features
+that decide the supported dtypes, subgroup size and memory. Names, vendor ids and driver strings
+are kept for display only; nothing chooses by them.
+
+Reading a device buffer back goes through a host-visible staging buffer the device allocates:
+Vulkan drivers (Mesa's lavapipe among them) refuse to import an arbitrary host pointer, which is
+what `DeviceArray.to_host()` tries first. Every upload and readback is counted, so the bytes a step
+moves between host and device can be reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+
+import numpy as np
+
+ROUTE_DRIVERS = {"vulkan": "vulkan", "iree-cpu": "local-task"}
+ROUTE_TARGETS = {"vulkan": "vulkan-spirv", "iree-cpu": "llvm-cpu"}
+
+
+class RouteUnavailable(Exception):
+    """A backend route cannot run here: what is missing and how to get it."""
+
+
+def import_runtime():
+    try:
+        import iree.runtime as rt
+    except ImportError as exc:
+        raise RouteUnavailable(
+            "the IREE runtime is not installed; install Kiln's vulkan extra: pip install 'kiln[vulkan]'") from exc
+    return rt
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCapabilities:
+    """What a device can do, as its driver reports it. `name`, `vendor_id` and `driver` are for
+    display: route selection never reads them."""
+
+    route: str
+    device_type: str  # "gpu", "cpu" (a CPU, or a software rasterizer), "other"
+    dtypes: tuple[str, ...]  # among f32, f16, bf16, i8
+    subgroup_size: int
+    memory_bytes: int
+    max_buffer_bytes: int
+    name: str = ""
+    vendor_id: str = ""
+    driver: str = ""
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_device_info(route: str, info: str, memory_bytes: int = 0) -> DeviceCapabilities:
+    """Capabilities from a driver's `dump_device_info` text (Vulkan prints features, subgroup and
+    heaps; the CPU driver prints little, and the host's memory stands in)."""
+    fields = dict(re.findall(r"^(\w[\w ]*?): (.*)$", info, re.MULTILINE))
+    features = dict(re.findall(r"(\w+)=(yes|no)", fields.get("features", "")))
+    heaps = [int(s) for s in re.findall(r"^\s*\[\d+\] size=(\d+)", info, re.MULTILINE)]
+    subgroup = re.search(r"subgroup: size=(\d+)", info)
+    if route == "iree-cpu":
+        dtypes, device_type = ("f32", "f16", "bf16", "i8"), "cpu"
+    else:
+        dtypes = ("f32",) + tuple(name for name, feature in (("f16", "shaderFloat16"), ("bf16", "shaderBFloat16Type"),
+                                                              ("i8", "shaderInt8")) if features.get(feature) == "yes")
+        device_type = {"discrete-gpu": "gpu", "integrated-gpu": "gpu", "virtual-gpu": "gpu", "gpu": "gpu",
+                       "cpu": "cpu"}.get(fields.get("type", ""), "other")
+    memory = max(heaps, default=0) or memory_bytes
+    return DeviceCapabilities(route=route, device_type=device_type, dtypes=dtypes,
+                              subgroup_size=int(subgroup.group(1)) if subgroup else 1, memory_bytes=memory,
+                              max_buffer_bytes=memory, name=fields.get("name", ""),
+                              vendor_id=fields.get("vendor_id", ""), driver=fields.get("driver_info", ""))
+
+
+def _host_memory() -> int:
+    try:
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class IreeDevice:
+    """One opened IREE device with its runtime configuration."""
+
+    def __init__(self, route: str):
+        rt = import_runtime()
+        self.rt = rt
+        self.route = route
+        self.driver_name = ROUTE_DRIVERS[route]
+        if self.driver_name not in rt.query_available_drivers():
+            raise RouteUnavailable(f"route {route}: IREE has no {self.driver_name} driver in this build")
+        try:
+            driver = rt.get_driver(self.driver_name)
+            found = driver.query_available_devices()
+        except Exception as exc:  # the driver loads but finds no loader/ICD
+            raise RouteUnavailable(f"route {route}: the {self.driver_name} driver cannot start ({exc}); "
+                                   + _install_hint(route)) from exc
+        if not found:
+            raise RouteUnavailable(f"route {route}: no {self.driver_name} device found; " + _install_hint(route))
+        info = driver.dump_device_info(found[0]["device_id"])
+        self.capabilities = parse_device_info(route, info, _host_memory())
+        self.config = rt.Config(self.driver_name)
+        self.device = self.config.device
+        self._lock = threading.Lock()
+        self.uploaded_bytes = 0  # host -> device, all time
+        self.downloaded_bytes = 0  # device -> host, all time
+
+    def upload(self, array: np.ndarray):
+        array = np.ascontiguousarray(array)
+        with self._lock:
+            self.uploaded_bytes += array.nbytes
+        return self.rt.asdevicearray(self.device, array)
+
+    def to_host(self, array) -> np.ndarray:
+        """A device array's contents, copied through a staging buffer the device allocated."""
+        rt = self.rt
+        view = array._buffer_view
+        dtype = rt.HalElementType.map_to_dtype(view.element_type)
+        shape = tuple(view.shape)
+        with self._lock:
+            self.downloaded_bytes += view.byte_length
+        if view.byte_length == 0:
+            return np.zeros(shape, dtype)
+        source = view.get_buffer()
+        staging = self.device.allocator.allocate_buffer(
+            memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+            allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+            allocation_size=source.byte_length())
+        semaphore = self.device.create_semaphore(0)
+        self.device.queue_copy(source, staging, wait_semaphores=rt.HalFence.create_at(semaphore, 0),
+                               signal_semaphores=rt.HalFence.create_at(semaphore, 1))
+        rt.HalFence.create_at(semaphore, 1).wait()
+        return np.array(staging.map().asarray(shape, dtype), copy=True)
+
+    def load(self, vmfb: bytes) -> LoadedModule:
+        """A compiled module's `main` function (exported modules are named jit_<fn>)."""
+        module = self.rt.VmModule.copy_buffer(self.config.vm_instance, vmfb)
+        context = self.rt.SystemContext(config=self.config)
+        context.add_vm_module(module)
+        return LoadedModule(context, context.modules[module.name]["main"])
+
+
+class LoadedModule:
+    """A module's entry point with the context it lives in: the function does not keep its
+    context alive, and calling it after the context is collected crashes the process."""
+
+    def __init__(self, context, function):
+        self.context, self.function = context, function
+
+    def __call__(self, *args):
+        return self.function(*args)
+
+
+def _install_hint(route: str) -> str:
+    if route == "vulkan":
+        return ("install a Vulkan driver and loader (for a software device: apt-get install mesa-vulkan-drivers "
+                "libvulkan1)")
+    return "reinstall Kiln's vulkan extra: pip install 'kiln[vulkan]'"

@@ -1,0 +1,137 @@
+"""The IREE routes (llvm-cpu, and Vulkan on Mesa's lavapipe where installed) against the XLA route
+on the tiny model: same greedy tokens, same sampled tokens for a seed, KV resident on the device,
+prefix-reuse quarantine on Vulkan, module cache, and route selection from capabilities."""
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("iree.runtime")
+
+from kiln.engine.client import AsyncEngine  # noqa: E402
+from kiln.engine.config import EngineConfig  # noqa: E402
+from kiln.engine.routes import select_route  # noqa: E402
+from kiln.engine.sampling import SamplingParams  # noqa: E402
+from kiln.iree.device import IreeDevice, RouteUnavailable  # noqa: E402
+
+SMALL = dict(num_kv_blocks=32, block_size=16, decode_row_buckets=(1, 2, 4), prefill_token_buckets=(16, 32),
+             max_num_seqs=4, max_num_batched_tokens=32)
+
+
+def vulkan_available() -> bool:
+    try:
+        IreeDevice("vulkan")
+        return True
+    except RouteUnavailable:
+        return False
+
+
+VULKAN = pytest.mark.skipif(not vulkan_available(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
+ROUTES = ["iree-cpu", pytest.param("vulkan", marks=VULKAN)]
+# On Mesa's lavapipe the tiny model's third greedy token differs from XLA's: the K written for
+# position 6 of layer 0 is wrong. Strict, so the day it passes the mark must go.
+VULKAN_DIVERGES = pytest.mark.xfail(strict=True, reason="lavapipe: decode diverges from XLA at the third token")
+
+
+def run(eng, prompts, params):
+    async def one(p):
+        ids = []
+        async for d in eng.generate(f"r-{random.random()}", p, params):
+            ids += d.token_ids
+        return ids
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def xla_engine(tiny_model):
+    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module", params=ROUTES)
+def iree_engine(request, tiny_model, tmp_path_factory):
+    route = select_route(request.param, tmp_path_factory.mktemp("iree"))
+    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
+    yield eng
+    eng.shutdown()
+
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), [100, 101, 102]]
+
+
+def test_greedy_tokens_equal_xla(xla_engine, iree_engine, request):
+    if iree_engine.core.route.name == "vulkan":
+        request.applymarker(VULKAN_DIVERGES)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert run(iree_engine, PROMPTS, params) == run(xla_engine, PROMPTS, params)
+
+
+def test_seeded_sampling_equal_xla(xla_engine, iree_engine, request):
+    if iree_engine.core.route.name == "vulkan":
+        request.applymarker(VULKAN_DIVERGES)
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=7, ignore_eos=True)
+    assert run(iree_engine, PROMPTS[:2], params) == run(xla_engine, PROMPTS[:2], params)
+
+
+def test_kv_stays_on_device(iree_engine):
+    route = iree_engine.core.route
+    run(iree_engine, [PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    up, down = route.bytes_moved()
+    run(iree_engine, [PROMPTS[0]], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    up2, down2 = route.bytes_moved()
+    kv_bytes = sum(np.prod(x.shape) * 4 for x in iree_engine.core.runner.kv)
+    per_step = (up2 - up + down2 - down) / 8  # the second run has about 8 more steps
+    assert per_step < kv_bytes / 10, (per_step, kv_bytes)
+    assert isinstance(iree_engine.core.runner.kv.k, route.device.rt.DeviceArray)
+
+
+def test_vulkan_quarantines_prefix_reuse(iree_engine):
+    core = iree_engine.core
+    assert core.pool.enable_caching == (core.route.name != "vulkan")
+
+
+def test_marketing_name_changes_nothing(tmp_path):
+    base = {"route": "vulkan", "device_type": "cpu", "dtypes": ["f32", "f16", "i8"], "subgroup_size": 8,
+            "memory_bytes": 1 << 31, "max_buffer_bytes": 1 << 31, "name": "llvmpipe", "vendor_id": "0x10005",
+            "driver": "Mesa"}
+    famous = {**base, "name": "NVIDIA GeForce RTX 9090 Ti", "vendor_id": "0x10de", "driver": "NVIDIA 999.1"}
+    a = select_route("auto", tmp_path, capabilities=base).choice
+    b = select_route("auto", tmp_path, capabilities=famous).choice
+    assert (a.route, a.reason) == (b.route, b.reason) == ("xla", a.reason)
+    assert "type cpu" in a.reason
+
+
+def test_modules_are_cached_on_disk(tiny_model, tmp_path):
+    """A second engine on the same cache directory compiles nothing: every bucket is a cache hit."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    counts = []
+    for _ in range(2):
+        route = select_route("iree-cpu", tmp_path)
+        eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
+        try:
+            run(eng, [PROMPTS[0]], params)
+        finally:
+            eng.shutdown()
+        counts.append((route.cache.compiles, route.cache.hits))
+    assert counts[0][0] > 0 and counts[1][0] == 0 and counts[1][1] >= counts[0][0]
+
+
+def test_requested_route_unavailable_is_clear(tmp_path):
+    """Asking for Vulkan where the loader finds no driver names the route and how to install one."""
+    code = "from kiln.engine.routes import select_route; import sys; select_route('vulkan', sys.argv[1])"
+    nowhere = str(tmp_path / "none.json")
+    env = {**os.environ, "VK_ICD_FILENAMES": nowhere, "VK_DRIVER_FILES": nowhere}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0
+    assert "RouteUnavailable: route vulkan" in out.stderr and "mesa-vulkan-drivers" in out.stderr, out.stderr[-2000:]
