@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import dispatch
 
+from kiln.engine.bucket_gate import BucketFailedGate, bigger, check_bucket
 from kiln.engine.config import EngineConfig
 from kiln.engine.faults import DeviceLossInjector, as_device_lost, is_device_loss
 from kiln.engine.grammar import MaskFiller
@@ -279,6 +280,7 @@ class Runner:
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-capture")
         self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         self.padded_steps = 0  # steps run in a bigger compiled bucket while theirs compiled
+        self.gate_failed: dict[StepShape, str] = {}  # IREE buckets that failed their correctness gate, and why
         self.masks = MaskFiller()
         self.device_loss = DeviceLossInjector(config.inject_device_loss_after_steps)  # [debug] fault injection
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
@@ -385,6 +387,12 @@ class Runner:
         compiled now. With live capture off: the cheapest compiled one that fits, or
         GraphCaptureDisabled."""
         self._install_captured()
+        while shape in self.gate_failed:
+            larger = bigger(shape, self.row_buckets)
+            if larger is None:
+                raise RouteCannotRun(f"no step bucket of the {self.route.name} route that fits this batch passed its "
+                                     f"correctness gate ({self.gate_failed[shape]})")
+            shape = larger
         if shape in self.executables:
             return shape
         fitting = [s for s in self.executables if s.fits(shape)]
@@ -404,7 +412,11 @@ class Runner:
             return best
         pending = self._capturing.pop(shape, None)
         t0 = time.perf_counter()
-        self._install(shape, pending.result() if pending else self._compile(shape, self._lora_abstract(shape)))
+        try:
+            self._install(shape, pending.result() if pending else self._compile(shape, self._lora_abstract(shape)))
+        except BucketFailedGate as exc:
+            self._gate_failed(exc)
+            return self.resolve(shape)
         log.info("captured step bucket %s in %.1fs (the step waited)", _describe(shape), time.perf_counter() - t0)
         return shape
 
@@ -437,7 +449,10 @@ class Runner:
         params, kv = abstract or self._abstract
         inputs, last_index, rs, targets = self._padding_inputs(shape)
         if self.route.is_iree:
-            return self._compile_iree(shape, params, kv, inputs, last_index, rs, targets, lora)
+            executable = self._compile_iree(shape, params, kv, inputs, last_index, rs, targets, lora)
+            if abstract is None and (why := check_bucket(self, shape, executable, lora)):
+                raise BucketFailedGate(shape, why)
+            return executable
         before = _mapped_regions()
         if shape.flags.mask:
             forward = forward_step.lower(params, kv, inputs, last_index, targets, lora, cfg=self.cfg,
@@ -475,6 +490,11 @@ class Runner:
         return lambda params, kv, inputs, last_index, rs, targets, lora: MaskedStep(forward, sampler)(
             params, kv, inputs, last_index, rs, targets, lora, masks=lambda: rs.allowed)
 
+    def _gate_failed(self, exc: BucketFailedGate) -> None:
+        self.gate_failed[exc.shape] = exc.why
+        log.warning("route %s: step bucket %s failed its correctness gate (%s); its batches run padded in a "
+                    "bigger bucket", self.route.name, _describe(exc.shape), exc.why)
+
     def compile_bucket(self, shape: StepShape) -> Callable:
         """Compiles one bucket without keeping it (`kiln warmup`: the persistent cache keeps it)."""
         return self._compile(shape, self._lora_abstract(shape))
@@ -498,6 +518,8 @@ class Runner:
                 del self._capturing[shape]
                 try:
                     self._install(shape, future.result())
+                except BucketFailedGate as exc:
+                    self._gate_failed(exc)
                 except Exception:  # the bucket stays uncaptured; batches keep running padded
                     log.exception("compiling step bucket %s failed", shape)
 
@@ -505,9 +527,19 @@ class Runner:
         """Compiles the given buckets now, `workers` at a time (or loads them from the persistent
         compilation cache)."""
         todo = [(s, self._lora_abstract(s)) for s in dict.fromkeys(shapes) if s not in self.executables]
+
+        def compile_one(job):
+            try:
+                return self._compile(*job)
+            except BucketFailedGate as exc:
+                return exc
+
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kiln-warm") as pool:
-            for (shape, _), executable in zip(todo, pool.map(lambda job: self._compile(*job), todo), strict=True):
-                self._install(shape, executable)
+            for (shape, _), executable in zip(todo, pool.map(compile_one, todo), strict=True):
+                if isinstance(executable, BucketFailedGate):
+                    self._gate_failed(executable)
+                else:
+                    self._install(shape, executable)
 
     def warmup_shapes(self, context_tokens: int, lora: bool = False) -> list[StepShape]:
         """The configured buckets: decode (each row bucket) and single-row prefill (each token

@@ -24,7 +24,12 @@ from kiln.iree.device import RouteUnavailable
 
 log = logging.getLogger("kiln.iree")
 
-TARGET_FLAGS = {"llvm-cpu": ("--iree-llvmcpu-target-cpu=host",), "vulkan-spirv": ()}
+# On Vulkan, a constant expression hoisted into a module global came out changed by the first call
+# (Mesa's lavapipe: every later call of a step returned wrong tokens), so nothing is hoisted there.
+TARGET_FLAGS = {
+    "llvm-cpu": ("--iree-llvmcpu-target-cpu=host",),
+    "vulkan-spirv": ("--iree-opt-const-expr-hoisting=false", "--iree-opt-const-eval=false"),
+}
 
 
 @dataclasses.dataclass(frozen=True)

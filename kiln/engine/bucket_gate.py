@@ -1,0 +1,110 @@
+"""A correctness gate per compiled bucket on an IREE route: before a bucket serves, it runs once
+(twice) on a synthetic batch that fills its shape (random KV, real weights, greedy sampling) and
+its results are compared with the portable XLA step on the same inputs: the same greedy tokens, close
+logprobs and the same K/V written. A bucket that fails never serves; its batches run padded in a
+bigger bucket that passed (see `Runner.resolve`).
+
+Driver bugs can be shape-specific (on Mesa's lavapipe the one-row decode step is wrong while the
+two-row one is right), so routes are qualified per shape, not once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kiln.models.batch import RowWork, build_step_inputs
+from kiln.models.decoder import KVCache
+
+if TYPE_CHECKING:
+    from kiln.engine.runner import Runner, StepShape
+
+log = logging.getLogger("kiln.engine")
+
+LOGPROB_TOL = 2e-3
+KV_TOL = 2e-3
+
+
+def gate_batch(runner: Runner, shape: StepShape) -> list[RowWork]:
+    """Rows that fill the shape: as many rows as fit, each with as many new tokens as fit, at
+    random positions of their blocks (attention also reads the context before them)."""
+    rng = np.random.default_rng(hash(shape[:4]) & 0xFFFFFFFF)
+    n_rows = min(shape.rows, shape.tokens)
+    per_row = min(shape.query, shape.tokens // n_rows)
+    context = shape.blocks * runner.block_size
+    rows = []
+    for i in range(n_rows):
+        start = int(rng.integers(0, context - per_row + 1))
+        table = [1 + (i * shape.blocks + b) % (runner.num_blocks - 1) for b in range(shape.blocks)]
+        tokens = rng.integers(0, runner.cfg.vocab_size, per_row).tolist()
+        rows.append(RowWork(tokens, start, table, 0))
+    return rows
+
+
+def check_bucket(runner: Runner, shape: StepShape, executable, lora) -> str | None:
+    """None if the bucket's executable agrees with XLA on a synthetic batch; else what differed."""
+    from kiln.engine.runner import MaskedStep, forward_step, model_step, sample_step
+
+    rows = gate_batch(runner, shape)
+    inputs = build_step_inputs(rows, runner.block_size, runner.num_blocks, shape.tokens, shape.rows, shape.query,
+                               shape.blocks)
+    _, last_index, rs, targets = runner._padding_inputs(shape)
+    offsets = np.cumsum([len(r.tokens) for r in rows]) - 1
+    last_index[: len(rows)] = offsets
+    rng = np.random.default_rng(1)
+    kv_host = [(0.5 * rng.standard_normal(a.shape)).astype(a.dtype) for a in runner._abstract[1]]
+    # LoRA slots as zeros of their shapes: the slot state belongs to the engine thread
+    lora = None if lora is None else jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), lora)
+    args = (runner.params, KVCache(*kv_host), inputs, last_index, rs, targets, lora)
+    call = (lambda: executable(*args, masks=lambda: rs.allowed)) if isinstance(executable, MaskedStep) else (
+        lambda: executable(*args))
+    xla_args = (runner.params, KVCache(*(jnp.asarray(x) for x in kv_host)), inputs, last_index, rs, targets, lora)
+    static = {"cfg": runner.cfg, "with_prompt_logprobs": shape.prompt_logprobs}
+    if shape.flags.mask:
+        row_logits, prompt, kv = forward_step(*xla_args[:4], targets, lora, **static)
+        want = (sample_step(row_logits, rs, flags=shape.flags), prompt, kv)
+    else:
+        want = model_step(*xla_args, **static, flags=shape.flags)
+    # twice: a module whose state changes with a call (a miscompiled global) fails the second
+    for i in range(2):
+        if why := _compare(call(), want, len(rows), runner.route.device):
+            return f"call {i + 1}: {why}"
+    return None
+
+
+def _compare(got, want, n: int, device) -> str | None:
+    got_sampled, want_sampled = got[0], want[0]
+    got_tokens, want_tokens = np.asarray(got_sampled.tokens)[:n], np.asarray(want_sampled.tokens)[:n]
+    if not np.array_equal(got_tokens, want_tokens):
+        return f"greedy tokens {got_tokens.tolist()} != XLA's {want_tokens.tolist()}"
+    lp_err = float(np.max(np.abs(np.asarray(got_sampled.logprobs)[:n] - np.asarray(want_sampled.logprobs)[:n])))
+    if not lp_err <= LOGPROB_TOL:
+        return f"logprobs differ by {lp_err:.2e}"
+    for name, g, w in zip(("k", "v"), got[2], want[2], strict=True):
+        g = device.to_host(g) if isinstance(g, device.rt.DeviceArray) else np.asarray(g)
+        err = float(np.max(np.abs(g.astype(np.float32) - np.asarray(w, np.float32))))
+        if not err <= KV_TOL:
+            return f"{name} cache differs by {err:.2e}"
+    return None
+
+
+def bigger(shape: StepShape, row_buckets: tuple[int, ...]) -> StepShape | None:
+    """The next bucket to try when a shape fails its gate: twice the rows (decode keeps one token
+    per row), else None."""
+    larger = [s for s in row_buckets if s > shape.rows]
+    if not larger:
+        return None
+    rows = larger[0]
+    tokens = rows if shape.tokens == shape.rows else shape.tokens
+    return shape._replace(rows=rows, tokens=tokens)
+
+
+class BucketFailedGate(Exception):
+    def __init__(self, shape: StepShape, why: str):
+        super().__init__(f"step bucket {shape} failed its correctness gate: {why}")
+        self.shape, self.why = shape, why
+
