@@ -55,9 +55,15 @@ def xla_engine(tiny_model):
     eng.shutdown()
 
 
+@pytest.fixture(scope="session")
+def iree_cache(kiln_cache):
+    """Compiled IREE modules shared by the tests (and the servers, which cache under kiln_cache)."""
+    return kiln_cache / "iree"
+
+
 @pytest.fixture(scope="module", params=ROUTES)
-def iree_engine(request, tiny_model, tmp_path_factory):
-    route = select_route(request.param, tmp_path_factory.mktemp("iree"))
+def iree_engine(request, tiny_model, iree_cache):
+    route = select_route(request.param, iree_cache)
     eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
     yield eng
     eng.shutdown()
@@ -110,7 +116,8 @@ def test_modules_are_cached_on_disk(tiny_model, tmp_path):
     counts = []
     for _ in range(2):
         route = select_route("iree-cpu", tmp_path)
-        eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
+        small = {**SMALL, "decode_row_buckets": (1,), "prefill_token_buckets": (16,), "max_num_batched_tokens": 16}
+        eng = AsyncEngine(tiny_model, EngineConfig(**small), route=route)
         try:
             run(eng, [PROMPTS[0]], params)
         finally:
@@ -131,7 +138,7 @@ def test_requested_route_unavailable_is_clear(tmp_path):
 
 
 @VULKAN
-def test_bucket_gate_refuses_a_miscompiled_step(tiny_model, tmp_path, monkeypatch):
+def test_bucket_gate_refuses_a_miscompiled_step(tiny_model, iree_cache, monkeypatch):
     """Compiled with constant-expression hoisting, lavapipe's step is right on its first call and
     wrong after: the per-bucket gate (two calls against XLA) refuses it, and a batch that no
     passing bucket fits gets 503 route_unsupported rather than wrong tokens."""
@@ -139,7 +146,7 @@ def test_bucket_gate_refuses_a_miscompiled_step(tiny_model, tmp_path, monkeypatc
     from kiln.engine.routes import RouteCannotRun
 
     monkeypatch.setitem(compile_module.TARGET_FLAGS, "vulkan-spirv", ())
-    route = select_route("vulkan", tmp_path)
+    route = select_route("vulkan", iree_cache)
     eng = AsyncEngine(tiny_model, EngineConfig(**{**SMALL, "decode_row_buckets": (1,)}), route=route)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
@@ -154,3 +161,26 @@ def test_bucket_gate_refuses_a_miscompiled_step(tiny_model, tmp_path, monkeypatc
         assert failed and all(why.startswith("call 2:") for why in failed.values()), failed
     finally:
         eng.shutdown()
+
+
+@VULKAN
+def test_resident_prefill_feeds_prompts_as_decode_steps(tiny_model, iree_cache, xla_engine):
+    """The experimental profile's resident prefill on Vulkan: prompts go in one token per active
+    row, so only decode-shaped buckets (one query per row) ever compile, and the tokens equal
+    XLA's; a request asking for prompt logprobs keeps the whole-prompt path."""
+    route = select_route("vulkan", iree_cache)
+    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL, resident_prefill=True), route=route)
+    try:
+        assert eng.core.resident_prefill
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert run(eng, PROMPTS, params) == run(xla_engine, PROMPTS, params)
+        assert eng.core.runner.executables and all(s.query == 1 for s in eng.core.runner.executables)
+        run(eng, [PROMPTS[1]], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
+        assert any(s.query > 1 for s in eng.core.runner.executables)
+    finally:
+        eng.shutdown()
+    stable = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
+    try:
+        assert not stable.core.resident_prefill
+    finally:
+        stable.shutdown()

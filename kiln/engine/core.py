@@ -37,6 +37,8 @@ class EngineCore:
                  route: StepRoute | None = None):
         self.model = model
         self.route = route or XLA
+        # the experimental profile's resident prefill, where the route keeps KV on a Vulkan device
+        self.resident_prefill = config.resident_prefill and self.route.name == "vulkan" and self.route.is_iree
         self.config = config
         self.metrics = metrics
         cfg = model.config
@@ -62,7 +64,8 @@ class EngineCore:
                              self.route)
         self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,
                                    tokenizer=model.tokenizer, eos_ids=self.eos_ids, step_cost=self.runner.step_cost,
-                                   fits=self.runner.fits, on_finish=self._on_finish)
+                                   fits=self.runner.fits, on_finish=self._on_finish,
+                                   resident_prefill=self.resident_prefill)
         self.grammars = GrammarCompiler(model.tokenizer, cfg.vocab_size, self.eos_ids)
         self.steps = 0
         self.step_failures = 0  # batches that failed (their requests ended with an error)

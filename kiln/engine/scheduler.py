@@ -87,8 +87,10 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool, lora_slots: LoraSlots | None, *, max_model_len: int,
                  tokenizer: KilnTokenizer, eos_ids: tuple[int, ...], step_cost: Callable[[Rows], float],
-                 fits: Callable[[Rows], bool], on_finish: Callable[[Request, Delta], None] | None = None):
+                 fits: Callable[[Rows], bool], on_finish: Callable[[Request, Delta], None] | None = None,
+                 resident_prefill: bool = False):
         self.config = config
+        self.resident_prefill = resident_prefill
         self.pool = pool
         self.lora_slots = lora_slots
         self.max_model_len = max_model_len
@@ -133,7 +135,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not Status.RUNNING:  # preempted below to make room
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_tokens - req.num_computed, budget, self._row_cap(req))
             if n <= 0:
                 continue
             need = self._blocks_needed(req, req.num_computed + n)
@@ -183,12 +185,20 @@ class Scheduler:
         self.stats.preemptions += len(preempted)
         return StepPlan(self._plan(rows), finished, preempted)
 
+    def _row_cap(self, req: Request) -> int:
+        """New tokens a row may take in one step. Resident prefill feeds prompts one token per
+        active row, as decode steps do; a request whose shape needs the whole-prompt path (prompt
+        logprobs) keeps it."""
+        if self.resident_prefill and req.params.prompt_logprobs is None:
+            return 1
+        return req.num_tokens
+
     def _admit(self, req: Request, budget: int) -> int | None:
         """Starts (or restarts) a waiting request on its cached prefix; None if blocks lack."""
         hits = self._prefix_hits(req)
         self.pool.touch(hits)
         num_computed = len(hits) * self.block_size
-        n = min(req.num_tokens - num_computed, budget)
+        n = min(req.num_tokens - num_computed, budget, self._row_cap(req))
         need = max(0, math.ceil((num_computed + n) / self.block_size) - len(hits))
         if need > self.pool.num_free:
             self.pool.release(hits)

@@ -60,7 +60,8 @@ def config(request: Request) -> dict[str, Any]:
     st = server_state(request)
     model = {"id": st.model_id, "weights_digest": st.engine.model.weights_digest,
              "max_model_len": st.engine.max_model_len}
-    return {**st.settings.to_json(), "model": model, "backend": st.engine.core.route.choice.to_json(),
+    backend = {**st.engine.core.route.choice.to_json(), "resident_prefill": st.engine.core.resident_prefill}
+    return {**st.settings.to_json(), "model": model, "backend": backend,
             "version": __version__}
 
 
