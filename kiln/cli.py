@@ -1,4 +1,4 @@
-"""`kiln` command line: config, serve, warmup, adapters, train, router.
+"""`kiln` command line: config, serve, warmup, qualify, adapters, train, router.
 
 Every subcommand resolves settings through add_settings_arguments + settings_from_args, so
 `kiln config` shows exactly what `kiln serve` and `kiln warmup` would use; `kiln router` alone
@@ -107,6 +107,14 @@ def _cmd_warmup(args: argparse.Namespace) -> int:
     return warmup(settings) or 0
 
 
+def _cmd_qualify(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    _apply_log_level(settings)
+    from kiln import qualify  # lazy: pulls in JAX and IREE
+
+    return qualify.run(args, settings)
+
+
 def _cmd_adapters(args: argparse.Namespace) -> int:
     from kiln.adapters import cli  # lazy: pulls in orbax
 
@@ -151,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("warmup", help="compile the configured shape buckets into the persistent cache")
     add_settings_arguments(p)
     p.set_defaults(func=_cmd_warmup)
+
+    from kiln.qualify import add_parser as add_qualify_parser
+
+    add_qualify_parser(sub, add_settings_arguments)
+    sub.choices["qualify"].set_defaults(func=_cmd_qualify)
 
     from kiln.adapters.cli import add_parser
 
