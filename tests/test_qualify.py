@@ -26,15 +26,16 @@ def vulkan_available() -> bool:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One cache for the module's runs: later runs load compiled modules and XLA executables."""
-    return tmp_path_factory.mktemp("qualify-cache")
+def cache(kiln_cache):
+    """The session's cache, with the IREE servers' engine settings below: compiled modules (and
+    XLA executables) are shared with tests/test_iree_server.py and between these runs."""
+    return kiln_cache
 
 
 def _env(cache, data_dir, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(KILN_CACHE_DIR=str(cache), KILN_TRAIN_DATA_DIR=str(data_dir), KILN_ENGINE_DECODE_ROW_BUCKETS="1,2,4",
-               KILN_ENGINE_PREFILL_TOKEN_BUCKETS="16,32", KILN_ENGINE_MAX_NUM_SEQS="4",
+    env.update(KILN_CACHE_DIR=str(cache), KILN_TRAIN_DATA_DIR=str(data_dir), KILN_ENGINE_DECODE_ROW_BUCKETS="1,4",
+               KILN_ENGINE_PREFILL_TOKEN_BUCKETS="32", KILN_ENGINE_MAX_NUM_SEQS="4",
                KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="32", KILN_ENGINE_NUM_KV_BLOCKS="32", JAX_PLATFORMS="cpu", **extra)
     return env
 
@@ -66,7 +67,7 @@ def test_iree_cpu_qualifies_and_writes_a_receipt(tiny_model, cache, tmp_path):
         assert versions[dist], dist
     assert "driver" in versions
     assert receipt["started_at"] <= receipt["ended_at"] and receipt["duration_s"] > 0
-    assert receipt["model"]["dtype"] == "float32"
+    assert receipt["model"]["dtype"] == "float32" and receipt["engine"]["resident_prefill"] is False
     checks = {c["name"]: c for c in receipt["checks"]}
     assert set(checks) == {"greedy_tokens", "step_buckets", "seeded_sampling_temperature", "seeded_sampling_top_k",
                            "seeded_sampling_top_p", "seeded_sampling_top_k_top_p"}
@@ -84,8 +85,8 @@ def test_iree_cpu_qualifies_and_writes_a_receipt(tiny_model, cache, tmp_path):
 @pytest.mark.skipif(not vulkan_available(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
 def test_vulkan_qualifies_on_this_device(tiny_model, cache, tmp_path):
     data = tmp_path / "data"
-    out = kiln_qualify(_env(cache, data), "--route", "vulkan", "--model", tiny_model.source, "--tokens", 4,
-                       "--prompts", 2)
+    out = kiln_qualify(_env(cache, data), "--route", "vulkan", "--model", tiny_model.source, "--tokens", 3,
+                       "--prompts", 1)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.startswith("qualify vulkan: PASS"), out.stdout
     [path] = _receipts(data, "vulkan")
