@@ -82,12 +82,28 @@ def format_settings(settings: Settings) -> str:
     return "\n".join(lines)
 
 
+def backend_choice(settings: Settings) -> dict:
+    """The backend route `kiln serve` would take, and why (probes the devices; loads no model)."""
+    from kiln.engine.routes import select_route
+    from kiln.iree.device import RouteUnavailable
+    from kiln.models.loader import resolve_dtype
+
+    try:
+        route = select_route(settings.backend.route, settings.iree_cache_dir(), resolve_dtype(settings.model.dtype))
+    except RouteUnavailable as exc:
+        return {"route": settings.backend.route, "available": False, "reason": str(exc)}
+    return {**route.choice.to_json(), "available": True}
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    backend = backend_choice(settings)
     if args.json:
-        print(json.dumps(settings.to_json(), indent=2))
+        print(json.dumps({**settings.to_json(), "backend": backend}, indent=2))
     else:
         print(format_settings(settings))
+        state = "" if backend["available"] else "unavailable: "
+        print(f"backend route: {backend['route']} ({state}{backend['reason']})")
     return 0
 
 

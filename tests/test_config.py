@@ -286,3 +286,17 @@ def test_settings_api_in_process(tmp_path):
     assert s.cache_dir() == tmp_path / "kiln" and s.compilation_dir() == tmp_path / "kiln" / "jax"
     with pytest.raises(ConfigError, match="somewhere: invalid value 'x'"):
         parse_profile("x", "somewhere")
+
+
+def test_config_shows_the_backend_route_and_why(kiln, tmp_path):
+    """`kiln config` names the route `kiln serve` would take and the reason; a route asked for that
+    cannot run here is shown unavailable with its install hint (serve would stop on it)."""
+    doc = json.loads(kiln("--json").stdout)
+    assert doc["backend"]["available"] and doc["backend"]["route"] in ("xla", "vulkan")
+    assert doc["backend"]["reason"].startswith("auto: ")
+    nowhere = str(tmp_path / "none.json")
+    env = {"KILN_BACKEND_ROUTE": "vulkan", "VK_ICD_FILENAMES": nowhere, "VK_DRIVER_FILES": nowhere}
+    doc = json.loads(kiln("--json", env=env).stdout)
+    assert doc["backend"]["route"] == "vulkan" and doc["backend"]["available"] is False
+    assert "route vulkan" in doc["backend"]["reason"]
+    assert "backend route: vulkan (unavailable: route vulkan" in kiln(env=env).stdout
