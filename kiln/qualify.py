@@ -188,12 +188,12 @@ def _measure_buckets(engine) -> dict[str, Any]:
         return buckets, refused
 
     buckets, refused = engine.at_boundary(measure).result()
-    errors = [b for b in buckets if "error" not in b]
+    measured = [b for b in buckets if "error" not in b]
     return {
         "name": "step_buckets", "passed": bool(buckets) and all(b["passed"] for b in buckets),
         "tolerances": {"logprob": LOGPROB_TOL, "kv": KV_TOL},
-        "max_logprob_error": max((b["max_logprob_error"] for b in errors), default=None),
-        "max_kv_error": max((max(b["max_k_error"], b["max_v_error"]) for b in errors), default=None),
+        "max_logprob_error": max((b["max_logprob_error"] for b in measured), default=None),
+        "max_kv_error": max((max(b["max_k_error"], b["max_v_error"]) for b in measured), default=None),
         "buckets": buckets, "refused_by_gate": refused,
     }
 

@@ -96,6 +96,27 @@ def test_vulkan_qualifies_on_this_device(tiny_model, cache, tmp_path):
     assert receipt["versions"]["driver"] == receipt["capabilities"]["driver"]
 
 
+def test_a_failing_check_exits_1_and_still_writes_the_receipt(tiny_model, cache, tmp_path):
+    """With the bucket gate's tolerance below any error, every bucket is refused: the greedy check
+    fails (the steps are refused, never answered wrongly) and the receipt says so. The same
+    prompts and tokens as the iree-cpu run above: its compiled modules are reused."""
+    data = tmp_path / "data"
+    code = ("import sys; import kiln.engine.bucket_gate as g; g.LOGPROB_TOL = -1.0; from kiln.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", code, "qualify", "--route", "iree-cpu", "--model", tiny_model.source,
+                          "--tokens", "6", "--prompts", "2"], env=_env(cache, data), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.startswith("qualify iree-cpu: FAIL"), out.stdout
+    [path] = _receipts(data, "iree-cpu")
+    receipt = json.loads(path.read_text())
+    checks = {c["name"]: c for c in receipt["checks"]}
+    assert receipt["passed"] is False and checks["greedy_tokens"]["passed"] is False
+    assert checks["greedy_tokens"]["error"].startswith("RouteCannotRun: no step bucket")
+    refused = checks["step_buckets"]["refused_by_gate"]
+    assert refused and all("logprobs differ" in r["why"] for r in refused)
+
+
 def test_unavailable_route_exits_2_and_names_it(tiny_model, cache, tmp_path):
     """No Vulkan ICD: the message names the route and how to install a driver; no receipt."""
     nowhere = str(tmp_path / "none.json")
