@@ -33,8 +33,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kiln.config import Settings
 
 log = logging.getLogger("kiln.qualify")
@@ -120,49 +118,6 @@ def _run_suite(engine, prompts, max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def measure_bucket(runner, shape, executable, lora) -> dict[str, Any]:
-    """One compiled bucket against XLA's step on the bucket gate's synthetic batch (two calls):
-    whether greedy tokens agree, and the largest logprob and K/V differences seen."""
-    import jax
-    import jax.numpy as jnp
-
-    from kiln.engine.bucket_gate import KV_TOL, LOGPROB_TOL, gate_batch
-    from kiln.engine.runner import MaskedStep, forward_step, model_step, sample_step
-    from kiln.models.batch import build_step_inputs
-    from kiln.models.decoder import KVCache
-
-    rows = gate_batch(runner, shape)
-    inputs = build_step_inputs(rows, runner.block_size, runner.num_blocks, shape.tokens, shape.rows, shape.query,
-                               shape.blocks)
-    _, last_index, rs, targets = runner._padding_inputs(shape)
-    last_index[: len(rows)] = np.cumsum([len(r.tokens) for r in rows]) - 1
-    rng = np.random.default_rng(1)
-    kv_host = [(0.5 * rng.standard_normal(a.shape)).astype(a.dtype) for a in runner._abstract[1]]
-    lora = None if lora is None else jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), lora)
-    args = (runner.params, KVCache(*kv_host), inputs, last_index, rs, targets, lora)
-    xla_args = (runner.params, KVCache(*(jnp.asarray(x) for x in kv_host)), inputs, last_index, rs, targets, lora)
-    static = {"cfg": runner.cfg, "with_prompt_logprobs": shape.prompt_logprobs}
-    if shape.flags.mask:
-        row_logits, prompt, kv = forward_step(*xla_args[:4], targets, lora, **static)
-        want = (sample_step(row_logits, rs, flags=shape.flags), prompt, kv)
-    else:
-        want = model_step(*xla_args, **static, flags=shape.flags)
-    n, device = len(rows), runner.route.device
-    want_tokens = np.asarray(want[0].tokens)[:n]
-    want_lp = np.asarray(want[0].logprobs)[:n]
-    tokens_equal, lp_err, kv_err = True, 0.0, {"k": 0.0, "v": 0.0}
-    for _ in range(2):
-        got = executable(*args, masks=lambda: rs.allowed) if isinstance(executable, MaskedStep) else executable(*args)
-        tokens_equal &= bool(np.array_equal(np.asarray(got[0].tokens)[:n], want_tokens))
-        lp_err = max(lp_err, float(np.max(np.abs(np.asarray(got[0].logprobs)[:n] - want_lp))))
-        for name, g, w in zip(("k", "v"), got[2], want[2], strict=True):
-            g = device.to_host(g) if isinstance(g, device.rt.DeviceArray) else np.asarray(g)
-            kv_err[name] = max(kv_err[name], float(np.max(np.abs(g.astype(np.float32) - np.asarray(w, np.float32)))))
-    passed = tokens_equal and lp_err <= LOGPROB_TOL and max(kv_err.values()) <= KV_TOL
-    return {"tokens_equal": tokens_equal, "max_logprob_error": lp_err, "max_k_error": kv_err["k"],
-            "max_v_error": kv_err["v"], "rows": n, "passed": passed}
-
-
 def _shape_json(shape) -> dict[str, Any]:
     return {"tokens": shape.tokens, "rows": shape.rows, "query": shape.query, "blocks": shape.blocks,
             "flags": [f for f, on in shape.flags._asdict().items() if on], "prompt_logprobs": shape.prompt_logprobs,
@@ -171,7 +126,7 @@ def _shape_json(shape) -> dict[str, Any]:
 
 def _measure_buckets(engine) -> dict[str, Any]:
     """Every bucket the route compiled (engine thread, between steps)."""
-    from kiln.engine.bucket_gate import KV_TOL, LOGPROB_TOL
+    from kiln.engine.bucket_gate import KV_RTOL, LOGPROB_TOL, TIE_TOL, measure_bucket
 
     runner = engine.core.runner
 
@@ -191,7 +146,7 @@ def _measure_buckets(engine) -> dict[str, Any]:
     measured = [b for b in buckets if "error" not in b]
     return {
         "name": "step_buckets", "passed": bool(buckets) and all(b["passed"] for b in buckets),
-        "tolerances": {"logprob": LOGPROB_TOL, "kv": KV_TOL},
+        "tolerances": {"logprob": LOGPROB_TOL, "tie": TIE_TOL, "kv_relative": KV_RTOL},
         "max_logprob_error": max((b["max_logprob_error"] for b in measured), default=None),
         "max_kv_error": max((max(b["max_k_error"], b["max_v_error"]) for b in measured), default=None),
         "buckets": buckets, "refused_by_gate": refused,

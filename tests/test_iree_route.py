@@ -19,7 +19,8 @@ from kiln.engine.routes import select_route  # noqa: E402
 from kiln.engine.sampling import SamplingParams  # noqa: E402
 from kiln.iree.device import IreeDevice, RouteUnavailable  # noqa: E402
 
-SMALL = dict(num_kv_blocks=32, block_size=16, decode_row_buckets=(1, 2, 4), prefill_token_buckets=(16, 32),
+# the engine settings of the IREE server and qualify tests too: they share compiled modules
+SMALL = dict(num_kv_blocks=32, block_size=16, decode_row_buckets=(1, 4), prefill_token_buckets=(32,),
              max_num_seqs=4, max_num_batched_tokens=32)
 
 
@@ -137,30 +138,42 @@ def test_requested_route_unavailable_is_clear(tmp_path):
     assert "RouteUnavailable: route vulkan" in out.stderr and "mesa-vulkan-drivers" in out.stderr, out.stderr[-2000:]
 
 
-@VULKAN
-def test_bucket_gate_refuses_a_miscompiled_step(tiny_model, iree_cache, monkeypatch):
-    """Compiled with constant-expression hoisting, lavapipe's step is right on its first call and
-    wrong after: the per-bucket gate (two calls against XLA) refuses it, and a batch that no
-    passing bucket fits gets 503 route_unsupported rather than wrong tokens."""
+def test_bucket_gate_refuses_a_step_that_computes_wrong(tiny_model, iree_cache, monkeypatch):
+    """Steps compiled to multiply in bfloat16 (IREE's contraction demotion) write K/V off by about
+    1e-3 of their size, float32 ones by about 1e-6 on this model: with the gate's K/V tolerance
+    at 1e-4, the float32 steps serve and the bfloat16 ones are refused, every bucket, so a batch
+    that no passing bucket fits gets 503 route_unsupported rather than wrong tokens."""
+    import kiln.engine.bucket_gate as gate
     import kiln.iree.compile as compile_module
     from kiln.engine.routes import RouteCannotRun
 
-    monkeypatch.setitem(compile_module.TARGET_FLAGS, "vulkan-spirv", ())
-    route = select_route("vulkan", iree_cache)
-    eng = AsyncEngine(tiny_model, EngineConfig(**{**SMALL, "decode_row_buckets": (1,)}), route=route)
+    monkeypatch.setattr(gate, "KV_RTOL", 1e-4)
+    config = EngineConfig(**{**SMALL, "decode_row_buckets": (1,)})
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
-    async def deltas():
-        return [d async for d in eng.generate("gated", PROMPTS[0], params)]
+    def last_delta(eng):
+        async def deltas():
+            return [d async for d in eng.generate("gated", PROMPTS[0], params)]
 
+        return asyncio.run(deltas())[-1]
+
+    float32 = AsyncEngine(tiny_model, config, route=select_route("iree-cpu", iree_cache))
     try:
-        final = asyncio.run(deltas())[-1]
+        assert last_delta(float32).finish_reason == "length" and not float32.core.runner.gate_failed
+    finally:
+        float32.shutdown()
+    demoted = (*compile_module.TARGET_FLAGS["llvm-cpu"], "--iree-global-opt-demote-contraction-inputs-operations=all",
+               "--iree-global-opt-demote-contraction-inputs-type=bf16")
+    monkeypatch.setitem(compile_module.TARGET_FLAGS, "llvm-cpu", demoted)
+    bf16 = AsyncEngine(tiny_model, config, route=select_route("iree-cpu", iree_cache))
+    try:
+        final = last_delta(bf16)
         assert final.finish_reason == "error" and isinstance(final.error, RouteCannotRun), final
         assert final.token_ids == []
-        failed = eng.core.runner.gate_failed
-        assert failed and all(why.startswith("call 2:") for why in failed.values()), failed
+        failed = bf16.core.runner.gate_failed
+        assert failed and all(why.startswith("call 1:") for why in failed.values()), failed
     finally:
-        eng.shutdown()
+        bf16.shutdown()
 
 
 @VULKAN

@@ -79,7 +79,7 @@ def test_iree_cpu_qualifies_and_writes_a_receipt(tiny_model, cache, tmp_path):
     assert buckets["buckets"] and all(b["tokens_equal"] for b in buckets["buckets"])
     assert {"decode", "prefill"} <= {"decode" if b["shape"]["query"] == 1 else "prefill" for b in buckets["buckets"]}
     assert 0 <= buckets["max_logprob_error"] <= buckets["tolerances"]["logprob"]
-    assert 0 <= buckets["max_kv_error"] <= buckets["tolerances"]["kv"]
+    assert 0 <= buckets["max_kv_error"] <= buckets["tolerances"]["kv_relative"]
 
 
 @pytest.mark.skipif(not vulkan_available(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
