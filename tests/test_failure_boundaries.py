@@ -24,7 +24,7 @@ def _chat(content: str, **kw) -> dict:
 
 
 def _metric(url: str, name: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} not exported")
@@ -248,7 +248,8 @@ def _idle(engine) -> dict:
 @pytest.mark.parametrize("take_kv", [False, True], ids=["step", "step-and-kv"])
 def test_failed_step_fails_only_its_request(live, take_kv):
     url, engine, fault = live
-    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4})
+    ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4},
+                    timeout=120)  # its first steps may compile
     assert ok.status_code == 200
     initial = _idle(engine)
     failures = _metric(url, "kiln:step_failures_total")
@@ -271,9 +272,10 @@ def test_failed_step_fails_only_its_request(live, take_kv):
     assert _idle(engine) == initial  # every block and scheduler slot of the failed requests is back
     assert _metric(url, "kiln:step_failures_total") == failures + 2
     for _ in range(2):  # the engine goes on
-        r = httpx.post(url + "/v1/chat/completions", json=_chat("after", max_tokens=6, temperature=0))
+        r = httpx.post(url + "/v1/chat/completions", json=_chat("after", max_tokens=6, temperature=0),
+                       timeout=120)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    h = httpx.get(url + "/health")
+    h = httpx.get(url + "/health", timeout=30)
     assert h.status_code == 200 and h.json()["backend_runtime"]["healthy"] is True
     assert _metric(url, "kiln:device_lost") == 0
 
@@ -296,7 +298,7 @@ MALFORMED = [
 def test_malformed_requests_leave_health_unchanged(live):
     url, engine, _ = live
     initial = _idle(engine)
-    with httpx.Client(base_url=url, headers={"content-type": "application/json"}) as client:
+    with httpx.Client(base_url=url, headers={"content-type": "application/json"}, timeout=120) as client:
         for _ in range(3):
             for path, body, status in MALFORMED:
                 r = client.post(path, content=body)
