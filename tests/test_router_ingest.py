@@ -35,7 +35,7 @@ def encode(events, encoding="array", ts=1.0, rank=0) -> bytes:
     return msgspec.msgpack.encode(as_map_form(batch) if encoding == "map" else batch)
 
 
-def wait_until(pred, timeout=5.0, what="condition"):
+def wait_until(pred, timeout=30.0, what="condition"):
     deadline = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
