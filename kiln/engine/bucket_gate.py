@@ -1,16 +1,16 @@
-"""A correctness gate per compiled bucket on an IREE route: before a bucket serves, it runs once
-(twice) on a synthetic batch that fills its shape (random KV, real weights, greedy sampling) and
-its results are compared with the portable XLA step on the same inputs: the same greedy tokens, close
+"""A correctness gate per compiled bucket on an IREE route: before a bucket serves, it runs twice
+on a synthetic batch that fills its shape (random KV, real weights, greedy sampling) and its
+results are compared with the portable XLA step on the same inputs: the same greedy tokens, close
 logprobs and the same K/V written. A bucket that fails never serves; its batches run padded in a
 bigger bucket that passed (see `Runner.resolve`).
 
-Driver bugs can be shape-specific (on Mesa's lavapipe the one-row decode step is wrong while the
-two-row one is right), so routes are qualified per shape, not once.
+Driver and compiler bugs can be shape-specific or show only from a module's second call (on Mesa's
+lavapipe an 8-row prefill step gives other tokens than XLA; a step compiled with constant hoisting
+was right once, then wrong), so buckets are qualified per shape and twice, not once per route.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import jax
@@ -22,8 +22,6 @@ from kiln.models.decoder import KVCache
 
 if TYPE_CHECKING:
     from kiln.engine.runner import Runner, StepShape
-
-log = logging.getLogger("kiln.engine")
 
 LOGPROB_TOL = 2e-3
 # Another greedy token than XLA's passes only in a tie: its logprob this close to XLA's choice's.

@@ -30,7 +30,6 @@ from kiln.errors import AdmissionRejected
 
 log = logging.getLogger("kiln.engine")
 
-ROUTES = ("xla", "vulkan", "iree-cpu")
 GATE_SIZE = 1024  # a row this long exercises the sorts sampling does over a vocabulary
 
 
@@ -137,7 +136,7 @@ def open_iree(route: str, cache_dir: Path) -> StepRoute:
 
 def select_route(requested: str, cache_dir: Path, model_dtype: str = "float32",
                  capabilities: dict | None = None) -> StepRoute:
-    """The route to serve with. `requested` is one of ROUTES (fatal RouteUnavailable when it cannot
+    """The route to serve with. `requested` is xla, vulkan or iree-cpu (fatal RouteUnavailable when it cannot
     run here) or `auto`. `capabilities` stands in for probing the Vulkan device (tests)."""
     from kiln.iree.device import RouteUnavailable
 

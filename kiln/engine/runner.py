@@ -485,9 +485,10 @@ class Runner:
                                 device_outputs=(0, 2))
         row_logits = jax.ShapeDtypeStruct((shape.rows, self.cfg.vocab_size), jnp.float32)
         sampler = HostSampling(route.device, sample_step.lower(row_logits, rs, flags=shape.flags).compile())
+        masked = MaskedStep(forward, sampler)
         if shape.flags.mask:
-            return MaskedStep(forward, sampler)
-        return lambda params, kv, inputs, last_index, rs, targets, lora: MaskedStep(forward, sampler)(
+            return masked
+        return lambda params, kv, inputs, last_index, rs, targets, lora: masked(
             params, kv, inputs, last_index, rs, targets, lora, masks=lambda: rs.allowed)
 
     def _gate_failed(self, exc: BucketFailedGate) -> None:
