@@ -3,6 +3,7 @@ accelerator step fails only its own requests, and malformed requests change noth
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -12,7 +13,10 @@ import jax
 import pytest
 from server_process import ServerProcess, free_port
 
+from kiln.engine.client import AsyncEngine
+from kiln.engine.config import EngineConfig
 from kiln.engine.faults import DeviceLossInjector, is_device_loss
+from kiln.engine.metrics import EngineMetrics
 from kiln.errors import DeviceLost
 
 MODEL = "tiny-llama"
@@ -75,8 +79,6 @@ def test_injector_raises_after_n_successful_steps():
 
 def test_device_loss_in_the_engine_fails_every_caller(tiny_model):
     """Callers without HTTP (evals, rollouts) see the same: DeviceLost, blocks freed, nothing runs again."""
-    from kiln.engine.client import AsyncEngine
-    from kiln.engine.config import EngineConfig
     from kiln.engine.sampling import SamplingParams
 
     engine = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4,
@@ -192,27 +194,19 @@ class StepFault:
         return self.real_run(rows, shape)
 
 
-@pytest.fixture(scope="module")
-def live(tiny_model, tmp_path_factory):
+@contextlib.contextmanager
+def in_process_server(engine, tmp):
     """A server in this process (uvicorn on loopback) on an engine the test can reach."""
     import uvicorn
 
     from kiln.adapters.registry import AdapterRegistry
     from kiln.adapters.store import AdapterStore
     from kiln.config import resolve_settings
-    from kiln.engine.client import AsyncEngine
-    from kiln.engine.config import EngineConfig
-    from kiln.engine.metrics import EngineMetrics
     from kiln.server.app import create_app
     from kiln.server.state import ServerState
 
-    tmp = tmp_path_factory.mktemp("live")
     settings = resolve_settings(env={"XDG_CACHE_HOME": str(tmp), "KILN_MODEL_SERVED_MODEL_NAME": MODEL})
-    metrics = EngineMetrics(MODEL)
-    engine = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=4,
-                                                  max_num_batched_tokens=64, decode_row_buckets=(1, 2, 4),
-                                                  prefill_token_buckets=(16, 32, 64)), metrics)
-    state = ServerState(settings, engine, metrics, AdapterRegistry(engine, AdapterStore(tmp / "adapters")))
+    state = ServerState(settings, engine, engine.core.metrics, AdapterRegistry(engine, AdapterStore(tmp / "adapters")))
     state.prewarm = "done"
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
@@ -222,11 +216,21 @@ def live(tiny_model, tmp_path_factory):
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.02)
-    fault = StepFault(engine.core.runner)
-    yield f"http://127.0.0.1:{port}", engine, fault
-    server.should_exit = True
-    thread.join(30)
-    engine.shutdown()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model, tmp_path_factory):
+    engine = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, block_size=16, max_num_seqs=4,
+                                                  max_num_batched_tokens=64, decode_row_buckets=(1, 2, 4),
+                                                  prefill_token_buckets=(16, 32, 64)), EngineMetrics(MODEL))
+    with in_process_server(engine, tmp_path_factory.mktemp("live")) as url:
+        yield url, engine, StepFault(engine.core.runner)
 
 
 def _engine_state(engine) -> dict:
@@ -310,3 +314,52 @@ def test_malformed_requests_leave_health_unchanged(live):
             assert h.json()["backend_runtime"] == {**h.json()["backend_runtime"], "healthy": True, "reason": None}
         assert client.post("/v1/chat/completions", json=_chat("fine", max_tokens=3)).status_code == 200
     assert _idle(engine) == initial
+
+
+# ---- an accelerator failure on an IREE route quarantines the route ----------------------------
+
+
+def test_a_failed_step_on_an_iree_route_quarantines_it_and_xla_serves_on(tiny_model, kiln_cache, live,
+                                                                         tmp_path):
+    """iree-cpu fails one step: that request gets 500, the route is out of service until a restart
+    (health 503 degraded), and every later request is served on XLA with the XLA route's tokens."""
+    pytest.importorskip("iree.runtime")
+    from test_iree_route import SMALL
+
+    from kiln.engine.routes import select_route
+
+    xla_url = live[0]
+    route = select_route("iree-cpu", kiln_cache / "iree")
+    engine = AsyncEngine(tiny_model, EngineConfig(**SMALL), EngineMetrics(MODEL), route=route)
+    fault = StepFault(engine.core.runner)
+    prompt = {"model": MODEL, "prompt": [40, 41, 42, 43], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    with in_process_server(engine, tmp_path) as url:
+        expected = httpx.post(xla_url + "/v1/completions", json=prompt, timeout=120).json()["choices"][0]["text"]
+        r = httpx.post(url + "/v1/completions", json=prompt, timeout=300)  # compiles and gates its buckets
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        h = httpx.get(url + "/health", timeout=30)
+        assert h.status_code == 200 and h.json()["backend_runtime"]["route"] == "iree-cpu"
+
+        fault.arm(prompt_token=201, after_tokens=3)  # a stream fails midway, on the device
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": [201, 9, 9], "stream": True, **LONG}) as s:
+            events = _sse(s)
+        assert fault.armed is None, "the fault never fired"
+        _assert_error(events[-2], "accelerator_error")
+
+        for path in ("/health", "/v1/health"):
+            h = httpx.get(url + path, timeout=30)
+            assert h.status_code == 503 and h.json()["status"] == "degraded", h.text
+            backend = h.json()["backend_runtime"]
+            assert backend["healthy"] is False and backend["restart_required"] is True
+            assert backend["reason"].startswith("route_quarantined: iree-cpu: ") and "injected" in backend["reason"]
+            assert backend["route"].startswith("xla:") and "quarantined" in backend["route_reason"]
+        config = httpx.get(url + "/v1/config", timeout=30).json()["backend"]
+        assert config["route"] == "xla" and config["quarantined"].startswith("iree-cpu: ")
+        assert _metric(url, "kiln:route_quarantined") == 1 and _metric(url, "kiln:device_lost") == 0
+
+        for _ in range(2):  # requests go on, on XLA, with XLA's tokens
+            r = httpx.post(url + "/v1/completions", json=prompt, timeout=120)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
+        assert not engine.core.runner.route.is_iree and len(route.resident) == 0
+        assert _idle(engine)["requests"] == 0

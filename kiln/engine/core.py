@@ -4,7 +4,8 @@ It holds the block pool, the scheduler, the runner, the LoRA slots and accelerat
 ownership, and is driven by one thread at a time: the async client's engine thread when
 serving, or a caller's own loop (benchmarks, trainers' rollouts, tests).
 
-A step failure fails that step's requests only. Device loss (DeviceLost, raised by the runner)
+A step failure fails that step's requests only; on an IREE route it also quarantines the route
+(later steps run on XLA, see Runner._quarantine_route). Device loss (DeviceLost, raised by the runner)
 is terminal: every request ends with it, their blocks are freed, and from then on `step` and
 `add_request` raise it; only a new process gets a device again.
 """
@@ -36,9 +37,9 @@ class EngineCore:
     def __init__(self, model: LoadedModel, config: EngineConfig, metrics: EngineMetrics | None = None,
                  route: StepRoute | None = None):
         self.model = model
-        self.route = route or XLA
+        route = route or XLA
         # the experimental profile's resident prefill, where the route keeps KV on a Vulkan device
-        self.resident_prefill = config.resident_prefill and self.route.name == "vulkan" and self.route.is_iree
+        self.resident_prefill = config.resident_prefill and route.name == "vulkan" and route.is_iree
         self.config = config
         self.metrics = metrics
         cfg = model.config
@@ -55,13 +56,13 @@ class EngineCore:
                                               encoding=config.kv_events_encoding)
         # a route under prefix-reuse quarantine prefills every request afresh
         self.pool = BlockPool(config.num_kv_blocks, config.block_size,
-                              config.enable_prefix_caching and self.route.reuses_prefixes,
+                              config.enable_prefix_caching and route.reuses_prefixes,
                               on_stored=self._on_stored if self.publisher else None,
                               on_removed=self._on_removed if self.publisher else None)
         self.ownership = Ownership()
         self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype)
         self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, model.dtype,
-                             self.route)
+                             route)
         self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,
                                    tokenizer=model.tokenizer, eos_ids=self.eos_ids, step_cost=self.runner.step_cost,
                                    fits=self.runner.fits, on_finish=self._on_finish,
@@ -154,6 +155,8 @@ class EngineCore:
                 results.append(self.runner.execute(batch))
             self.steps += 1
             self.step_failures += isinstance(results[-1], StepFailure)
+            if self.runner.quarantined and self.resident_prefill:  # resident prefill was the failed route's
+                self.resident_prefill = self.scheduler.resident_prefill = False
         return results
 
     def update_from_output(self, plan: StepPlan, results: list[StepResult | StepFailure | None]) -> list[Delta]:
@@ -200,6 +203,16 @@ class EngineCore:
 
     # ---- state -------------------------------------------------------------------------------
 
+    @property
+    def route(self) -> StepRoute:
+        """The route steps run on: the chosen one, or XLA once an accelerator failure quarantined it."""
+        return self.runner.route
+
+    @property
+    def quarantined(self) -> str | None:
+        """The route an accelerator failure took out of service (and why); a restart brings it back."""
+        return self.runner.quarantined
+
     def snapshot(self) -> dict:
         """Live state for readers on other threads (taken by the engine thread, between steps)."""
         sched, pool, slots = self.scheduler, self.pool, self.lora_slots
@@ -230,6 +243,7 @@ class EngineCore:
             "finished": sched.stats.finished,
             "step_failures": self.step_failures,
             "device_lost": self.device_lost.message if self.device_lost else None,
+            "route_quarantined": self.runner.quarantined,
         }
 
     def close(self) -> None:

@@ -57,6 +57,9 @@ class _SnapshotCollector:
         yield self._family(GaugeMetricFamily, "kiln:device_lost",
                            "1 once the accelerator is lost (every request fails until a restart)",
                            int(s["device_lost"] is not None))
+        yield self._family(GaugeMetricFamily, "kiln:route_quarantined",
+                           "1 once an accelerator failure took the backend route out of service (XLA serves until "
+                           "a restart)", int(s["route_quarantined"] is not None))
         yield self._family(CounterMetricFamily, "kiln:padded_steps",
                            "Steps run padded in a bigger compiled bucket while their own compiled", s["padded_steps"])
         gauges = (("num_requests_running", "Requests in the running batch", "running"),

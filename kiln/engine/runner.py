@@ -41,7 +41,7 @@ from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.output import TokenLogprob
 from kiln.engine.request import Request
-from kiln.engine.routes import XLA, RouteCannotRun, StepRoute
+from kiln.engine.routes import XLA, RouteCannotRun, RouteChoice, StepRoute, xla_capabilities
 from kiln.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampled, SamplingFlags, sample
 from kiln.engine.scheduler import Batch, Rows, StepFailure
 from kiln.errors import GraphCaptureDisabled, RequestFailed
@@ -281,6 +281,7 @@ class Runner:
         self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         self.padded_steps = 0  # steps run in a bigger compiled bucket while theirs compiled
         self.gate_failed: dict[StepShape, str] = {}  # IREE buckets that failed their correctness gate, and why
+        self.quarantined: str | None = None  # the route an accelerator failure took out of service, and why
         self.masks = MaskFiller()
         self.device_loss = DeviceLossInjector(config.inject_device_loss_after_steps)  # [debug] fault injection
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
@@ -652,12 +653,35 @@ class Runner:
                 raise as_device_lost(exc) from exc
             log.exception("step failed")
             kv_lost = self.route.is_iree or self.kv.k.is_deleted()  # IREE consumed it in place
+            if self.route.is_iree:
+                self._quarantine_route(exc)
             if kv_lost:
                 self.reset_kv()
             return StepFailure(RequestFailed(f"the accelerator step failed: {type(exc).__name__}",
                                              code="accelerator_error"), kv_lost)
         self.device_loss.step_succeeded()
         return result
+
+    def _quarantine_route(self, exc: Exception) -> None:
+        """An accelerator failure on an IREE route takes that route out of service for the life of
+        the process: later steps run on XLA (on the host), every compiled IREE bucket and the
+        device's copies of the weights are dropped. XLA itself is the route of last resort: its
+        failures fail their requests only."""
+        failed = self.route
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        self.quarantined = f"{failed.name}: {first_line}"
+        log.error("route %s quarantined after an accelerator failure (%s); serving goes on with XLA on %s until "
+                  "a restart", failed.name, first_line, jax.default_backend())
+        for future in self._capturing.values():
+            future.cancel()
+        self._capturing.clear()
+        self.executables.clear()
+        self.gate_failed.clear()
+        if failed.resident is not None:
+            failed.resident.clear()
+        self.route = StepRoute(RouteChoice(
+            "xla", f"fallback: route {failed.name} was quarantined after an accelerator failure ({first_line})",
+            xla_capabilities(), {}))
 
     def _run(self, rows: Rows, shape: StepShape) -> StepResult:
         work = [RowWork(r.all_ids[r.num_computed : r.num_computed + n], r.num_computed, r.block_ids, r.adapter_slot)

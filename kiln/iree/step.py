@@ -44,6 +44,10 @@ class ResidentArrays:
         with self._lock:
             self._copies.pop(key, None)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._copies.clear()
+
     def __len__(self) -> int:
         return len(self._copies)
 

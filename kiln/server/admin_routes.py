@@ -16,27 +16,38 @@ OPEN_ROUTES = {"/health", "/v1/health", "/metrics"}  # answered without an API k
 
 
 def _health(request: Request) -> Response:
-    """200 only when serving; device loss (backend_runtime.healthy false) lasts until a restart."""
+    """200 only when serving. Device loss (unhealthy) and a quarantined route (degraded: requests are
+    still served, on XLA) report backend_runtime.healthy false until a restart."""
     st = server_state(request)
     admission = st.profile.policy.inference_admission
     engine_ok = st.engine.alive()
     lost = st.engine.device_lost
-    backend_ok = engine_ok and lost is None
-    reason = (f"device_lost: {lost.message}" if lost is not None
-              else None if engine_ok else "engine_stopped: the engine loop is not running")
-    if not backend_ok:
+    quarantined = st.engine.core.quarantined
+    backend_ok = engine_ok and lost is None and quarantined is None
+    if lost is not None:
+        reason = f"device_lost: {lost.message}"
+    elif not engine_ok:
+        reason = "engine_stopped: the engine loop is not running"
+    elif quarantined is not None:
+        reason = f"route_quarantined: {quarantined}"
+    else:
+        reason = None
+    if lost is not None or not engine_ok:
         status = "unhealthy"
+    elif quarantined is not None:
+        status = "degraded"
     elif st.profile.profile is ServingProfile.MAINTENANCE:
         status = "maintenance"
     elif st.prewarm == "pending":
         status = "starting"
     else:
         status = "ok"
+    restart = lost is not None or quarantined is not None
     body = {
         "status": status,
         "model": st.model_id,
         "serving_profile": st.profile.to_json(),
-        "backend_runtime": {"healthy": backend_ok, "reason": reason, "restart_required": lost is not None,
+        "backend_runtime": {"healthy": backend_ok, "reason": reason, "restart_required": restart,
                             "platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
                             "route": st.backend_route, "route_reason": st.engine.core.route.choice.reason},
         "checks": {"inference_admission": admission, "engine_loop": engine_ok, "model_loaded": True,
@@ -60,7 +71,9 @@ def config(request: Request) -> dict[str, Any]:
     st = server_state(request)
     model = {"id": st.model_id, "weights_digest": st.engine.model.weights_digest,
              "max_model_len": st.engine.max_model_len}
-    backend = {**st.engine.core.route.choice.to_json(), "resident_prefill": st.engine.core.resident_prefill}
+    core = st.engine.core
+    backend = {**core.route.choice.to_json(), "resident_prefill": core.resident_prefill,
+               "quarantined": core.quarantined}
     return {**st.settings.to_json(), "model": model, "backend": backend,
             "version": __version__}
 
