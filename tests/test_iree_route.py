@@ -197,3 +197,24 @@ def test_resident_prefill_feeds_prompts_as_decode_steps(tiny_model, iree_cache, 
         assert not stable.core.resident_prefill
     finally:
         stable.shutdown()
+
+
+def test_a_batch_whose_bucket_fails_its_gate_runs_split(tiny_model, iree_cache, xla_engine, monkeypatch):
+    """When the only bucket that fits a batch fails its correctness gate (lavapipe's 8-row prefill
+    does), the batch is not refused: it runs again as halves in buckets that passed, and its
+    tokens equal XLA's."""
+    import kiln.engine.runner as runner_module
+
+    real = runner_module.check_bucket
+    monkeypatch.setattr(runner_module, "check_bucket", lambda runner, shape, executable, lora: (
+        "injected: wrong tokens" if shape.rows > 1 and shape.query > 1 else real(runner, shape, executable, lora)))
+    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=select_route("iree-cpu", iree_cache))
+    try:
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert run(eng, PROMPTS, params) == run(xla_engine, PROMPTS, params)
+        failed = eng.core.runner.gate_failed
+        assert failed and all(s.rows == 4 and s.query > 1 for s in failed), failed
+        assert eng.snapshot["step_failures"] == 0
+        assert all(s.rows == 1 for s in eng.core.runner.executables if s.query > 1)
+    finally:
+        eng.shutdown()

@@ -154,7 +154,7 @@ class EngineCore:
             with self.ownership.inference():
                 results.append(self.runner.execute(batch))
             self.steps += 1
-            self.step_failures += isinstance(results[-1], StepFailure)
+            self.step_failures += isinstance(results[-1], StepFailure) and not results[-1].retry
             if self.runner.quarantined and self.resident_prefill:  # resident prefill was the failed route's
                 self.resident_prefill = self.scheduler.resident_prefill = False
         return results

@@ -388,12 +388,11 @@ class Runner:
         compiled now. With live capture off: the cheapest compiled one that fits, or
         GraphCaptureDisabled."""
         self._install_captured()
-        while shape in self.gate_failed:
-            larger = bigger(shape, self.row_buckets)
-            if larger is None:
-                raise RouteCannotRun(f"no step bucket of the {self.route.name} route that fits this batch passed its "
-                                     f"correctness gate ({self.gate_failed[shape]})")
-            shape = larger
+        passing = self._passing(shape)
+        if passing is None:
+            raise RouteCannotRun(f"no step bucket of the {self.route.name} route that fits this batch passed its "
+                                 f"correctness gate ({self.gate_failed[shape]})")
+        shape = passing
         if shape in self.executables:
             return shape
         fitting = [s for s in self.executables if s.fits(shape)]
@@ -421,11 +420,22 @@ class Runner:
         log.info("captured step bucket %s in %.1fs (the step waited)", _describe(shape), time.perf_counter() - t0)
         return shape
 
+    def _passing(self, shape: StepShape) -> StepShape | None:
+        """The bucket a batch of this shape may run in as far as the correctness gates know: its
+        own, else the next bigger one where its own failed; None when every one that fits failed."""
+        while shape is not None and shape in self.gate_failed:
+            shape = bigger(shape, self.row_buckets)
+        return shape
+
     def fits(self, rows: Rows) -> bool:
-        """Whether the rows can run as one step: always with live capture, else in a compiled bucket."""
+        """Whether the rows can run as one step: not when every bucket that fits them failed its
+        correctness gate (the scheduler splits them); else always with live capture, else in a
+        compiled bucket."""
+        shape = self.shape_for(rows)
+        if self._passing(shape) is None:
+            return False
         if self.config.allow_live_capture:
             return True
-        shape = self.shape_for(rows)
         return any(s.fits(shape) for s in self.executables)
 
     def step_cost(self, rows: Rows) -> float:
@@ -645,7 +655,9 @@ class Runner:
         try:
             shape = self.resolve(self.shape_for(rows))
         except (GraphCaptureDisabled, RouteCannotRun) as exc:
-            return StepFailure(exc)
+            # a batch whose buckets just failed their gates runs again split (see fits); one row cannot
+            retry = len(rows) > 1 and self._passing(self.shape_for(rows)) is None
+            return StepFailure(exc, retry=retry)
         try:
             result = self._run(rows, shape)
         except Exception as exc:

@@ -70,10 +70,12 @@ class RowOutput(Protocol):
 
 @dataclasses.dataclass
 class StepFailure:
-    """A batch that failed; `kv_lost` when the KV state went with it (every running request recomputes)."""
+    """A batch that failed; `kv_lost` when the KV state went with it (every running request recomputes);
+    `retry` when it did not run and its rows should be planned again (they keep their state)."""
 
     error: KilnError
     kv_lost: bool = False
+    retry: bool = False
 
 
 @dataclasses.dataclass
@@ -217,7 +219,7 @@ class Scheduler:
 
     def _plan(self, rows: Rows) -> list[Batch]:
         """One batch, or decode rows and prefill chunks apart when that is cheaper (cost model)
-        or when no compiled step fits them together (live capture off)."""
+        or when they cannot run together (see fits), split further where a part still cannot."""
         if not rows:
             return []
         decode = [r for r in rows if r[1] == 1]
@@ -229,10 +231,15 @@ class Scheduler:
             groups = [rows]
         else:
             groups = [decode, prefill]
-        batches = []
-        for group in groups:  # a group no compiled step fits runs row by row
-            batches += [Batch(group)] if len(group) == 1 or self.fits(group) else [Batch([row]) for row in group]
-        return batches
+        return [Batch(part) for group in groups for part in self._split(group)]
+
+    def _split(self, rows: Rows) -> list[Rows]:
+        """Rows that cannot run as one step (no compiled step fits them with live capture off, or
+        every bucket that fits them failed its correctness gate) run as halves, recursively."""
+        if len(rows) == 1 or self.fits(rows):
+            return [rows]
+        half = len(rows) // 2
+        return self._split(rows[:half]) + self._split(rows[half:])
 
     def preempt(self, req: Request) -> None:
         """Free and recompute later: the request returns to the front of the queue."""
@@ -274,6 +281,8 @@ class Scheduler:
         now = time.monotonic()
         for batch, result in zip(plan.batches, results, strict=True):
             if result is None:
+                continue
+            if isinstance(result, StepFailure) and result.retry:
                 continue
             if isinstance(result, StepFailure):
                 outputs += [self.finish(req, "error", result.error) for req, _ in batch.rows if not req.finished]
