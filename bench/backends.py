@@ -152,7 +152,7 @@ def run_route(name: str, model, prompts: dict[int, list[list[int]]], tokens: int
     setup_s = time.perf_counter() - t0
     try:
         rec = Recorder(engine)
-        kv_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in engine.core.runner._abstract[1])
+        kv_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in engine.core.runner.abstract[1])
         out = {"open_s": open_s, "setup_s": setup_s, "kv_bytes": kv_bytes, "gates": route.choice.gates,
                "device": route.choice.capabilities.get("name", ""), "batches": {}}
         for batch in BATCHES:

@@ -62,10 +62,10 @@ def measure_bucket(runner: Runner, shape: StepShape, executable, lora) -> dict:
     rows = gate_batch(runner, shape)
     inputs = build_step_inputs(rows, runner.block_size, runner.num_blocks, shape.tokens, shape.rows, shape.query,
                                shape.blocks)
-    _, last_index, rs, targets = runner._padding_inputs(shape)
+    _, last_index, rs, targets = runner.padding_inputs(shape)
     last_index[: len(rows)] = np.cumsum([len(r.tokens) for r in rows]) - 1
     rng = np.random.default_rng(1)
-    kv_host = [(0.5 * rng.standard_normal(a.shape)).astype(a.dtype) for a in runner._abstract[1]]
+    kv_host = [(0.5 * rng.standard_normal(a.shape)).astype(a.dtype) for a in runner.abstract[1]]
     # LoRA slots as zeros of their shapes: the slot state belongs to the engine thread
     lora = None if lora is None else jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), lora)
     args = (runner.params, KVCache(*kv_host), inputs, last_index, rs, targets, lora)

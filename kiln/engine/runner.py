@@ -278,7 +278,7 @@ class Runner:
         self._map_samples: list[int] = []  # memory mappings the first executables added
         self._capturing: dict[StepShape, concurrent.futures.Future] = {}  # compiling in the background
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-capture")
-        self._abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
+        self.abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         self.padded_steps = 0  # steps run in a bigger compiled bucket while theirs compiled
         self.gate_failed: dict[StepShape, str] = {}  # IREE buckets that failed their correctness gate, and why
         self.quarantined: str | None = None  # the route an accelerator failure took out of service, and why
@@ -311,7 +311,7 @@ class Runner:
                          ) -> dict[StepShape, Callable]:
         """The executables of these buckets for a KV pool of `num_blocks` (any thread: a resize
         compiles ahead, so serving never waits for it)."""
-        params, kv = self._abstract
+        params, kv = self.abstract
         kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], num_blocks, *a.shape[2:]), a.dtype,
                                                          sharding=a.sharding), kv)
         return {s: self._compile(s, lora, (params, kv)) for s, lora in buckets}
@@ -339,7 +339,7 @@ class Runner:
         self.kv = jax.tree.map(resized, self.kv)
         jax.block_until_ready(self.kv)
         self.num_blocks = num_blocks
-        self._abstract = (self._abstract[0], jax.tree.map(_abstract, self.kv))
+        self.abstract = (self.abstract[0], jax.tree.map(_abstract, self.kv))
         self.executables.clear()
         jax.clear_caches()  # JAX's own caches hold the old pool's executables too
         for shape, executable in executables.items():
@@ -457,8 +457,8 @@ class Runner:
 
     def _compile(self, shape: StepShape, lora: dict | None, abstract=None) -> Callable:
         """The executable of one bucket (any thread; the persistent compilation cache applies)."""
-        params, kv = abstract or self._abstract
-        inputs, last_index, rs, targets = self._padding_inputs(shape)
+        params, kv = abstract or self.abstract
+        inputs, last_index, rs, targets = self.padding_inputs(shape)
         if self.route.is_iree:
             executable = self._compile_iree(shape, params, kv, inputs, last_index, rs, targets, lora)
             if abstract is None and (why := check_bucket(self, shape, executable, lora)):
@@ -580,7 +580,7 @@ class Runner:
 
     # ---- inputs ------------------------------------------------------------------------
 
-    def _padding_inputs(self, shape: StepShape) -> tuple[StepInputs, np.ndarray, RowSampling, np.ndarray]:
+    def padding_inputs(self, shape: StepShape) -> tuple[StepInputs, np.ndarray, RowSampling, np.ndarray]:
         """Inputs of an all-padding batch of this shape (what a compile sees)."""
         S, T = shape.rows, shape.tokens
         inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
