@@ -11,6 +11,7 @@ was right once, then wrong), so buckets are qualified per shape and twice, not o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
@@ -64,23 +65,37 @@ def measure_bucket(runner: Runner, shape: StepShape, executable, lora) -> dict:
                                shape.blocks)
     _, last_index, rs, targets = runner.padding_inputs(shape)
     last_index[: len(rows)] = np.cumsum([len(r.tokens) for r in rows]) - 1
+    # Only the blocks the rows use hold random K/V, and XLA's reference runs on a pool of just those
+    # (renumbered 1..n; block 0 takes padding writes): the bucket's own executable needs a pool of
+    # the serving size, but untouched zero pages cost no host memory.
+    used = sorted({b for r in rows for b in r.block_table})
+    renumber = {b: i + 1 for i, b in enumerate(used)}
+    compact_rows = [dataclasses.replace(r, block_table=[renumber[b] for b in r.block_table]) for r in rows]
+    compact_inputs = build_step_inputs(compact_rows, runner.block_size, len(used) + 1, shape.tokens, shape.rows,
+                                       shape.query, shape.blocks)
     rng = np.random.default_rng(1)
-    kv_host = [(0.5 * rng.standard_normal(a.shape)).astype(a.dtype) for a in runner.abstract[1]]
+    kv_used = [(0.5 * rng.standard_normal((a.shape[0], len(used), *a.shape[2:]))).astype(a.dtype)
+               for a in runner.abstract[1]]
+    kv_host = [np.zeros(a.shape, a.dtype) for a in runner.abstract[1]]
+    for full, part in zip(kv_host, kv_used, strict=True):
+        full[:, used] = part
     # LoRA slots as zeros of their shapes: the slot state belongs to the engine thread
     lora = None if lora is None else jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), lora)
     args = (runner.params, KVCache(*kv_host), inputs, last_index, rs, targets, lora)
-    xla_args = (runner.params, KVCache(*(jnp.asarray(x) for x in kv_host)), inputs, last_index, rs, targets, lora)
+    compact_kv = KVCache(*(jnp.concatenate([jnp.zeros_like(x[:, :1]), jnp.asarray(x)], axis=1) for x in kv_used))
+    xla_args = (runner.params, compact_kv, compact_inputs, last_index, rs, targets, lora)
     static = {"cfg": runner.cfg, "with_prompt_logprobs": shape.prompt_logprobs}
     if shape.flags.mask:
         row_logits, prompt, kv = forward_step(*xla_args[:4], targets, lora, **static)
         want = (sample_step(row_logits, rs, flags=shape.flags), prompt, kv)
     else:
         want = model_step(*xla_args, **static, flags=shape.flags)
+    want = (want[0], want[1], KVCache(*(np.asarray(x)[:, 1:] for x in want[2])))
     result = {"rows": len(rows), "tokens_equal": True, "max_logprob_error": 0.0, "max_k_error": 0.0,
               "max_v_error": 0.0, "why": None}
     for i in range(2):
         got = executable(*args, masks=lambda: rs.allowed) if isinstance(executable, MaskedStep) else executable(*args)
-        why = _compare(got, want, len(rows), runner.route.device, result)
+        why = _compare(got, want, len(rows), used, runner.route.device, result)
         if why and result["why"] is None:
             result["why"] = f"call {i + 1}: {why}"
     result["passed"] = result["why"] is None
@@ -91,8 +106,9 @@ def _scale(x: np.ndarray) -> float:
     return max(1.0, float(np.max(np.abs(x), initial=0.0)))
 
 
-def _compare(got, want, n: int, device, result: dict) -> str | None:
-    """What differs between one call's results and XLA's, if anything; keeps the largest errors."""
+def _compare(got, want, n: int, used: list[int], device, result: dict) -> str | None:
+    """What differs between one call's results and XLA's (whose K/V holds only the `used` blocks),
+    if anything; keeps the largest errors."""
     got_sampled, want_sampled = got[0], want[0]
     got_tokens, want_tokens = np.asarray(got_sampled.tokens)[:n], np.asarray(want_sampled.tokens)[:n]
     got_lp, want_lp = np.asarray(got_sampled.logprobs)[:n], np.asarray(want_sampled.logprobs)[:n]
@@ -102,7 +118,7 @@ def _compare(got, want, n: int, device, result: dict) -> str | None:
     result["max_logprob_error"] = max(result["max_logprob_error"], lp_err)
     errors = {}
     for name, g, w in zip(("k", "v"), got[2], want[2], strict=True):
-        g = device.to_host(g) if isinstance(g, device.rt.DeviceArray) else np.asarray(g)
+        g = (device.to_host(g) if isinstance(g, device.rt.DeviceArray) else np.asarray(g))[:, used]
         w = np.asarray(w, np.float32)
         errors[name] = (float(np.max(np.abs(g.astype(np.float32) - w))), _scale(w))
         result[f"max_{name}_error"] = max(result[f"max_{name}_error"], errors[name][0])
