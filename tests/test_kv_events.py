@@ -74,7 +74,7 @@ def subscribe(ctx, pub, topic=b""):
     while not sub.poll(20):
         assert time.monotonic() < deadline, "subscription never became live"
         pub.publish([AllBlocksCleared()])
-    wait_until(lambda: pub._queue.empty() and pub.published_batches > 0)
+    wait_until(lambda: pub.drained() and pub.published_batches > 0)
     last = pub.published_batches - 1
     while seq_of(recv(sub)[1]) != last:
         pass

@@ -256,7 +256,7 @@ def start_ingest(cleanup, *workers, block_size=BS, replay_timeout_ms=2000) -> KV
 
 def synced(ingest: KVIngest, pub: KVEventPublisher, wid: int) -> None:
     """Wait until ingest has applied all that ``pub`` published."""
-    wait_until(lambda: pub._queue.empty() and pub.published_batches > 0, what="publishing")
+    wait_until(lambda: pub.drained() and pub.published_batches > 0, what="publishing")
     last = pub.published_batches - 1
     wait_until(lambda: ingest.stats(wid).last_seq == last, what=f"seq {last} applied")
 

@@ -179,6 +179,11 @@ class KVEventPublisher:
             if self.dropped_batches == 1 or self.dropped_batches % 1000 == 0:
                 logger.warning("KV event queue full; %d batches dropped", self.dropped_batches)
 
+    def drained(self) -> bool:
+        """Every batch queued so far has been sent (and counted in published_batches) or failed."""
+        with self._queue.all_tasks_done:
+            return self._queue.unfinished_tasks == 0
+
     def close(self) -> None:
         """Send what is queued, then stop the thread and close the sockets. Idempotent."""
         self._closing.set()
@@ -235,6 +240,8 @@ class KVEventPublisher:
                     self.published_batches += 1
                 except Exception:
                     logger.exception("failed to publish KV event batch")
+                finally:
+                    self._queue.task_done()
         finally:
             # Linger lets already-queued frames reach subscribers; it does not block close().
             pub.close(linger=self._linger_ms)
