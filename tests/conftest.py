@@ -16,8 +16,13 @@ jit_forward = jax.jit(forward, static_argnames=("cfg", "unroll"))
 
 @pytest.fixture(scope="session")
 def kiln_cache(tmp_path_factory):
-    """A Kiln cache dir private to this test session (converted GGUFs land here)."""
+    """A Kiln cache dir private to this test session (converted GGUFs land here). JAX's persistent
+    compilation cache sits where servers started on it look (<cache>/jax), so a step bucket one
+    engine compiled loads in every later engine and server of the session instead of compiling again."""
+    from kiln.engine.setup import configure_compilation_cache
+
     path = tmp_path_factory.mktemp("kiln-cache")
+    configure_compilation_cache(path / "jax")
     old = os.environ.get("KILN_CACHE_DIR")
     os.environ["KILN_CACHE_DIR"] = str(path)
     yield path
