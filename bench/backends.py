@@ -42,10 +42,11 @@ from common import chat_prompts
 import kiln.engine.runner as runner_module
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
-from kiln.engine.routes import ROUTES, select_route
+from kiln.engine.routes import select_route
 from kiln.engine.sampling import SamplingParams
 from kiln.models.loader import load_model
 
+ROUTES = ("xla", "iree-cpu", "vulkan")
 BATCHES = (1, 8)
 BLOCK = 128
 CONFIG = dict(num_kv_blocks=16, block_size=BLOCK, max_model_len=BLOCK, max_num_seqs=8, max_num_batched_tokens=256,

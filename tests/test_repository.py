@@ -36,3 +36,13 @@ def test_nothing_points_outside_the_repository():
         path = ROOT / name
         if path.suffix in (".py", ".md", ".toml", ".txt", ".ipynb", "") and path.is_file():
             assert outside not in path.read_text(errors="replace"), name
+
+
+def test_every_benchmark_imports():
+    """A benchmark that no test runs still has to import: what it names from kiln must exist."""
+    code = ("import importlib, pathlib, sys\n"
+            "sys.path.insert(0, 'bench')\n"
+            "for path in sorted(pathlib.Path('bench').glob('*.py')):\n"
+            "    importlib.import_module(path.stem)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
