@@ -100,6 +100,43 @@ def test_device_loss_in_the_engine_fails_every_caller(tiny_model):
         engine.shutdown()
 
 
+def test_a_device_loss_outside_the_steps_ends_serving_too(tiny_model):
+    """A training job's own accelerator work reports a lost device: the running request fails
+    with it and nothing runs again, as when a step loses it."""
+    from kiln.engine.sampling import SamplingParams
+
+    engine = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4,
+                                                  max_num_batched_tokens=32, decode_row_buckets=(4,),
+                                                  prefill_token_buckets=(32,)))
+    try:
+        params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+        outcome: dict = {}
+
+        def first():
+            try:
+                outcome["result"] = engine.complete([[5, 6, 7]], params, timeout=120)
+            except Exception as exc:
+                outcome["error"] = exc
+
+        running = threading.Thread(target=first)
+        running.start()
+        deadline = time.monotonic() + 60
+        while engine.snapshot["running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        report = engine.report_device_loss(jax.errors.JaxRuntimeError("INTERNAL: DEVICE_LOST: in a training step"))
+        with pytest.raises(DeviceLost):
+            report.result(30)
+        running.join(60)
+        assert not running.is_alive() and isinstance(outcome.get("error"), DeviceLost), outcome
+        assert engine.device_lost is not None
+        assert "in a training step" in engine.device_lost.message
+        with pytest.raises(DeviceLost):
+            engine.complete([[5, 6]], params, timeout=30)
+    finally:
+        engine.shutdown()
+
+
 # ---- device loss: a subprocess server with [debug] inject_device_loss_after_steps ---------------
 
 LOSS_AFTER = 150  # steps: a 200-token request is still running when the device goes

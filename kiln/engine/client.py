@@ -215,6 +215,16 @@ class AsyncEngine:
         self._wake.set()
         return future
 
+    def report_device_loss(self, exc: BaseException) -> concurrent.futures.Future:
+        """Accelerator work outside the engine's steps (a training job's) found the device lost:
+        serving ends as if a step had lost it (see EngineCore.lose_device)."""
+        lost = as_device_lost(exc)
+
+        def raise_lost():
+            raise lost
+
+        return self.at_boundary(raise_lost)
+
     def place_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
         """Loads an adapter version into a slot at the next boundary (result: the slot, or
         None while every slot serves live requests: it then loads on first use)."""

@@ -27,6 +27,7 @@ import msgspec
 
 from kiln import graders
 from kiln.adapters.manifest import validate_name
+from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.errors import AdmissionRejected, InvalidRequest, KilnError, NotFound
 from kiln.eval.gate import Gate, GateResult, GateSpec, GateStopped, parse_gate
@@ -441,7 +442,11 @@ class JobManager:
                 self._fail(job, exc.code or "job_failed", exc.message)
             except Exception as exc:  # a bug or a device failure: the job fails, the worker lives
                 log.exception("fine-tuning job %s failed", job["id"])
-                self._fail(job, "internal_error", f"{type(exc).__name__}: {exc}")
+                if is_device_loss(exc):  # the process serves nothing more either
+                    self.engine.report_device_loss(exc)
+                    self._fail(job, "device_lost", as_device_lost(exc).message)
+                else:
+                    self._fail(job, "internal_error", f"{type(exc).__name__}: {exc}")
             finally:
                 self.current = None
                 self._reclaim()
