@@ -74,16 +74,18 @@ def measure_bucket(runner: Runner, shape: StepShape, executable, lora) -> dict:
     compact_inputs = build_step_inputs(compact_rows, runner.block_size, len(used) + 1, shape.tokens, shape.rows,
                                        shape.query, shape.blocks)
     rng = np.random.default_rng(1)
-    kv_used = [(0.5 * rng.standard_normal((a.shape[0], len(used), *a.shape[2:]))).astype(a.dtype)
-               for a in runner.abstract[1]]
-    kv_host = [np.zeros(a.shape, a.dtype) for a in runner.abstract[1]]
-    for full, part in zip(kv_host, kv_used, strict=True):
-        full[:, used] = part
+    compact_kv, kv_host = [], []
+    for a in runner.abstract[1]:
+        compact = np.zeros((a.shape[0], len(used) + 1, *a.shape[2:]), a.dtype)
+        compact[:, 1:] = 0.5 * rng.standard_normal(compact[:, 1:].shape)
+        full = np.zeros(a.shape, a.dtype)
+        full[:, used] = compact[:, 1:]
+        compact_kv.append(compact)
+        kv_host.append(full)
     # LoRA slots as zeros of their shapes: the slot state belongs to the engine thread
     lora = None if lora is None else jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), lora)
     args = (runner.params, KVCache(*kv_host), inputs, last_index, rs, targets, lora)
-    compact_kv = KVCache(*(jnp.concatenate([jnp.zeros_like(x[:, :1]), jnp.asarray(x)], axis=1) for x in kv_used))
-    xla_args = (runner.params, compact_kv, compact_inputs, last_index, rs, targets, lora)
+    xla_args = (runner.params, KVCache(*map(jnp.asarray, compact_kv)), compact_inputs, last_index, rs, targets, lora)
     static = {"cfg": runner.cfg, "with_prompt_logprobs": shape.prompt_logprobs}
     if shape.flags.mask:
         row_logits, prompt, kv = forward_step(*xla_args[:4], targets, lora, **static)

@@ -45,12 +45,16 @@ def is_device_loss(exc: BaseException) -> bool:
     return any(marker in message for marker in DEVICE_LOSS_MARKERS)
 
 
+def first_line(exc: BaseException) -> str:
+    """A runtime error's first line (at most 300 characters): enough to name it in health and logs."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+
+
 def as_device_lost(exc: BaseException) -> DeviceLost:
     """The DeviceLost for a recognised loss (see is_device_loss)."""
     if isinstance(exc, DeviceLost):
         return exc
-    first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return DeviceLost(f"the accelerator was lost ({first_line[:300]}); restart the process")
+    return DeviceLost(f"the accelerator was lost ({first_line(exc)}); restart the process")
 
 
 class DeviceLossInjector:

@@ -36,7 +36,7 @@ from jax._src import dispatch
 
 from kiln.engine.bucket_gate import BucketFailedGate, bigger, check_bucket
 from kiln.engine.config import EngineConfig
-from kiln.engine.faults import DeviceLossInjector, as_device_lost, is_device_loss
+from kiln.engine.faults import DeviceLossInjector, as_device_lost, first_line, is_device_loss
 from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.output import TokenLogprob
@@ -652,12 +652,12 @@ class Runner:
         """Runs one planned batch; a failure fails its rows, never the process. Raises DeviceLost
         when the error says the device is gone."""
         rows = batch.rows
+        own = self.shape_for(rows)
         try:
-            shape = self.resolve(self.shape_for(rows))
+            shape = self.resolve(own)
         except (GraphCaptureDisabled, RouteCannotRun) as exc:
             # a batch whose buckets just failed their gates runs again split (see fits); one row cannot
-            retry = len(rows) > 1 and self._passing(self.shape_for(rows)) is None
-            return StepFailure(exc, retry=retry)
+            return StepFailure(exc, retry=len(rows) > 1 and self._passing(own) is None)
         try:
             result = self._run(rows, shape)
         except Exception as exc:
@@ -679,11 +679,10 @@ class Runner:
         the process: later steps run on XLA (on the host), every compiled IREE bucket and the
         device's copies of the weights are dropped. XLA itself is the route of last resort: its
         failures fail their requests only."""
-        failed = self.route
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-        self.quarantined = f"{failed.name}: {first_line}"
+        failed, why = self.route, first_line(exc)
+        self.quarantined = f"{failed.name}: {why}"
         log.error("route %s quarantined after an accelerator failure (%s); serving goes on with XLA on %s until "
-                  "a restart", failed.name, first_line, jax.default_backend())
+                  "a restart", failed.name, why, jax.default_backend())
         for future in self._capturing.values():
             future.cancel()
         self._capturing.clear()
@@ -692,7 +691,7 @@ class Runner:
         if failed.resident is not None:
             failed.resident.clear()
         self.route = StepRoute(RouteChoice(
-            "xla", f"fallback: route {failed.name} was quarantined after an accelerator failure ({first_line})",
+            "xla", f"fallback: route {failed.name} was quarantined after an accelerator failure ({why})",
             xla_capabilities(), {}))
 
     def _run(self, rows: Rows, shape: StepShape) -> StepResult:
