@@ -68,7 +68,7 @@ class Recorder:
         self.compile_s = 0.0
         self.compiles = 0
         self.gate_s = 0.0
-        execute, compile_ = self.runner.execute, self.runner._compile
+        execute, compile_ = self.runner.execute, self.runner._build
 
         def recorded_execute(batch):
             self.steps.append((batch.kind, len(batch.rows), time.perf_counter(), *self.route.bytes_moved()))
@@ -83,7 +83,7 @@ class Recorder:
                 self.compiles += 1
 
         self.runner.execute = recorded_execute
-        self.runner._compile = recorded_compile
+        self.runner._build = recorded_compile
 
 
 _gate_clock = {"s": 0.0}
@@ -162,7 +162,7 @@ def run_route(name: str, model, prompts: dict[int, list[list[int]]], tokens: int
             except Exception as exc:  # e.g. 503 route_unsupported: no bucket passed its gate
                 out["batches"][batch] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"  {name} batch {batch}: {fmt_brief(out['batches'][batch])}", flush=True)
-        out["gate_failed"] = {runner_module._describe(s): why for s, why in engine.core.runner.gate_failed.items()}
+        out["gate_failed"] = {b.describe(): why for b, why in engine.core.runner.gate_failed.items()}
         return out
     finally:
         engine.shutdown()

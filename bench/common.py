@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kiln.engine.buckets import StepBucket
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
-from kiln.engine.runner import StepShape, model_step
-from kiln.engine.sampling import SamplingFlags, SamplingParams
+from kiln.engine.sampling import RowSampling, SamplingParams
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import matmul
@@ -95,30 +95,32 @@ def decoding_core(model, rows: int, context: int, **config) -> EngineCore:
     return core
 
 
-def decode_step_args(core: EngineCore) -> tuple[StepShape, tuple]:
-    """The padded inputs of one decode step of the core's running rows: model_step's arguments
-    after the params and the KV state."""
+def decode_step_args(core: EngineCore) -> tuple[StepBucket, tuple, RowSampling]:
+    """The padded inputs of one decode step of the core's running rows: the forward step's
+    arguments after the params and the KV state, and the sampler's row arrays."""
     runner = core.runner
     rows = [(r, 1) for r in core.scheduler.running]
-    shape = runner.shape_for(rows)
+    bucket = runner.bucket_for(rows)
     # each row recomputes its last token: same shapes and blocks as its next decode step
     work = [RowWork([r.all_ids[r.num_computed - 1]], r.num_computed - 1, r.block_ids) for r, _ in rows]
-    inputs = build_step_inputs(work, runner.block_size, runner.num_blocks, shape.tokens, shape.rows, 1, shape.blocks)
-    return shape, (inputs, np.arange(shape.rows, dtype=np.int32), runner._sampling_arrays(rows, shape),
-                   np.full(shape.tokens, -1, np.int32), None)
+    inputs = build_step_inputs(work, runner.block_size, num_tokens=bucket.tokens, num_tiles=bucket.tiles,
+                               tile_size=bucket.tile_size, table_columns=runner.table_columns)
+    return bucket, (inputs, np.arange(bucket.rows, dtype=np.int32), np.full(bucket.tokens, -1, np.int32), None), \
+        runner.sampling_arrays(rows, bucket.rows)
 
 
-def bare_step(core: EngineCore) -> tuple[Callable[[], None], StepShape]:
-    """The jitted decode step of the core's running rows with its inputs built once: device time only."""
+def bare_step(core: EngineCore) -> tuple[Callable[[], None], StepBucket]:
+    """The decode step (forward and sampler executables) of the core's running rows with its inputs
+    built once: device time only."""
     runner = core.runner
-    shape, args = decode_step_args(core)
+    bucket, args, rs = decode_step_args(core)
+    forward, sampler = runner.forward_for(bucket), runner.sampler_for(bucket.rows)
 
     def run():
-        sampled, _, runner.kv = model_step(runner.params, runner.kv, *args, cfg=runner.cfg, flags=SamplingFlags(),
-                                           with_prompt_logprobs=False)
-        np.asarray(sampled.tokens)
+        row_logits, _, runner.kv = forward(runner.params, runner.kv, *args)
+        np.asarray(sampler(row_logits, rs).tokens)
 
-    return run, shape
+    return run, bucket
 
 
 def load_transformers():

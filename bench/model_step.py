@@ -33,13 +33,13 @@ def kiln_generate(model, prompts, new_tokens):
     kv = init_kv_cache(cfg, n * per_row, BLOCK, model.params["embed"].dtype)
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(n)]
     t0 = time.perf_counter()
-    inputs = build_step_inputs([RowWork(p, 0, tables[i]) for i, p in enumerate(prompts)], BLOCK, n * per_row)
+    inputs = build_step_inputs([RowWork(p, 0, tables[i]) for i, p in enumerate(prompts)], BLOCK)
     nxt, kv = greedy_step(model.params, kv, inputs, cfg)
     last = np.asarray(nxt)
     t1 = time.perf_counter()
     for step in range(new_tokens - 1):
         rows = [RowWork([int(last[i])], len(prompts[i]) + step, tables[i]) for i in range(n)]
-        nxt, kv = greedy_step(model.params, kv, build_step_inputs(rows, BLOCK, n * per_row), cfg)
+        nxt, kv = greedy_step(model.params, kv, build_step_inputs(rows, BLOCK), cfg)
         last = np.asarray(nxt)
     t2 = time.perf_counter()
     return t2 - t0, t2 - t1

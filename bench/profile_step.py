@@ -23,8 +23,7 @@ import shutil
 import jax
 from common import bare_step, decode_step_args, decoding_core, matmul_chain, step_flops, timed
 
-from kiln.engine.runner import model_step
-from kiln.engine.sampling import SamplingFlags
+from kiln.engine.steps import forward_step, sample_step
 from kiln.models.loader import load_model
 
 SCOPES = ("sampling", "lm_head", "attention", "kv_write", "qkv", "o_proj", "mlp")
@@ -74,13 +73,16 @@ def main():
     bare, engine = t["bare"], t["engine"]
     flops = step_flops(cfg, args.rows)
     peak = flops / t["chain"]
-    hlo = model_step.lower(core.runner.params, core.runner.kv, *decode_step_args(core)[1], cfg=cfg,
-                           flags=SamplingFlags(), with_prompt_logprobs=False).compile().as_text()
+    _, args, rs = decode_step_args(core)
+    runner = core.runner
+    row_logits = jax.ShapeDtypeStruct((shape.rows, cfg.vocab_size), jax.numpy.float32)
+    hlo = (forward_step.lower(runner.params, runner.kv, *args, cfg=cfg, prompt_logprobs=False).compile().as_text()
+           + sample_step.lower(row_logits, rs).compile().as_text())
     scopes, trace = breakdown(hlo, run, args.trace_dir)
     core.close()
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}; "
-          f"{args.rows} rows at ~{args.context} tokens of context; step bucket rows={shape.rows} blocks={shape.blocks}")
+          f"{args.rows} rows at ~{args.context} tokens of context; step bucket {shape.describe()}")
     print(f"{'':32} {'ms':>8} {'tok/s':>8}")
     print(f"{'bare jitted step':32} {bare * 1e3:8.1f} {args.rows / bare:8.1f}")
     print(f"{'engine step (host included)':32} {engine * 1e3:8.1f} {args.rows / engine:8.1f}")
@@ -94,7 +96,6 @@ def main():
     for name, ms in sorted(scopes.items(), key=lambda kv: -kv[1]):
         print(f"  {name:10} {ms:7.1f} ms  {ms / total:6.1%}")
     print(f"Perfetto trace: {trace}")
-
 
 
 if __name__ == "__main__":

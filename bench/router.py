@@ -206,9 +206,8 @@ class KilnWorker:
         return httpx.get(self.url + "/metrics", timeout=30).text
 
     def bucket_loads(self) -> int:
-        """Step buckets compiled or loaded so far (the engine logs each; a kept one is evicted past the
-        process's memory-mapping budget and loaded again when needed)."""
-        return self.log.read_text(errors="replace").count("captured step bucket")
+        """Step buckets built while serving so far (the engine logs each; none once its step set is warm)."""
+        return self.log.read_text(errors="replace").count("built step bucket")
 
     def entry(self, model: str) -> dict:
         return {
@@ -357,8 +356,6 @@ async def warm_up(workers: list[KilnWorker], model: str, args, limit: int = 2) -
         for n in range(1, limit + 1):
             before = counters()
             await asyncio.gather(*(round_on(client, w, n) for w in workers))
-            while any(prom(w.metrics(), "kiln:capturing_step_buckets") > 0 for w in workers):
-                await asyncio.sleep(0.5)
             if counters() == before:
                 return n
     return limit
@@ -476,8 +473,8 @@ async def run_policy(
         # sent to a worker with more requests outstanding than the idlest had, by 2 or more
         "piled": sum(r["busy"][0] - r["busy"][1] >= 2 for r in ok),
         "max_outstanding": max((r["busy"][0] + 1 for r in ok), default=0),
-        "padded": sum(
-            prom(a, "kiln:padded_steps_total") - prom(b, "kiln:padded_steps_total")
+        "compile_waits": sum(
+            prom(a, "kiln:step_compile_waits_total") - prom(b, "kiln:step_compile_waits_total")
             for a, b in zip(after, before, strict=True)
         ),
         "preempted": sum(
@@ -719,8 +716,8 @@ def main() -> None:
                 f"{policy}: {f'router up in {setup:.0f} s; ' if router else ''}run {r['span']:.0f} s, {r['ok']} ok, "
                 f"{len(r['failed'])} failed, requests per worker {r['per_worker']}, most at once on one worker "
                 f"{r['max_outstanding']}, sent to a worker 2+ requests busier than the idlest {r['piled']}; "
-                f"step buckets (re)loaded during the run {loads}, padded steps {r['padded']:.0f}, "
-                f"preemptions {r['preempted']:.0f}",
+                f"step buckets (re)loaded during the run {loads}, steps that waited for a compile "
+                f"{r['compile_waits']:.0f}, preemptions {r['preempted']:.0f}",
                 flush=True,
             )
             if r["failed"]:

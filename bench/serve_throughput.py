@@ -2,21 +2,25 @@
 model step and with transformers' batched generate, same weights and prompts, one run.
 
 Phases (one at a time, so they never share the CPU):
-  1. the bare jitted decode step at each concurrency's row count, mid-generation context, and
-     (for the largest) a plain jitted chain of the same matmuls: the matmul peak;
-  2. `python -m kiln.server` with the default model; at each concurrency c, c streaming chat
-     requests (short prompts, --new-tokens each, greedy, ignore_eos) go out at once. A first
-     round is untimed (it compiles the step buckets it needs); then --rounds timed rounds, each
-     with new questions (only the chat template's system block is shared across prompts).
-     "served decode" is the token rate while every stream is decoding: the window from the
-     last stream's first token to the first stream's last token. Then a long shared-prefix
-     prompt: TTFT cold vs prefix-cache hit;
-  3. the largest concurrency again with every other stream constrained by a JSON Schema
-     (response_format json_schema; a string field long enough that no stream can finish
-     early), against the unconstrained rounds of the same server;
-  4. transformers' generate on the first timed round's prompts, batch = c.
+  1. the bare decode step (forward and sampler executables) at each concurrency's row count,
+     mid-generation context, and (for the largest) a plain jitted chain of the same matmuls: the
+     matmul peak; prefill of 32 short chat prompts through the engine against a chain at prefill
+     shapes, as a fraction of that peak (FLOPs per token times tokens, over time); the host time
+     an engine decode step adds to the bare step;
+  2. startup: `python -m kiln.server` on an empty executable cache (cold: the step set is built)
+     and again on the filled one (warm: loaded), each timed until /health says ready;
+  3. for each concurrency c, a freshly started server: the first round of c streaming chat
+     requests (short prompts, --new-tokens each, greedy, ignore_eos) is its first contact, then
+     --rounds timed rounds with new questions (only the chat template's system block is shared).
+     "served decode" is the token rate while every stream is decoding: the window from the last
+     stream's first token to the first stream's last token. Then a long shared-prefix prompt:
+     TTFT cold vs prefix-cache hit; then the largest concurrency with every other stream
+     constrained by a JSON Schema (a string field long enough that no stream finishes early);
+  4. transformers' generate on the same prompts, batch = c.
+Every server reports how many steps waited for a compile (`kiln:step_compile_waits`): 0 is the
+promise of the bounded step set.
 
-    python bench/serve_throughput.py [--concurrency 1,32] [--new-tokens 48] [--rounds 2] [--skip-hf]
+    python bench/serve_throughput.py [--concurrency 1,32] [--new-tokens 48] [--rounds 2] [--skip-hf] [--skip-cold]
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ import os
 import re
 import statistics
 import subprocess
+import tempfile
 import time
 
 import httpx
 import jax
 from common import (
     bare_step,
+    chat_prompts,
     decoding_core,
     hf_generate,
     load_transformers,
@@ -43,6 +49,9 @@ from common import (
     timed,
 )
 
+from kiln.engine.config import EngineConfig
+from kiln.engine.core import EngineCore
+from kiln.engine.sampling import SamplingParams
 from kiln.models.loader import DEFAULT_MODEL_ID, load_model
 
 TOPICS = ["the sea", "copper", "bicycles", "the moon", "bread", "rivers", "glass", "owls", "volcanoes", "tea",
@@ -93,9 +102,17 @@ async def served_round(url: str, contents: list[str], new_tokens: int, half_cons
             "ttft": statistics.median(s["ttft"] for s in streams)}
 
 
-def start_kiln(max_rows: int, dtype: str, log_level: str = "warning") -> tuple[subprocess.Popen, str]:
-    return start_server({"KILN_ENGINE_MAX_NUM_SEQS": str(max_rows), "KILN_SERVER_LOG_LEVEL": log_level,
-                         "KILN_MODEL_DTYPE": dtype})
+def start_kiln(max_rows: int, dtype: str, log_level: str = "warning", **env) -> tuple[subprocess.Popen, str, float]:
+    """A server and the seconds it took to report ready."""
+    t0 = time.perf_counter()
+    proc, url = start_server({"KILN_ENGINE_MAX_NUM_SEQS": str(max_rows), "KILN_SERVER_LOG_LEVEL": log_level,
+                              "KILN_MODEL_DTYPE": dtype, **env})
+    return proc, url, time.perf_counter() - t0
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(60)
 
 
 def metric(url: str, name: str) -> float:
@@ -103,17 +120,8 @@ def metric(url: str, name: str) -> float:
     return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
 
 
-def warm_up(url: str, c: int, new_tokens: int, limit: int = 5, half_constrained: bool = False) -> int:
-    """Untimed rounds (new questions each) until one neither compiles a step bucket nor runs a
-    step padded while its bucket compiles; returns how many ran."""
-    for n in range(1, limit + 1):
-        before = metric(url, "kiln:compiled_step_buckets"), metric(url, "kiln:padded_steps_total")
-        asyncio.run(served_round(url, questions(n, c), new_tokens, half_constrained))
-        while metric(url, "kiln:capturing_step_buckets") > 0:  # let background compiles land
-            time.sleep(0.5)
-        if (metric(url, "kiln:compiled_step_buckets"), metric(url, "kiln:padded_steps_total")) == before:
-            return n
-    return limit
+def startup(url: str) -> dict:
+    return httpx.get(url + "/v1/config", timeout=30).json()["step_set"]["startup"]
 
 
 def prefix_ttft(url: str, tok) -> tuple[float, float]:
@@ -129,10 +137,50 @@ def prefix_ttft(url: str, tok) -> tuple[float, float]:
 
         return asyncio.run(go())
 
-    for doc in ("Document 0. ", "Document 1. "):  # the first pair compiles the cold and the hit buckets
-        cold = ttft(doc + text + "\n\nWhich paragraph mentions tea?")
-        hit = ttft(doc + text + "\n\nWhich paragraph mentions glass?")
+    cold = ttft("Document 0. " + text + "\n\nWhich paragraph mentions tea?")
+    hit = ttft("Document 0. " + text + "\n\nWhich paragraph mentions glass?")
     return cold, hit
+
+
+def prefill_fraction(model, n: int = 32) -> tuple[float, float, float]:
+    """Prefill of n short chat prompts through an engine core (default settings, no prefix cache):
+    (GFLOP/s of the prompts' FLOPs per token, the matmul peak at prefill shapes, seconds)."""
+    core = EngineCore(model, EngineConfig(enable_prefix_caching=False))
+    prompts = chat_prompts(model.tokenizer, n)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def run():
+        for i, p in enumerate(prompts):
+            for req in core.make_requests(f"p{i}-{time.perf_counter()}", p, greedy):
+                core.add_request(req)
+        while core.has_work():
+            core.step()
+
+    seconds = timed({"prefill": run}, 3)["prefill"]  # its untimed first call builds the buckets it uses
+    flops = sum(map(len, prompts)) * core.runner.flops_per_token + n * 2 * model.config.hidden_size * \
+        model.config.vocab_size
+    chain = matmul_chain(model.config, 512, model.params["embed"].dtype)
+    peak = step_flops(model.config, 512) / timed({"chain": chain}, 5)["chain"]
+    core.close()
+    return flops / seconds / 1e9, peak / 1e9, seconds
+
+
+def host_time(model, rows: int, context: int) -> tuple[float, float]:
+    """(bare decode step, engine step) seconds at `rows` rows: the engine adds scheduling, inputs,
+    detokenizing and the update."""
+    core = decoding_core(model, rows, context)
+    run, _ = bare_step(core)
+    t = timed({"bare": run, "engine": core.step}, 10)
+    core.close()
+    return t["bare"], t["engine"]
+
+
+def served(args, c: int, new: int, url: str) -> dict:
+    first = asyncio.run(served_round(url, questions(0, c), new))
+    rounds = [asyncio.run(served_round(url, questions(r, c), new)) for r in range(1, args.rounds + 1)]
+    out = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    out["first"] = first
+    return out
 
 
 def main():
@@ -142,16 +190,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="Kiln's weights and KV (transformers stays float32)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--server-log-level", default="warning", help="info shows every step bucket the server compiles")
+    ap.add_argument("--skip-cold", action="store_true", help="skip the cold start (an empty executable cache)")
+    ap.add_argument("--server-log-level", default="warning", help="info shows the server's startup and steps")
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     new = args.new_tokens
+    big = max(levels)
 
     model = load_model(show_progress=False, dtype=args.dtype)
     tok = model.tokenizer
     render = lambda q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]),  # noqa: E731
                                   add_special_tokens=False)
-    prompt_len = statistics.median(len(render(q)) for q in questions(1, max(levels)))
+    prompt_len = statistics.median(len(render(q)) for q in questions(1, big))
     context = int(prompt_len + new // 2)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus); {model.model_id} "
           f"{model.dtype}; chat prompts of ~{prompt_len:.0f} tokens, {new} new tokens, greedy", flush=True)
@@ -161,7 +211,7 @@ def main():
         core = decoding_core(model, c, context)
         run, _ = bare_step(core)
         fns = {"step": run}
-        if c == max(levels):
+        if c == big:
             fns["chain"] = matmul_chain(model.config, c, model.params["embed"].dtype)
         t = timed(fns, 10)
         step[c] = c / t["step"]
@@ -170,28 +220,37 @@ def main():
         core.close()
         del core, run
     print(f"  bare step measured at {context} tokens of context", flush=True)
+    prefill_gflops, prefill_peak, prefill_s = prefill_fraction(model, 32)
+    bare_s, engine_s = host_time(model, big, context)
+    print("  prefill and host time measured", flush=True)
 
-    proc, url = start_kiln(max(levels), args.dtype, args.server_log_level)
-    served, cold = {}, {}
-    try:
-        for c in levels:
-            first = asyncio.run(served_round(url, questions(0, c), new))
-            warm_rounds = warm_up(url, c, new)
-            rounds = [asyncio.run(served_round(url, questions(r, c), new))
-                      for r in range(warm_rounds + 1, warm_rounds + args.rounds + 1)]
-            cold[c] = first
-            served[c] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-            print(f"  served c={c}: first round {first['wall']:.1f}s, then {warm_rounds} untimed rounds until no "
-                  f"step compiled, then {served[c]['wall']:.1f}s per round", flush=True)
-        prefix_cold, prefix_hit = prefix_ttft(url, tok)
-        big = max(levels)
-        warm = warm_up(url, big, new, half_constrained=True)
-        mixed = [asyncio.run(served_round(url, questions(r, big), new, half_constrained=True))
-                 for r in range(warm + 1, warm + args.rounds + 1)]
-        constrained = {k: statistics.median(r[k] for r in mixed) for k in mixed[0]}
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    starts = {}
+    if not args.skip_cold:
+        with tempfile.TemporaryDirectory() as cold_dir:
+            for name in ("cold", "warm"):
+                proc, url, ready = start_kiln(big, args.dtype, args.server_log_level,
+                                              KILN_CACHE_COMPILATION_DIR=cold_dir)
+                starts[name] = (ready, startup(url))
+                stop(proc)
+                print(f"  {name} start: ready in {ready:.1f}s", flush=True)
+
+    results, waits = {}, {}
+    for c in levels:
+        proc, url, ready = start_kiln(big, args.dtype, args.server_log_level)
+        starts.setdefault("warm", (ready, startup(url)))
+        try:
+            results[c] = served(args, c, new, url)
+            print(f"  served c={c}: first contact {results[c]['first']['wall']:.1f}s, then "
+                  f"{results[c]['wall']:.1f}s per round", flush=True)
+            if c == big:
+                prefix_cold, prefix_hit = prefix_ttft(url, tok)
+                asyncio.run(served_round(url, questions(90, big), new, half_constrained=True))  # compiles the grammar
+                mixed = [asyncio.run(served_round(url, questions(r, big), new, half_constrained=True))
+                         for r in range(91, 91 + args.rounds)]
+                constrained = {k: statistics.median(r[k] for r in mixed) for k in mixed[0]}
+            waits[c] = metric(url, "kiln:step_compile_waits")
+        finally:
+            stop(proc)
 
     hf_tps = {}
     if not args.skip_hf:
@@ -205,23 +264,34 @@ def main():
 
     header = (f"{'streams':>7} | {'served tok/s':>12} | {'transformers tok/s':>18} | {'served/hf':>9} | "
               f"{'served decode':>13} | {'model step':>10} | {'served vs step':>14} | {'TTFT':>7} | "
-              f"{'first round':>11}")
+              f"{'first contact':>13} | {'first/later':>11}")
     print(f"\n{header}\n{'-' * len(header)}")
     for c in levels:
-        s, h = served[c], hf_tps.get(c)
+        s, h = results[c], hf_tps.get(c)
         ratio = f"{s['tps'] / h:.2f}x" if h else "n/a"
         hs = f"{h:.1f}" if h else "skipped"
         decode = s["decode_tps"] if c > 1 else s["tps"]
+        first = s["first"]["tps"]
         print(f"{c:>7} | {s['tps']:>12.1f} | {hs:>18} | {ratio:>9} | {decode:>13.1f} | {step[c]:>10.1f} | "
-              f"{decode / step[c]:>13.2f}x | {s['ttft'] * 1e3:>5.0f}ms | {cold[c]['tps']:>7.1f} tok/s")
-    print("served tok/s: output tokens / wall time of a warm round (prefill and HTTP included); served decode: "
-          "token rate while all streams decode (c=1: the whole round); model step: rows / bare jitted step time; "
-          "first round: the same workload on the fresh server, compiling its step buckets")
+              f"{decode / step[c]:>13.2f}x | {s['ttft'] * 1e3:>5.0f}ms | {first:>7.1f} tok/s | "
+              f"{first / s['tps']:>10.2f}x")
+    print("served tok/s: output tokens / wall time of a later round (prefill and HTTP included); served decode: "
+          "token rate while all streams decode (c=1: the whole round); model step: rows / bare step time; "
+          "first contact: the same workload as the first round a freshly started server sees")
+    print(f"steps that waited for a compile: {', '.join(f'c={c}: {int(w)}' for c, w in waits.items())}")
     print(f"bare {big}-row step: {step_flops(model.config, big) * step[big] / big / 1e9:.1f} GFLOP/s = "
           f"{fraction:.0%} of a plain jitted chain of the same matmuls")
+    print(f"prefill of 32 short chat prompts: {prefill_s:.2f}s, {prefill_gflops:.1f} GFLOP/s = "
+          f"{prefill_gflops / prefill_peak:.0%} of the matmul peak at prefill shapes ({prefill_peak:.1f} GFLOP/s)")
+    print(f"host time of a {big}-row decode step: {(engine_s - bare_s) * 1e3:.1f} ms beyond the bare step's "
+          f"{bare_s * 1e3:.1f} ms (none of it overlapped with the device step)")
+    for name, (ready, info) in starts.items():
+        print(f"{name} start: ready in {ready:.1f}s; step set {info['executables']} executables, "
+              f"{info['built']} built, {info['loaded']} loaded, in {info['seconds']:.1f}s; "
+              f"{info['memory_mappings']} memory mappings with the set resident")
     print(f"prefix-cache TTFT (~1,000-token shared prefix): cold {prefix_cold * 1e3:.0f} ms, "
           f"hit {prefix_hit * 1e3:.0f} ms ({prefix_hit / prefix_cold:.2f}x)")
-    plain = served[big]
+    plain = results[big]
     print(f"{big} streams, half constrained by a JSON Schema: {constrained['tps']:.1f} tok/s served "
           f"({constrained['tps'] / plain['tps']:.2f}x the unconstrained {plain['tps']:.1f}), decode "
           f"{constrained['decode_tps']:.1f} tok/s ({constrained['decode_tps'] / plain['decode_tps']:.2f}x)")

@@ -118,9 +118,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_warmup(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _apply_log_level(settings)
-    from kiln.engine.warmup import warmup  # lazy: pulls in JAX
+    from kiln.engine.warmup import list_step_set, warmup  # lazy: pulls in JAX
 
-    return warmup(settings) or 0
+    return (list_step_set(settings) if args.list else warmup(settings)) or 0
 
 
 def _cmd_qualify(args: argparse.Namespace) -> int:
@@ -172,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(p)
     p.set_defaults(func=_cmd_serve)
 
-    p = sub.add_parser("warmup", help="compile the configured shape buckets into the persistent cache")
+    p = sub.add_parser("warmup", help="build the engine's step executables into the cache (the next start loads them)")
     add_settings_arguments(p)
+    p.add_argument("--list", action="store_true", help="print the step executables for these settings and exit")
     p.set_defaults(func=_cmd_warmup)
 
     from kiln.qualify import add_parser as add_qualify_parser

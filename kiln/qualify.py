@@ -118,10 +118,6 @@ def _run_suite(engine, prompts, max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def _shape_json(shape) -> dict[str, Any]:
-    return {"tokens": shape.tokens, "rows": shape.rows, "query": shape.query, "blocks": shape.blocks,
-            "flags": [f for f, on in shape.flags._asdict().items() if on], "prompt_logprobs": shape.prompt_logprobs,
-            "lora": shape.lora}
 
 
 def _measure_buckets(engine) -> dict[str, Any]:
@@ -132,14 +128,14 @@ def _measure_buckets(engine) -> dict[str, Any]:
 
     def measure():
         buckets = []
-        for shape, executable in list(runner.executables.items()):
-            entry = {"shape": _shape_json(shape)}
+        for bucket, executable in list(runner.forwards.items()):
+            entry = {"shape": bucket.to_json()}
             try:
-                entry.update(measure_bucket(runner, shape, executable, runner._lora_abstract(shape)))
+                entry.update(measure_bucket(runner, bucket, executable, runner._lora_abstract(bucket)))
             except Exception as exc:
                 entry.update(passed=False, error=f"{type(exc).__name__}: {exc}")
             buckets.append(entry)
-        refused = [{"shape": _shape_json(s), "why": why} for s, why in runner.gate_failed.items()]
+        refused = [{"shape": b.to_json(), "why": why} for b, why in runner.gate_failed.items()]
         return buckets, refused
 
     buckets, refused = engine.at_boundary(measure).result()

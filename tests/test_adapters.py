@@ -113,7 +113,7 @@ def test_peft_adapter_logits_equal_transformers_peft(variant, rslora, tmp_path):
     scale = info["alpha"] / (info["rank"] ** 0.5 if rslora else info["rank"])
     state = set_slot(empty_lora_state(cfg, n_slots=2, rank=8), 2, weights, scale)
     ids = list(np.random.RandomState(0).randint(3, cfg.vocab_size, size=37))
-    inputs = build_step_inputs([RowWork(ids, 0, [6, 2, 4], 2)], 16, 8)
+    inputs = build_step_inputs([RowWork(ids, 0, [6, 2, 4], 2)], 16)
     got, _ = jit_forward(params, init_kv_cache(cfg, 8, 16), inputs, cfg, state)
     expected = reference_logits(ref_model, ids)
     np.testing.assert_allclose(np.asarray(got)[: len(ids)], expected, atol=1e-4, rtol=0)

@@ -76,7 +76,7 @@ def test_prompt_logits_close_to_transformers(kiln_model, reference):
     _, hf = reference
     ids = chat_ids(kiln_model.tokenizer, PROMPTS[0])
     kv = init_kv_cache(kiln_model.config, 4, 16)
-    step = build_step_inputs([RowWork(ids, 0, [3, 1, 2])], 16, 4)
+    step = build_step_inputs([RowWork(ids, 0, [3, 1, 2])], 16)
     logits, _ = jit_forward(kiln_model.params, kv, step, kiln_model.config)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()

@@ -148,7 +148,7 @@ def test_logprobs_and_prompt_logprobs_match_the_model(engine, tiny_model):
     first = asyncio.run(first_delta())
     full = prompt + ids
     kv = init_kv_cache(tiny_model.config, 4, 16)
-    step = build_step_inputs([RowWork(full, 0, [1, 2])], 16, 4)
+    step = build_step_inputs([RowWork(full, 0, [1, 2])], 16)
     logits, _ = jit_forward(tiny_model.params, kv, step, tiny_model.config)
     lp = np.asarray(logits) - np.log(np.exp(np.asarray(logits, np.float64)).sum(-1, keepdims=True))
     tok = first.logprobs[0]
@@ -220,33 +220,11 @@ def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
         (_, _, last), = run(eng, [prompt], greedy)
         assert last.finish_reason == "error" and isinstance(last.error, GraphCaptureDisabled)
         runner = eng.core.runner
-        eng.at_boundary(lambda: runner.warm(runner.warmup_shapes(64))).result()
+        eng.at_boundary(runner.warm).result()
         compiled = set(runner.compiled)
         outs = run(eng, prompts_of(3, seed=17, lo=10, hi=30), greedy)  # mixed batches split into warm buckets
         assert all(o[2].finish_reason == "length" for o in outs)
         assert runner.compiled == compiled
-    finally:
-        eng.shutdown()
-
-
-def test_compiled_steps_beyond_the_mapping_budget_are_evicted_and_reloaded(tiny_model, monkeypatch):
-    """Each executable holds many memory mappings and a process has a fixed number: the runner
-    keeps a bounded number of buckets and recompiles (or reloads) an evicted one when needed."""
-    import kiln.engine.runner as runner_module
-
-    monkeypatch.setattr(runner_module, "MAPPING_SHARE", 1e-9)  # as if the mapping limit were tiny: keep 8
-    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
-    try:
-        runner = eng.core.runner
-        shapes = runner.warmup_shapes(64)
-        assert len(shapes) > 8
-        eng.at_boundary(lambda: runner.warm(shapes)).result()
-        assert 0 < len(runner.executables) <= 8
-        prompts = prompts_of(3, seed=18)
-        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        for p, (ids, _, _) in zip(prompts, run(eng, prompts, greedy), strict=True):
-            assert ids == greedy_generate(tiny_model.params, tiny_model.config, [p], 6)[0]
-        assert len(runner.executables) <= 8
     finally:
         eng.shutdown()
 
@@ -281,12 +259,12 @@ def test_kv_pool_shrinks_under_running_requests_and_grows_back(tiny_model):
     held = {b for r in core.scheduler.running for b in r.block_ids}
     assert max(held) >= 16  # the late requests hold blocks beyond the cut
     assert core.resize_kv(16)
-    assert core.runner.kv.k.shape[1] == 16 and core.pool.num_blocks == 15
+    assert core.runner.kv.num_blocks == 16 and core.pool.num_blocks == 15
     assert all(b < 16 for r in core.scheduler.running for b in r.block_ids)
     for _ in range(3):
         step()
     assert core.resize_kv(64)
-    assert core.runner.kv.k.shape[1] == 64 and core.pool.num_blocks == 63
+    assert core.runner.kv.num_blocks == 64 and core.pool.num_blocks == 63
     while core.has_work():
         step()
     for i, p in enumerate(late):
@@ -308,7 +286,7 @@ def test_kv_pool_shrink_waits_while_requests_hold_too_many_blocks(tiny_model):
     in_use = core.pool.num_blocks - core.pool.num_free
     assert in_use > 12
     assert core.resize_kv(12) is False  # never drops a running request's blocks
-    assert core.runner.kv.k.shape[1] == 64 and core.pool.num_blocks == 63
+    assert core.runner.kv.num_blocks == 64 and core.pool.num_blocks == 63
     with pytest.raises(ValueError):
         core.resize_kv(4)  # cannot hold one max_model_len sequence
     core.close()

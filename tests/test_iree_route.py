@@ -213,9 +213,9 @@ def test_resident_prefill_feeds_prompts_as_decode_steps(tiny_model, iree_cache, 
         assert eng.core.resident_prefill
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         assert run(eng, PROMPTS, params) == run(xla_engine, PROMPTS, params)
-        assert eng.core.runner.executables and all(s.query == 1 for s in eng.core.runner.executables)
+        assert eng.core.runner.forwards and all(b.kind == "decode" for b in eng.core.runner.forwards)
         run(eng, [PROMPTS[1]], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
-        assert any(s.query > 1 for s in eng.core.runner.executables)
+        assert any(b.kind == "prefill" for b in eng.core.runner.forwards)
     finally:
         eng.shutdown()
     stable = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
@@ -227,20 +227,24 @@ def test_resident_prefill_feeds_prompts_as_decode_steps(tiny_model, iree_cache, 
 
 def test_a_batch_whose_bucket_fails_its_gate_runs_split(tiny_model, iree_cache, xla_engine, monkeypatch):
     """When the only bucket that fits a batch fails its correctness gate (lavapipe's 8-row prefill
-    does), the batch is not refused: it runs again as halves in buckets that passed, and its
-    tokens equal XLA's."""
+    did), the batch is not refused: it runs again as halves (a lone prompt as half its chunk) in
+    buckets that passed, and its tokens equal XLA's."""
     import kiln.engine.runner as runner_module
+    from kiln.iree.compile import ModuleCache
 
     real = runner_module.check_bucket
-    monkeypatch.setattr(runner_module, "check_bucket", lambda runner, shape, executable, lora: (
-        "injected: wrong tokens" if shape.rows > 1 and shape.query > 1 else real(runner, shape, executable, lora)))
-    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=select_route("iree-cpu", iree_cache))
+    monkeypatch.setattr(ModuleCache, "verdict", lambda *args: None)  # gate again: the injection decides
+    monkeypatch.setattr(runner_module, "check_bucket", lambda runner, bucket, executable, lora: (
+        "injected: wrong tokens" if bucket.kind == "prefill" and bucket.tokens == 32
+        else real(runner, bucket, executable, lora)))
+    config = EngineConfig(**{**SMALL, "prefill_token_buckets": (16, 32)})
+    eng = AsyncEngine(tiny_model, config, route=select_route("iree-cpu", iree_cache))
     try:
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         assert run(eng, PROMPTS, params) == run(xla_engine, PROMPTS, params)
         failed = eng.core.runner.gate_failed
-        assert failed and all(s.rows == 4 and s.query > 1 for s in failed), failed
+        assert failed and all(b.kind == "prefill" and b.tokens == 32 for b in failed), failed
         assert eng.snapshot["step_failures"] == 0
-        assert all(s.rows == 1 for s in eng.core.runner.executables if s.query > 1)
+        assert all(b.tokens == 16 for b in eng.core.runner.forwards if b.kind == "prefill")
     finally:
         eng.shutdown()

@@ -23,7 +23,7 @@ IDS = [5, 77, 200, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79
 
 def logits_of(cfg, params, ids=IDS):
     kv = init_kv_cache(cfg, num_blocks=4, block_size=16)
-    out, _ = jit_forward(params, kv, build_step_inputs([RowWork(list(ids), 0, [2, 1])], 16, 4), cfg)
+    out, _ = jit_forward(params, kv, build_step_inputs([RowWork(list(ids), 0, [2, 1])], 16), cfg)
     return np.asarray(out, np.float32)
 
 

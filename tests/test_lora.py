@@ -42,7 +42,7 @@ def merged(params, adapter, scale):
 
 def run(cfg, params, rows, lora=None):
     kv = init_kv_cache(cfg, num_blocks=8, block_size=BLOCK)
-    logits, _ = jit_forward(params, kv, build_step_inputs(rows, BLOCK, 8), cfg, lora)
+    logits, _ = jit_forward(params, kv, build_step_inputs(rows, BLOCK), cfg, lora)
     return np.asarray(logits)
 
 

@@ -41,7 +41,7 @@ def test_full_prefill_with_scattered_blocks(tiny):
     _, model, cfg, params = tiny
     ids = np.random.RandomState(1).randint(3, cfg.vocab_size, size=45)  # past llama3's original 32
     kv = init_kv_cache(cfg, num_blocks=9, block_size=BLOCK)
-    inputs = build_step_inputs([RowWork(list(ids), 0, [6, 1, 4])], BLOCK, 9)
+    inputs = build_step_inputs([RowWork(list(ids), 0, [6, 1, 4])], BLOCK)
     logits, _ = jit_forward(params, kv, inputs, cfg)
     np.testing.assert_allclose(np.asarray(logits), hf_logits(model, ids), atol=TOL, rtol=0)
 
@@ -53,11 +53,10 @@ def test_token_by_token_decode_through_paged_cache(tiny):
     table = [7, 2, 5]  # non-contiguous, out of order
     kv = init_kv_cache(cfg, num_blocks=8, block_size=BLOCK)
     # a 5-token prefill chunk, then one token per step; every step pads to one shape bucket
-    logits, kv = jit_forward(params, kv, build_step_inputs([RowWork(list(ids[:5]), 0, table)], BLOCK, 8), cfg)
+    logits, kv = jit_forward(params, kv, build_step_inputs([RowWork(list(ids[:5]), 0, table)], BLOCK), cfg)
     np.testing.assert_allclose(np.asarray(logits), ref[:5], atol=TOL, rtol=0)
     for pos in range(5, len(ids)):
-        step = build_step_inputs([RowWork([int(ids[pos])], pos, table)], BLOCK, 8, num_tokens=4, num_rows=2,
-                                 max_blocks=3)
+        step = build_step_inputs([RowWork([int(ids[pos])], pos, table)], BLOCK, num_tokens=4, num_tiles=2, tile_size=1)
         logits, kv = jit_forward(params, kv, step, cfg)
         np.testing.assert_allclose(np.asarray(logits)[0], ref[pos], atol=TOL, rtol=0, err_msg=f"position {pos}")
 
@@ -72,14 +71,14 @@ def test_mixed_batch_of_decode_rows_and_prefill_chunks(tiny):
     kv = init_kv_cache(cfg, num_blocks=12, block_size=BLOCK)
     # step 1: row 0 prefills 20 tokens, row 1 prefills its first chunk of 16
     step1 = [RowWork(list(seqs[0][:20]), 0, tables[0]), RowWork(list(seqs[1][:16]), 0, tables[1])]
-    logits, kv = jit_forward(params, kv, build_step_inputs(step1, BLOCK, 12), cfg)
+    logits, kv = jit_forward(params, kv, build_step_inputs(step1, BLOCK), cfg)
     # step 2: row 0 decodes one token, row 1 prefills its second chunk, row 2 prefills whole
     step2 = [
         RowWork([int(seqs[0][20])], 20, tables[0]),
         RowWork(list(seqs[1][16:]), 16, tables[1]),
         RowWork(list(seqs[2]), 0, tables[2]),
     ]
-    inputs = build_step_inputs(step2, BLOCK, 12, num_tokens=32, num_rows=4, max_query=16, max_blocks=4)
+    inputs = build_step_inputs(step2, BLOCK, num_tokens=32, num_tiles=6, tile_size=8)
     logits, kv = jit_forward(params, kv, inputs, cfg)
     logits = np.asarray(logits)
     np.testing.assert_allclose(logits[0], refs[0][20], atol=TOL, rtol=0)

@@ -77,7 +77,7 @@ def test_iree_cpu_qualifies_and_writes_a_receipt(tiny_model, cache, tmp_path):
     assert checks["seeded_sampling_top_k"]["params"]["seed"] is not None
     buckets = checks["step_buckets"]
     assert buckets["buckets"] and all(b["tokens_equal"] for b in buckets["buckets"])
-    assert {"decode", "prefill"} <= {"decode" if b["shape"]["query"] == 1 else "prefill" for b in buckets["buckets"]}
+    assert {"decode", "prefill"} <= {b["shape"]["kind"] for b in buckets["buckets"]}
     assert 0 <= buckets["max_logprob_error"] <= buckets["tolerances"]["logprob"]
     assert 0 <= buckets["max_kv_error"] <= buckets["tolerances"]["kv_relative"]
 

@@ -5,11 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kiln.engine.sampling import RowSampling, SamplingFlags, SamplingParams, sample
+from kiln.engine.sampling import RowSampling, SamplingParams, sample
 from kiln.errors import InvalidRequest
 
 V = 12
-ALL = SamplingFlags(penalties=True, filtering=True, top_logprobs=True)
 
 
 def rows(S, **over):
@@ -17,9 +16,9 @@ def rows(S, **over):
         temperature=np.ones(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
         min_p=np.zeros(S, np.float32), presence=np.zeros(S, np.float32), frequency=np.zeros(S, np.float32),
         repetition=np.ones(S, np.float32), seed=np.zeros((S, 2), np.uint32), step=np.zeros(S, np.int32),
-        bias_ids=np.full((S, 1), V, np.int32), bias_values=np.zeros((S, 1), np.float32),
-        banned_ids=np.full((S, 1), V, np.int32), output_ids=np.full((S, 4), V, np.int32),
-        prompt_ids=np.full((S, 4), V, np.int32), allowed=np.zeros((S, 0), np.int32),
+        top_logprobs=np.ones(S, bool), adjust_ids=np.full((S, 1), V, np.int32),
+        adjust_values=np.zeros((S, 1), np.float32), history=np.full((S, 4), V, np.int32),
+        prompt_len=np.zeros(S, np.int32), constrained=np.zeros(S, bool), allowed=np.full((S, 1), -1, np.int32),
     )
     base.update({k: np.asarray(v) for k, v in over.items()})
     return RowSampling(**base)
@@ -28,8 +27,8 @@ def rows(S, **over):
 LOGITS = jnp.asarray(np.log(np.array([[0.4, 0.25, 0.15, 0.1, 0.05, 0.05] + [1e-9] * 6], np.float32)))
 
 
-def draw(rs, n=400, flags=ALL, logits=LOGITS):
-    fn = jax.jit(lambda rs: sample(jnp.repeat(logits, n, 0), rs, flags).tokens)
+def draw(rs, n=400, logits=LOGITS):
+    fn = jax.jit(lambda rs: sample(jnp.repeat(logits, n, 0), rs).tokens)
     return np.asarray(fn(rs))
 
 
@@ -39,18 +38,19 @@ def test_grammar_mask_comes_before_every_sampling_parameter():
     allowed = np.zeros((2, 1), np.int32)
     allowed[0, 0] = (1 << 3) | (1 << 5)
     allowed[1, 0] = -1
-    flags = SamplingFlags(filtering=True, top_logprobs=True, mask=True)
-    rs = rows(2, temperature=[0.0, 0.0], bias_ids=[[0], [0]], bias_values=[[50.0], [0.0]], allowed=allowed)
-    out = sample(LOGITS.repeat(2, 0), rs, flags)
+    rs = rows(2, temperature=[0.0, 0.0], adjust_ids=[[0], [0]], adjust_values=[[50.0], [0.0]], allowed=allowed,
+              constrained=[True, False])
+    out = sample(LOGITS.repeat(2, 0), rs)
     assert out.tokens.tolist() == [3, 0]
     np.testing.assert_allclose(float(out.logprobs[0]), np.log(0.1), rtol=1e-5)
     seeds = np.stack([np.arange(400), np.zeros(400)], 1).astype(np.uint32)
-    sampled = draw(rows(400, top_k=[3] * 400, seed=seeds, allowed=np.tile(allowed[:1], (400, 1))), flags=flags)
+    sampled = draw(rows(400, top_k=[3] * 400, seed=seeds, allowed=np.tile(allowed[:1], (400, 1)),
+                        constrained=np.ones(400, bool)))
     assert set(sampled.tolist()) <= {3, 5} and len(set(sampled.tolist())) == 2
 
 
 def test_greedy_and_logprobs():
-    out = sample(LOGITS, rows(1, temperature=[0.0]), ALL)
+    out = sample(LOGITS, rows(1, temperature=[0.0]))
     assert int(out.tokens[0]) == 0
     np.testing.assert_allclose(float(out.logprobs[0]), np.log(0.4), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(out.top_logprobs[0, :3]), np.log([0.4, 0.25, 0.15]), rtol=1e-5)
@@ -81,16 +81,18 @@ def test_seed_and_step_make_draws_reproducible():
 
 def test_bias_banned_and_penalties():
     g = dict(temperature=[0.0])
-    assert int(sample(LOGITS, rows(1, bias_ids=[[7]], bias_values=[[100.0]], **g), ALL).tokens[0]) == 7
-    assert int(sample(LOGITS, rows(1, banned_ids=[[0]], **g), ALL).tokens[0]) == 1
+    assert int(sample(LOGITS, rows(1, adjust_ids=[[7]], adjust_values=[[100.0]], **g)).tokens[0]) == 7
+    assert int(sample(LOGITS, rows(1, adjust_ids=[[0]], adjust_values=[[-np.inf]], **g)).tokens[0]) == 1
     # token 0 already generated twice: a frequency penalty of 1 lowers its logit by 2
     out_ids = [[0, 0, V, V]]
-    assert int(sample(LOGITS, rows(1, output_ids=out_ids, frequency=[1.0], **g), ALL).tokens[0]) == 1
-    assert int(sample(LOGITS, rows(1, output_ids=out_ids, presence=[0.2], **g), ALL).tokens[0]) == 0
+    assert int(sample(LOGITS, rows(1, history=out_ids, frequency=[1.0], **g)).tokens[0]) == 1
+    assert int(sample(LOGITS, rows(1, history=out_ids, presence=[0.2], **g)).tokens[0]) == 0
+    # prompt tokens are no output: frequency and presence penalties leave them alone
+    assert int(sample(LOGITS, rows(1, history=out_ids, prompt_len=[2], frequency=[1.0], **g)).tokens[0]) == 0
     # repetition penalty divides positive / multiplies negative logits of seen tokens (prompt too)
     logits = jnp.asarray([[2.0, 1.5] + [-5.0] * (V - 2)])
-    rs = rows(1, prompt_ids=[[0, V, V, V]], repetition=[2.0], **g)
-    assert int(sample(logits, rs, ALL).tokens[0]) == 1
+    rs = rows(1, history=[[0, V, V, V]], prompt_len=[1], repetition=[2.0], **g)
+    assert int(sample(logits, rs).tokens[0]) == 1
 
 
 @pytest.mark.parametrize(
@@ -98,7 +100,9 @@ def test_bias_banned_and_penalties():
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
      ({"logprobs": 21}, "logprobs"), ({"logit_bias": {999: 1.0}}, "logit_bias"), ({"n": 0}, "n"),
      ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"stop": [""]}, "stop"),
-     ({"repetition_penalty": 0}, "repetition_penalty")],
+     ({"repetition_penalty": 0}, "repetition_penalty"),
+     ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+     ({"stop_token_ids": list(range(129))}, "stop_token_ids")],
 )
 def test_parameter_validation(kwargs, param):
     with pytest.raises(InvalidRequest) as e:

@@ -94,7 +94,7 @@ def test_training_logits_equal_the_serving_path(arch):
     _, cfg, params, _, lora, scale = arch
     ids = list(np.random.RandomState(3).randint(3, cfg.vocab_size, size=21))
     state = set_slot(empty_lora_state(cfg, 2, 4), 2, jax.tree.map(np.asarray, lora), scale)
-    inputs = build_step_inputs([RowWork(ids, 0, [2, 1])], 16, 4)._replace(adapter_slots=np.array([2], np.int32))
+    inputs = build_step_inputs([RowWork(ids, 0, [2, 1], 2)], 16)
     served, _ = jit_forward(params, init_kv_cache(cfg, 4, 16), inputs, cfg, state)
     tokens = np.array([ids + [0, 0, 0]], np.int32)
     valid = np.array([[True] * len(ids) + [False] * 3])

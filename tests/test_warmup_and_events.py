@@ -1,4 +1,4 @@
-"""`kiln warmup` fills JAX's persistent cache (a second process compiles nothing) and the
+"""`kiln warmup` builds the step set into the cache (a second process compiles nothing) and the
 engine publishes its prefix-cache blocks as vLLM-format KV events over ZMQ."""
 
 import asyncio
@@ -25,7 +25,6 @@ def _env(tmp_path, model_path):
         KILN_ENGINE_MAX_NUM_SEQS="4",
         KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="32",
         KILN_ENGINE_NUM_KV_BLOCKS="64",
-        KILN_ENGINE_WARMUP_CONTEXT_TOKENS="64",
         JAX_PLATFORMS="cpu",
     )
     return env
@@ -38,14 +37,13 @@ def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
         proc = subprocess.run([sys.executable, "-m", "kiln", "warmup"], env=env, capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        m = re.search(r"warmup: (\d+) step buckets ready .*\((\d+) executables compiled, (\d+) loaded from cache\)",
-                      proc.stdout)
+        m = re.search(r"warmup: (\d+) step executables ready .*\((\d+) built, (\d+) loaded from disk\)", proc.stdout)
         assert m, proc.stdout + proc.stderr[-2000:]
         runs.append(tuple(int(x) for x in m.groups()))
-    (buckets, compiled1, _), (buckets2, compiled2, loaded2) = runs
-    assert buckets == buckets2 and buckets > 4
-    assert compiled1 >= buckets
-    assert compiled2 == 0 and loaded2 >= buckets
+    (executables, built1, _), (executables2, built2, loaded2) = runs
+    assert executables == executables2 and executables > 4
+    assert built1 == executables
+    assert built2 == 0 and loaded2 == executables
     assert any((tmp_path / "cache" / "jax").iterdir())
 
 

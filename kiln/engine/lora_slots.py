@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import jax
 import numpy as np
 
 from kiln.engine.ownership import Ownership
@@ -58,6 +59,13 @@ class LoraSlots:
         if self.state is None:
             self.state = empty_lora_state(self.cfg, self.n_slots, self.max_rank, TARGET_MODULES, self.dtype)
         return self.state
+
+    def abstract_state(self):
+        """The slot arrays' shapes and dtypes, without allocating them (what a compile needs)."""
+        if self.state is not None:
+            return self.state
+        return jax.eval_shape(lambda: empty_lora_state(self.cfg, self.n_slots, self.max_rank, TARGET_MODULES,
+                                                       self.dtype))
 
     def _find(self, adapter: AdapterWeights) -> int | None:
         for i, s in enumerate(self.slots):

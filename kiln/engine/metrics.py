@@ -48,9 +48,12 @@ class _SnapshotCollector:
         yield self._family(CounterMetricFamily, "kiln:writer_operations",
                            "Accelerator writer operations (adapter transitions, ...)", s["writer_operations"])
         yield self._family(GaugeMetricFamily, "kiln:compiled_step_buckets",
-                           "Step shape buckets compiled (or loaded from the compilation cache)", s["compiled_steps"])
-        yield self._family(GaugeMetricFamily, "kiln:capturing_step_buckets",
-                           "Step shape buckets compiling in the background", s["capturing_steps"])
+                           "Step executables built or loaded (forward buckets and samplers)", s["compiled_steps"])
+        yield self._family(GaugeMetricFamily, "kiln:step_executables",
+                           "Step executables in the engine's bounded set", s["step_set_size"])
+        yield self._family(CounterMetricFamily, "kiln:step_compile_waits",
+                           "Steps that waited for their executable to compile (none once the set is warm)",
+                           s["compile_waits"])
         yield self._family(CounterMetricFamily, "kiln:engine_steps", "Jitted steps executed", s["steps"])
         yield self._family(CounterMetricFamily, "kiln:step_failures",
                            "Batches whose step failed (their requests ended with an error)", s["step_failures"])
@@ -60,8 +63,6 @@ class _SnapshotCollector:
         yield self._family(GaugeMetricFamily, "kiln:route_quarantined",
                            "1 once an accelerator failure took the backend route out of service (XLA serves until "
                            "a restart)", int(s["route_quarantined"] is not None))
-        yield self._family(CounterMetricFamily, "kiln:padded_steps",
-                           "Steps run padded in a bigger compiled bucket while their own compiled", s["padded_steps"])
         gauges = (("num_requests_running", "Requests in the running batch", "running"),
                   ("num_requests_waiting", "Requests waiting to be scheduled", "waiting"),
                   ("kv_cache_usage_perc", "KV-cache block usage (1 = full)", "kv_usage"))

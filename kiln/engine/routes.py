@@ -83,8 +83,16 @@ class StepRoute:
         from kiln.iree.step import IreeStep
 
         exported = export_step(fn, *args, **static)
-        vmfb = self.cache.get_or_compile(exported.mlir, ROUTE_TARGETS[self.name])
-        return IreeStep(self.device, self.resident, self.device.load(vmfb), exported, device_outputs)
+        key, vmfb = self.cache.get_or_compile_keyed(exported.mlir, ROUTE_TARGETS[self.name])
+        return IreeStep(self.device, self.resident, self.device.load(vmfb), exported, device_outputs, key)
+
+    @property
+    def device_id(self) -> str:
+        """Names this device's capabilities, for verdicts recorded per module and device."""
+        import hashlib
+        import json
+
+        return hashlib.sha256(json.dumps(self.choice.capabilities, sort_keys=True).encode()).hexdigest()[:16]
 
     def bytes_moved(self) -> tuple[int, int]:
         """(host to device, device to host) bytes so far."""

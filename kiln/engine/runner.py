@@ -1,15 +1,13 @@
-"""Runner: executes one planned batch as one jitted step, and owns the KV state.
+"""Runner: executes one planned batch as one step of the bounded executable set, and owns the KV state.
 
-It pads the batch into a shape bucket and calls that bucket's executable; it never splits or
-reorders what the scheduler planned. Each bucket (tokens T, rows S, query length Q, blocks per
-row M, sampling flags and array widths, prompt logprobs, LoRA groups) is one executable
-compiled ahead of time: Kiln's graph capture.
-
-Capture does not stall a batch that can run cheaply padded: one whose bucket is not compiled
-yet runs in a compiled bucket that fits it at little extra cost while its own compiles in the
-background; any other waits for its bucket to compile. When the serving
-profile forbids live capture, nothing new compiles: a batch runs in a compiled bucket that
-fits or fails with GraphCaptureDisabled (`fits` tells the scheduler beforehand).
+It lays the batch out in the smallest step bucket that fits it (see buckets.py), runs that
+bucket's forward executable, computes grammar masks on the host while the forward pass runs,
+then runs the sampler of the bucket's row count. It never splits or reorders what the scheduler
+planned. The whole set is built (or loaded from disk, see executables.py) by `warm` before a
+server reports ready: Kiln's graph capture. An engine used without warming (tests, scripts)
+builds a step's executable the first time it needs it, which only live capture allows; when the
+serving profile forbids it, nothing new compiles: a batch runs in a built bucket that fits or
+fails with GraphCaptureDisabled (`fits` tells the scheduler beforehand).
 
 A failed step fails only its own rows (RequestFailed, code accelerator_error); one that took
 the donated KV state with it is recovered here (`reset_kv`) and the scheduler then recomputes
@@ -19,174 +17,59 @@ as DeviceLost instead: nothing runs on this process's accelerator again.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
-import functools
+import dataclasses
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import dispatch
 
-from kiln.engine.bucket_gate import BucketFailedGate, bigger, check_bucket
+from kiln.engine.bucket_gate import BucketFailedGate, check_bucket, gate_signature
+from kiln.engine.buckets import BucketSet, StepBucket
 from kiln.engine.config import EngineConfig
+from kiln.engine.executables import ExecutableStore, executable_key
 from kiln.engine.faults import DeviceLossInjector, as_device_lost, first_line, is_device_loss
 from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.output import TokenLogprob
 from kiln.engine.request import Request
 from kiln.engine.routes import XLA, RouteCannotRun, RouteChoice, StepRoute, xla_capabilities
-from kiln.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampled, SamplingFlags, sample
+from kiln.engine.sampling import RowSampling, Sampled, adjust_capacity
 from kiln.engine.scheduler import Batch, Rows, StepFailure
+from kiln.engine.steps import (
+    COUNTER,
+    PromptLogprobs,
+    forward_sample_step,
+    forward_step,
+    prompt_logprobs_step,
+    sample_step,
+)
 from kiln.errors import GraphCaptureDisabled, RequestFailed
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import KVCache, StepInputs, forward_hidden, init_kv_cache, logits
+from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, StepInputs, init_kv_cache, table_width
 from kiln.models.lora import module_shapes
+
+__all__ = ["COUNTER", "Runner", "SamplerKey", "StepBucket", "StepResult"]
 
 log = logging.getLogger("kiln.engine")
 
 # Step cost model, in FLOP-equivalents, calibrated on XLA:CPU with the default model: a step pays
 # a fixed cost (streaming every weight once) worth about 48 tokens of matmuls, each token's
-# matmuls, each row's read of its context's K/V (memory-bound: a byte costs about 32 matmul
+# matmuls, each tile's read of its context's K/V (memory-bound: a byte costs about 32 matmul
 # FLOPs) and the query-key products.
 FIXED_STEP_TOKENS = 48
 KV_BYTE_FLOPS = 32
-# A batch runs padded in a bigger compiled bucket while its own compiles in the background only
-# if that costs at most this much more; otherwise it waits for its own bucket (on a small CPU a
-# background compile also slows the steps it overlaps).
-CHEAP_PADDING = 1.25
-# Prefill and mixed steps pad each row's new tokens to at least 32 query positions and its context
-# to at least 4 blocks: their matmuls over all T tokens dominate, so the padding costs little, and
-# far fewer distinct steps need compiling (several seconds each on a CPU).
-PREFILL_MIN_QUERY = 32
-PREFILL_MIN_BLOCKS = 4
-# The share of the process's memory-mapping limit (vm.max_map_count) that compiled steps may use.
-MAPPING_SHARE = 0.7
-
-
-class StepShape(NamedTuple):
-    tokens: int
-    rows: int
-    query: int
-    blocks: int
-    flags: SamplingFlags
-    prompt_logprobs: bool
-    lora: int = 0  # adapter groups (distinct adapters) the step applies; 0: none
-    widths: tuple[int, int, int, int] = (1, 1, 1, 1)  # logit bias, banned ids, output and prompt history
-
-    def fits(self, other: StepShape) -> bool:
-        """True if a batch of shape `other` can run padded to this shape."""
-        same = (self.flags, self.prompt_logprobs) == (other.flags, other.prompt_logprobs)
-        return same and all(a >= b for a, b in zip(self[:4] + self.widths, other[:4] + other.widths, strict=True)) and (
-            self.lora >= other.lora and (self.lora > 0) == (other.lora > 0))
-
-
-class PromptLogprobs(NamedTuple):
-    target: jax.Array  # [T] logprob of the next prompt token at each position
-    top_ids: jax.Array  # [T, K]
-    top_logprobs: jax.Array  # [T, K]
-
-
-class CompileCounter:
-    """Counts executables built by XLA vs loaded from the persistent compilation cache."""
-
-    def __init__(self):
-        self.builds = 0
-        self.cache_hits = 0
-        self.traces = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-        jax.monitoring.register_event_listener(self._on_event)
-
-    def _on_duration(self, event, duration, **kwargs):
-        if event == dispatch.BACKEND_COMPILE_EVENT:
-            self.builds += 1
-
-    def _on_event(self, event, **kwargs):
-        if event == "/jax/compilation_cache/cache_hits":
-            self.cache_hits += 1
-
-    @property
-    def compiled(self) -> int:
-        return self.builds - self.cache_hits
-
-
-COUNTER = CompileCounter()
-_trace_lock = threading.Lock()
-
-
-def _forward(params, kv, inputs, last_index, prompt_targets, lora, cfg, with_prompt_logprobs):
-    """The forward pass: each row's last logits, prompt logprobs if asked, and the new KV."""
-    hidden, kv = forward_hidden(params, kv, inputs, cfg, lora)
-    with jax.named_scope("lm_head"):
-        row_logits = logits(params, hidden[last_index])
-    prompt = None
-    if with_prompt_logprobs:
-        lp = jax.nn.log_softmax(logits(params, hidden), axis=-1)
-        target = jnp.take_along_axis(lp, jnp.maximum(prompt_targets, 0)[:, None], axis=-1)[:, 0]
-        top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
-        prompt = PromptLogprobs(target, top_ids.astype(jnp.int32), top_lp)
-    return row_logits, prompt, kv
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "flags", "with_prompt_logprobs"), donate_argnames=("kv",))
-def model_step(params, kv: KVCache, inputs: StepInputs, last_index, rs: RowSampling, prompt_targets, lora, *,
-               cfg: ModelConfig, flags: SamplingFlags, with_prompt_logprobs: bool):
-    """Forward + on-device sampling; only sampled ids and requested logprobs leave the device."""
-    with _trace_lock:
-        COUNTER.traces += 1  # runs at trace time only
-    row_logits, prompt, kv = _forward(params, kv, inputs, last_index, prompt_targets, lora, cfg, with_prompt_logprobs)
-    with jax.named_scope("sampling"):
-        sampled = sample(row_logits, rs, flags)
-    return sampled, prompt, kv
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "with_prompt_logprobs"), donate_argnames=("kv",))
-def forward_step(params, kv, inputs: StepInputs, last_index, prompt_targets, lora, *, cfg: ModelConfig,
-                 with_prompt_logprobs: bool):
-    """The forward half of a masked step: its logits stay on the device for sample_step."""
-    with _trace_lock:
-        COUNTER.traces += 1
-    return _forward(params, kv, inputs, last_index, prompt_targets, lora, cfg, with_prompt_logprobs)
-
-
-@functools.partial(jax.jit, static_argnames=("flags",))
-def sample_step(row_logits, rs: RowSampling, *, flags: SamplingFlags) -> Sampled:
-    return sample(row_logits, rs, flags)
-
-
-class MaskedStep:
-    """A step whose rows follow grammars, run in two executables: while the forward pass runs
-    (dispatched asynchronously), the host computes the rows' token masks; sampling then
-    applies them."""
-
-    def __init__(self, forward, sampler):
-        self.forward, self.sampler = forward, sampler
-
-    def __call__(self, params, kv, inputs, last_index, rs: RowSampling, targets, lora, masks: Callable[[], np.ndarray]):
-        row_logits, prompt, kv = self.forward(params, kv, inputs, last_index, targets, lora)
-        return self.sampler(row_logits, rs._replace(allowed=masks())), prompt, kv
 
 
 def _abstract(x):
     """What a compile needs to know of an array: shape, dtype and placement."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-
-
-def _read_max_mappings() -> int:
-    try:
-        return int(open("/proc/sys/vm/max_map_count").read())
-    except (OSError, ValueError):  # not Linux: no such limit known
-        return 1 << 30
-
-
-_MAX_MAPPINGS = _read_max_mappings()
 
 
 def _mapped_regions() -> int:
@@ -197,30 +80,24 @@ def _mapped_regions() -> int:
         return 0
 
 
-def _describe(s: StepShape) -> str:
-    extra = [name for name, on in (*s.flags._asdict().items(), ("prompt_logprobs", s.prompt_logprobs)) if on]
-    extra += [f"lora={s.lora}"] * bool(s.lora) + [f"widths={s.widths}"] * (s.widths != (1, 1, 1, 1))
-    return f"T={s.tokens} S={s.rows} Q={s.query} M={s.blocks}" + "".join(f" {e}" for e in extra)
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobsKey:
+    """Prompt logprobs of a T-token step's hidden states, with XLA on the host (IREE routes)."""
+
+    tokens: int
+
+    def describe(self) -> str:
+        return f"prompt logprobs tokens={self.tokens}"
 
 
-def _bucket(n: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    return 1 << (n - 1).bit_length()
+@dataclasses.dataclass(frozen=True)
+class SamplerKey:
+    """The sampler of R rows (XLA; on an IREE route it samples on the host what the device may not)."""
 
+    rows: int
 
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
-
-
-def block_bucket(n: int) -> int:
-    """Blocks per row, rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: two buckets per octave,
-    so padding is at most a third of the attention a decode row pays for."""
-    b = 1
-    while b < n:
-        b = 2 if b == 1 else b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
-    return b
+    def describe(self) -> str:
+        return f"sampler rows={self.rows}"
 
 
 class StepResult:
@@ -229,9 +106,12 @@ class StepResult:
 
     def __init__(self, rows: Rows, sampled: Sampled, prompt: PromptLogprobs | None, targets: np.ndarray):
         self.tokens, self.logprobs = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
-        self.top_ids, self.top_lps = np.asarray(sampled.top_ids), np.asarray(sampled.top_logprobs)
+        want_top = any(r.params.logprobs for r, _ in rows)
+        self.top_ids = np.asarray(sampled.top_ids) if want_top else None
+        self.top_lps = np.asarray(sampled.top_logprobs) if want_top else None
         self.rows = rows
-        self.prompt = None if prompt is None else tuple(np.asarray(x) for x in prompt)
+        want_prompt = prompt is not None and any(r.params.prompt_logprobs is not None for r, _ in rows)
+        self.prompt = tuple(np.asarray(x) for x in prompt) if want_prompt else None
         self.targets = targets
         self.offsets = np.cumsum([0] + [n for _, n in rows])
         # positions are read now: the scheduler advances the requests after this step
@@ -271,337 +151,324 @@ class Runner:
         self.lora_slots = lora_slots
         self.kv_dtype = jnp.dtype(kv_dtype)
         self.kv = init_kv_cache(cfg, self.num_blocks, self.block_size, self.kv_dtype)
-        self.row_buckets = tuple(sorted(set(config.decode_row_buckets) | {_pow2(config.max_num_seqs)}))
-        self.token_buckets = tuple(sorted(set(config.prefill_token_buckets) | {_pow2(config.max_num_batched_tokens)}))
+        self.buckets = BucketSet(config.decode_row_buckets, config.prefill_token_buckets, config.max_num_seqs,
+                                 config.max_num_batched_tokens)
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        self.executables: collections.OrderedDict[StepShape, Callable] = collections.OrderedDict()  # LRU first
-        self._map_samples: list[int] = []  # memory mappings the first executables added
-        self._capturing: dict[StepShape, concurrent.futures.Future] = {}  # compiling in the background
-        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-capture")
+        self.table_columns = table_width(self.max_blocks_per_seq, self.block_size)
+        self.history_len = max_model_len  # penalties see a row's whole prompt and output
+        self.adjust_width = adjust_capacity(len(eos_ids))
+        self.forwards: dict[StepBucket, Callable] = {}
+        self.samplers: dict[SamplerKey | PromptLogprobsKey, Callable] = {}  # the executables besides forwards
+        self.store = ExecutableStore.beside_jax_cache()
         self.abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
-        self.padded_steps = 0  # steps run in a bigger compiled bucket while theirs compiled
-        self.gate_failed: dict[StepShape, str] = {}  # IREE buckets that failed their correctness gate, and why
+        self.compile_waits = 0  # steps that waited for their executable to compile (none once warmed)
+        self.gate_failed: dict[StepBucket, str] = {}  # IREE buckets that failed their correctness gate, and why
         self.quarantined: str | None = None  # the route an accelerator failure took out of service, and why
         self.masks = MaskFiller()
         self.device_loss = DeviceLossInjector(config.inject_device_loss_after_steps)  # [debug] fault injection
+        self._idle: dict[int, dict[str, jax.Array]] = {}  # per row count: the unused extras, on the device
+        self._install_lock = threading.Lock()
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
         self.flops_per_token = 2 * cfg.num_layers * layer_params
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
         self.flops_per_key_read = kv_bytes * KV_BYTE_FLOPS
         self.flops_per_query_key = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
 
-    @property
-    def compiled(self) -> set[StepShape]:
-        return set(self.executables)
+    # ---- the executable set ------------------------------------------------------------------
+
+    def executable_set(self) -> list[StepBucket | SamplerKey]:
+        """Every executable this engine's steps can use: forward buckets and samplers (on an IREE
+        route each forward bucket samples too, and prompt logprobs run on the host)."""
+        keys = [*self.buckets.forwards, *(SamplerKey(r) for r in self.buckets.sampler_rows)]
+        if self.route.is_iree:
+            keys += [PromptLogprobsKey(b.tokens) for b in self.buckets.base if b.kind == "prefill"]
+        return keys
 
     @property
-    def capturing(self) -> int:
-        """Buckets still compiling in the background."""
-        return sum(not f.done() for f in self._capturing.values())
+    def executables(self) -> dict:
+        """The built executables of the set, by forward bucket or sampler key."""
+        return {**self.forwards, **self.samplers}
+
+    @property
+    def compiled(self) -> set:
+        return set(self.executables)
+
+    def warm(self, keys: list | None = None, workers: int = 1, progress: Callable[[object], None] | None = None
+             ) -> None:
+        """Builds (or loads from disk) the given executables, default the whole set, `workers` at a time;
+        `progress(key)` after each."""
+        todo = [k for k in (self.executable_set() if keys is None else keys) if k not in self.executables]
+
+        def build(key):
+            try:
+                return self._build(key)
+            except BucketFailedGate as exc:
+                return exc
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers), thread_name_prefix="kiln-warm") as pool:
+            for key, executable in zip(todo, pool.map(build, todo), strict=True):
+                if isinstance(executable, BucketFailedGate):
+                    self._gate_failed(executable)
+                else:
+                    self._install(key, executable)
+                if progress is not None:
+                    progress(key)
+
+    def mapped_regions(self) -> int:
+        """Memory mappings the process holds now (each loaded CPU executable holds hundreds)."""
+        return _mapped_regions()
+
+    def _install(self, key, executable) -> None:
+        with self._install_lock:
+            if isinstance(key, StepBucket):
+                self.forwards[key] = executable
+            else:
+                self.samplers[key] = executable
+
+    def _build(self, key, abstract=None) -> Callable:
+        if isinstance(key, StepBucket):
+            return self._compile_forward(key, abstract)
+        if isinstance(key, PromptLogprobsKey):
+            hidden = jax.ShapeDtypeStruct((key.tokens, self.cfg.hidden_size), jnp.float32)
+            targets = jax.ShapeDtypeStruct((key.tokens,), jnp.int32)
+            return self._compile_xla("prompt_logprobs", prompt_logprobs_step, (self.abstract[0], hidden, targets), {},
+                                     key)
+        return self._compile_sampler(key)
+
+    # ---- KV state ----------------------------------------------------------------------------
 
     def reset_kv(self) -> None:
         """A fresh, empty KV state (after a failed step consumed the donated one)."""
         self.kv = init_kv_cache(self.cfg, self.num_blocks, self.block_size, self.kv_dtype)
 
-    def installed_buckets(self) -> list[tuple[StepShape, dict | None]]:
-        """The compiled buckets with their LoRA argument as compiles see it (engine thread)."""
-        return [(s, self._lora_abstract(s)) for s in self.executables]
+    def installed_buckets(self) -> list[StepBucket]:
+        """The forward buckets built for the current pool (engine thread)."""
+        return list(self.forwards)
 
-    def compile_for_pool(self, num_blocks: int, buckets: list[tuple[StepShape, dict | None]]
-                         ) -> dict[StepShape, Callable]:
-        """The executables of these buckets for a KV pool of `num_blocks` (any thread: a resize
-        compiles ahead, so serving never waits for it)."""
+    def compile_for_pool(self, num_blocks: int, buckets: list[StepBucket]) -> dict[StepBucket, Callable]:
+        """The forward executables of these buckets for a KV pool of `num_blocks` (any thread: a resize
+        builds them ahead, so serving never waits for it). Samplers do not depend on the pool."""
         params, kv = self.abstract
-        kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], num_blocks, *a.shape[2:]), a.dtype,
+        kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], a.shape[1], num_blocks, *a.shape[3:]), a.dtype,
                                                          sharding=a.sharding), kv)
-        return {s: self._compile(s, lora, (params, kv)) for s, lora in buckets}
+        return {b: self._compile_forward(b, (params, kv)) for b in buckets}
 
-    def resize_kv(self, num_blocks: int, moves: dict[int, int], executables: dict[StepShape, Callable]) -> None:
+    def resize_kv(self, num_blocks: int, moves: dict[int, int], executables: dict[StepBucket, Callable]) -> None:
         """Gives the KV pool `num_blocks` blocks (engine thread, under writer ownership): the moved
-        blocks' K/V are copied first, then the pool is cut or padded with empty blocks. The step
-        executables of the old pool size are dropped for `executables`, compiled for the new."""
-        for future in self._capturing.values():
-            future.cancel()
-        self._capturing.clear()
+        blocks' K/V are copied first, then the pool is cut or padded with empty blocks. The forward
+        executables of the old pool size are dropped for `executables`, built for the new."""
         if self.route.is_iree:  # resized with XLA on the host; the next step uploads it again
             self.kv = KVCache(*(jnp.asarray(self.route.device.to_host(x)) for x in self.kv))
 
         def resized(x: jax.Array) -> jax.Array:
             if moves:
                 src, dst = np.fromiter(moves, np.int32), np.fromiter(moves.values(), np.int32)
-                x = x.at[:, dst].set(x[:, src])
-            if num_blocks <= x.shape[1]:
-                y = x[:, :num_blocks]
+                x = x.at[:, :, dst].set(x[:, :, src])
+            if num_blocks <= x.shape[2]:
+                y = x[:, :, :num_blocks]
             else:
-                y = jnp.concatenate([x, jnp.zeros((x.shape[0], num_blocks - x.shape[1], *x.shape[2:]), x.dtype)], 1)
+                pad = jnp.zeros((*x.shape[:2], num_blocks - x.shape[2], *x.shape[3:]), x.dtype)
+                y = jnp.concatenate([x, pad], 2)
             return jax.device_put(y, x.sharding)
 
         self.kv = jax.tree.map(resized, self.kv)
         jax.block_until_ready(self.kv)
         self.num_blocks = num_blocks
         self.abstract = (self.abstract[0], jax.tree.map(_abstract, self.kv))
-        self.executables.clear()
+        self.forwards.clear()
         jax.clear_caches()  # JAX's own caches hold the old pool's executables too
-        for shape, executable in executables.items():
-            self._install(shape, executable)
+        for bucket, executable in executables.items():
+            self._install(bucket, executable)
 
     def close(self) -> None:
-        self._compiler.shutdown(wait=False, cancel_futures=True)
+        pass
 
-    # ---- shapes ------------------------------------------------------------------------
+    # ---- buckets -----------------------------------------------------------------------------
 
-    def shape_for(self, rows: Rows) -> StepShape:
-        n_rows = len(rows)
-        total = sum(n for _, n in rows)
-        S = _bucket(n_rows, self.row_buckets)
-        decode = all(n == 1 for _, n in rows)
-        if decode:
-            T, Q = S, 1
-        else:
-            T = _bucket(total, self.token_buckets)
-            Q = min(max(_pow2(max(n for _, n in rows)), PREFILL_MIN_QUERY), T)
-        M = self._blocks(max(len(r.block_ids) for r, _ in rows), prefill=not decode)
-        params = [r.params for r, _ in rows]
-        flags = SamplingFlags(
-            penalties=any(p.needs_penalties for p in params),
-            filtering=any(p.needs_filtering for p in params),
-            top_logprobs=any((p.logprobs or 0) > 0 for p in params),
-            mask=any(r.matcher is not None or r.forced for r, _ in rows),
-        )
-        prompt_lp = any(r.params.prompt_logprobs is not None and r.in_prefill for r, _ in rows)
-        adapters = len({r.adapter_slot for r, _ in rows if r.adapter_slot})
-        lora = min(_pow2(adapters), self.lora_slots.n_slots) if adapters else 0
-        widths = (_pow2(max(len(r.params.logit_bias or ()) for r, _ in rows)),
-                  _pow2(max(len(self._banned(r)) for r, _ in rows)),
-                  _pow2(max(len(r.output_ids) for r, _ in rows), 8) if flags.penalties else 1,
-                  _pow2(max(len(r.prompt_ids) for r, _ in rows), 8) if flags.penalties else 1)
-        return StepShape(T, S, Q, M, flags, prompt_lp, lora, widths)
+    def _candidates(self, rows: Rows) -> list[StepBucket]:
+        """The buckets that fit the rows, smallest first (gate failures not excluded)."""
+        counts = [n for _, n in rows]
+        decode = all(n == 1 for n in counts) and not any(self._wants_targets(r, n) for r, n in rows)
+        return self.buckets.candidates(counts, decode, lora=any(r.adapter_slot for r, _ in rows))
 
-    def _blocks(self, blocks: int, prefill: bool) -> int:
-        """The blocks-per-row bucket of a step whose longest row holds `blocks` blocks."""
-        return min(block_bucket(max(blocks, PREFILL_MIN_BLOCKS if prefill else 1)),
-                   block_bucket(self.max_blocks_per_seq))
+    def _wants_targets(self, r: Request, n: int) -> bool:
+        """Whether the row's new tokens include prompt positions whose logprobs it asked for."""
+        return r.params.prompt_logprobs is not None and r.num_computed + 1 < len(r.prompt_ids)
 
-    def resolve(self, shape: StepShape) -> StepShape:
-        """The bucket to run a batch of this shape in, now: its own when compiled; else a compiled
-        one that fits at little extra cost (capturing its own in the background); else its own,
-        compiled now. With live capture off: the cheapest compiled one that fits, or
-        GraphCaptureDisabled."""
-        self._install_captured()
-        passing = self._passing(shape)
-        if passing is None:
-            raise RouteCannotRun(f"no step bucket of the {self.route.name} route that fits this batch passed its "
-                                 f"correctness gate ({self.gate_failed[shape]})")
-        shape = passing
-        if shape in self.executables:
-            return shape
-        fitting = [s for s in self.executables if s.fits(shape)]
-        best = min(fitting, key=self._shape_cost, default=None)
-        if not self.config.allow_live_capture:
-            if best is None:
-                raise GraphCaptureDisabled(
-                    f"no compiled step bucket fits tokens={shape.tokens} rows={shape.rows} "
-                    f"query={shape.query} blocks={shape.blocks}, and live graph capture is disabled")
-            return best
-        if best is not None and self._shape_cost(best) <= CHEAP_PADDING * self._shape_cost(shape):
-            if shape not in self._capturing:
-                self._capturing[shape] = self._compiler.submit(self._compile, shape, self._lora_abstract(shape))
-                log.info("capturing step bucket %s in the background; meanwhile its batches run in %s",
-                         _describe(shape), _describe(best))
-            self.padded_steps += 1
-            return best
-        pending = self._capturing.pop(shape, None)
-        t0 = time.perf_counter()
-        try:
-            self._install(shape, pending.result() if pending else self._compile(shape, self._lora_abstract(shape)))
-        except BucketFailedGate as exc:
-            self._gate_failed(exc)
-            return self.resolve(shape)
-        log.info("captured step bucket %s in %.1fs (the step waited)", _describe(shape), time.perf_counter() - t0)
-        return shape
-
-    def _passing(self, shape: StepShape) -> StepShape | None:
-        """The bucket a batch of this shape may run in as far as the correctness gates know: its
-        own, else the next bigger one where its own failed; None when every one that fits failed."""
-        while shape is not None and shape in self.gate_failed:
-            shape = bigger(shape, self.row_buckets)
-        return shape
+    def _runnable(self, rows: Rows) -> list[StepBucket]:
+        """Buckets the rows may run in now: fitting, not refused by a gate, and built unless live
+        capture may build them."""
+        passing = [b for b in self._candidates(rows) if b not in self.gate_failed]
+        if self.config.allow_live_capture:
+            return passing
+        return [b for b in passing if b in self.forwards]
 
     def fits(self, rows: Rows) -> bool:
-        """Whether the rows can run as one step: not when every bucket that fits them failed its
-        correctness gate (the scheduler splits them); else always with live capture, else in a
-        compiled bucket."""
-        shape = self.shape_for(rows)
-        if self._passing(shape) is None:
-            return False
-        if self.config.allow_live_capture:
-            return True
-        return any(s.fits(shape) for s in self.executables)
+        """Whether the rows can run as one step (the scheduler splits them when not)."""
+        return bool(self._runnable(rows))
+
+    def bucket_for(self, rows: Rows) -> StepBucket:
+        runnable = self._runnable(rows)
+        if runnable:
+            return runnable[0]
+        candidates = self._candidates(rows)
+        if candidates and all(b in self.gate_failed for b in candidates):
+            raise RouteCannotRun(f"no step bucket of the {self.route.name} route that fits this batch passed its "
+                                 f"correctness gate ({self.gate_failed[candidates[0]]})")
+        counts = [n for _, n in rows]
+        raise GraphCaptureDisabled(f"no built step bucket fits {len(rows)} rows of {sum(counts)} new tokens, and "
+                                   "live graph capture is disabled")
 
     def step_cost(self, rows: Rows) -> float:
-        """Estimated cost of running the rows as one step, padding included (see the cost model above)."""
-        return self._shape_cost(self.shape_for(rows))
+        """Estimated cost of running the rows as one step, padding included (see the cost model above);
+        infinite when no bucket fits them."""
+        candidates = self._candidates(rows)
+        if not candidates:
+            return math.inf
+        b = candidates[0]
+        context = max(r.num_computed + n for r, n in rows)
+        keys = FIRST_KEYS + max(0, math.ceil((context - FIRST_KEYS) / CHUNK_KEYS)) * CHUNK_KEYS
+        return ((b.tokens + FIXED_STEP_TOKENS) * self.flops_per_token + b.tiles * keys * self.flops_per_key_read
+                + b.tiles * b.tile_size * keys * self.flops_per_query_key)
 
-    def _shape_cost(self, s: StepShape) -> float:
-        keys = s.rows * s.blocks * self.block_size
-        return ((s.tokens + FIXED_STEP_TOKENS) * self.flops_per_token + keys * self.flops_per_key_read
-                + keys * s.query * self.flops_per_query_key)
+    # ---- compiling ---------------------------------------------------------------------------
 
-    # ---- compiling -----------------------------------------------------------------------
-
-    def _lora_abstract(self, shape: StepShape) -> dict | None:
-        """The LoRA argument as a compile sees it (engine thread: the slot state is its own)."""
-        if not shape.lora:
+    def _lora_abstract(self, bucket: StepBucket) -> dict | None:
+        """The LoRA argument as a compile sees it (the slot state's shapes are fixed by the settings)."""
+        if not bucket.lora:
             return None
-        return {**jax.tree.map(_abstract, self.lora_slots.ensure_state()), "active": np.zeros(shape.lora, np.int32)}
+        return jax.tree.map(_abstract, self.lora_slots.abstract_state())
 
-    def _compile(self, shape: StepShape, lora: dict | None, abstract=None) -> Callable:
-        """The executable of one bucket (any thread; the persistent compilation cache applies)."""
+    def padding_inputs(self, bucket: StepBucket) -> tuple[StepInputs, np.ndarray, np.ndarray]:
+        """Inputs of an all-padding batch of this bucket (what a compile sees): step inputs, last
+        index, prompt targets."""
+        T, NT, QT = bucket.tokens, bucket.tiles, bucket.tile_size
+        zeros = lambda: np.zeros(T, np.int32)  # noqa: E731
+        inputs = StepInputs(zeros(), zeros(), zeros(), zeros(), np.full((NT, QT), T, np.int32),
+                            np.zeros((NT, self.table_columns), np.int32))
+        return inputs, np.zeros(bucket.rows, np.int32), np.full(T, -1, np.int32)
+
+    def _compile_forward(self, bucket: StepBucket, abstract=None) -> Callable:
+        """The forward executable of one bucket (any thread): loaded from disk, else compiled (and kept)."""
         params, kv = abstract or self.abstract
-        inputs, last_index, rs, targets = self.padding_inputs(shape)
+        inputs, last_index, targets = self.padding_inputs(bucket)
+        lora = self._lora_abstract(bucket)
+        args = (params, kv, inputs, last_index, targets, lora)
+        static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
         if self.route.is_iree:
-            executable = self._compile_iree(shape, params, kv, inputs, last_index, rs, targets, lora)
-            if abstract is None and (why := check_bucket(self, shape, executable, lora)):
-                raise BucketFailedGate(shape, why)
-            return executable
-        before = _mapped_regions()
-        if shape.flags.mask:
-            forward = forward_step.lower(params, kv, inputs, last_index, targets, lora, cfg=self.cfg,
-                                         with_prompt_logprobs=shape.prompt_logprobs).compile()
-            row_logits = jax.ShapeDtypeStruct((shape.rows, self.cfg.vocab_size), jnp.float32)
-            executable = MaskedStep(forward, sample_step.lower(row_logits, rs, flags=shape.flags).compile())
-        else:
-            executable = model_step.lower(params, kv, inputs, last_index, rs, targets, lora, cfg=self.cfg,
-                                          flags=shape.flags, with_prompt_logprobs=shape.prompt_logprobs).compile()
-        if len(self._map_samples) < 3:
-            self._map_samples.append(_mapped_regions() - before)
+            return self._compile_iree_forward(bucket, args, check=abstract is None)
+        return self._compile_xla("forward", forward_step, args, static, bucket)
+
+    def _sampler_args(self, rows: int) -> tuple:
+        row_logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
+        return row_logits, self.sampling_arrays([], rows)
+
+    def _compile_sampler(self, key: SamplerKey) -> Callable:
+        return self._compile_xla("sampler", sample_step, self._sampler_args(key.rows), {}, key)
+
+    def _compile_xla(self, name: str, fn, args, static: dict, key) -> Callable:
+        store_key = executable_key(name, args, (key, sorted(static.items(), key=lambda kv: kv[0])))
+        executable = self.store.load(store_key)
+        if executable is None:
+            executable = fn.lower(*args, **static).compile()
+            self.store.save(store_key, executable)
         return executable
 
-    def _compile_iree(self, shape: StepShape, params, kv, inputs, last_index, rs, targets, lora) -> Callable:
-        """The bucket on an IREE route: one module, or the forward pass on the device and sampling
-        with XLA on the host where the device's sampling cannot be trusted (see routes.py)."""
-        route = self.route
-        if shape.prompt_logprobs and not route.gate("top_k"):
-            raise RouteCannotRun(f"prompt logprobs are not available on the {route.name} route: its top-k "
-                                 "failed the correctness gate")
-        host_sampling = (shape.flags.mask or (shape.flags.filtering and not route.gate("sort"))
-                         or (shape.flags.top_logprobs and not route.gate("top_k")))
-        static = {"cfg": self.cfg, "with_prompt_logprobs": shape.prompt_logprobs}
-        if not host_sampling:
-            return route.compile(model_step, (params, kv, inputs, last_index, rs, targets, lora),
-                                 {**static, "flags": shape.flags}, device_outputs=(2,))
-        from kiln.iree.step import HostSampling
-
-        forward = route.compile(forward_step, (params, kv, inputs, last_index, targets, lora), static,
-                                device_outputs=(0, 2))
-        row_logits = jax.ShapeDtypeStruct((shape.rows, self.cfg.vocab_size), jnp.float32)
-        sampler = HostSampling(route.device, sample_step.lower(row_logits, rs, flags=shape.flags).compile())
-        masked = MaskedStep(forward, sampler)
-        if shape.flags.mask:
-            return masked
-        return lambda params, kv, inputs, last_index, rs, targets, lora: masked(
-            params, kv, inputs, last_index, rs, targets, lora, masks=lambda: rs.allowed)
+    def _compile_iree_forward(self, bucket: StepBucket, args, check: bool) -> Callable:
+        """The bucket's forward pass and basic sampler as one IREE module, its logits, hidden states and
+        KV kept on the device; checked against XLA's on a synthetic batch before it may serve (`check`)."""
+        params, kv, inputs, last_index, _, lora = args
+        args = (params, kv, inputs, last_index, lora, self.sampling_arrays([], bucket.rows))
+        executable = self.route.compile(forward_sample_step, args, {"cfg": self.cfg}, device_outputs=(0, 2, 3))
+        if not check:
+            return executable
+        # a module's verdict on this device is kept beside it: a warm start neither compiles nor gates
+        cache, device = self.route.cache, f"{self.route.device_id}-{gate_signature()}"
+        verdict = cache.verdict(executable.module_key, device)
+        if verdict is None:
+            verdict = {"why": check_bucket(self, bucket, executable, lora)}
+            cache.record_verdict(executable.module_key, device, verdict["why"])
+        if why := verdict["why"]:
+            raise BucketFailedGate(bucket, why)
+        return executable
 
     def _gate_failed(self, exc: BucketFailedGate) -> None:
         self.gate_failed[exc.shape] = exc.why
-        log.warning("route %s: step bucket %s failed its correctness gate (%s); its batches run padded in a "
-                    "bigger bucket", self.route.name, _describe(exc.shape), exc.why)
+        log.warning("route %s: step bucket %s failed its correctness gate (%s); its batches run in a bigger "
+                    "bucket or split", self.route.name, exc.shape.describe(), exc.why)
 
-    def compile_bucket(self, shape: StepShape) -> Callable:
-        """Compiles one bucket without keeping it (`kiln warmup`: the persistent cache keeps it)."""
-        return self._compile(shape, self._lora_abstract(shape))
-
-    def _install(self, shape: StepShape, executable: Callable) -> None:
-        """Keeps an executable, evicting the least recently used ones beyond what the process may
-        map: each executable holds hundreds of memory mappings (its compiled kernels) and the
-        kernel caps a process's mappings (vm.max_map_count); an evicted bucket is reloaded from
-        the persistent compilation cache when needed again."""
-        self.executables[shape] = executable
-        keep = max(8, int(MAPPING_SHARE * _MAX_MAPPINGS) // max([1, *self._map_samples]))
-        if len(self.executables) > keep:
-            while len(self.executables) > keep * 3 // 4:  # evict a batch: clearing JAX's caches costs retraces
-                evicted, _ = self.executables.popitem(last=False)
-                log.info("evicted step bucket %s (at most %d are kept)", _describe(evicted), keep)
-            jax.clear_caches()  # JAX's own caches hold the evicted executables too
-
-    def _install_captured(self) -> None:
-        for shape, future in list(self._capturing.items()):
-            if future.done():
-                del self._capturing[shape]
-                try:
-                    self._install(shape, future.result())
-                except BucketFailedGate as exc:
-                    self._gate_failed(exc)
-                except Exception:  # the bucket stays uncaptured; batches keep running padded
-                    log.exception("compiling step bucket %s failed", shape)
-
-    def warm(self, shapes: list[StepShape], workers: int = 1) -> None:
-        """Compiles the given buckets now, `workers` at a time (or loads them from the persistent
-        compilation cache)."""
-        todo = [(s, self._lora_abstract(s)) for s in dict.fromkeys(shapes) if s not in self.executables]
-
-        def compile_one(job):
+    def forward_for(self, bucket: StepBucket) -> Callable:
+        forward = self.forwards.get(bucket)
+        if forward is None:  # an engine that was not warmed: only live capture gets here
+            t0 = time.perf_counter()
             try:
-                return self._compile(*job)
+                forward = self._build(bucket)
             except BucketFailedGate as exc:
-                return exc
+                self._gate_failed(exc)
+                raise RouteCannotRun(f"step bucket {bucket.describe()} failed its correctness gate ({exc.why})"
+                                     ) from None
+            self._install(bucket, forward)
+            self.compile_waits += 1
+            log.info("built step bucket %s in %.1fs (the step waited)", bucket.describe(), time.perf_counter() - t0)
+        return forward
 
-        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kiln-warm") as pool:
-            for (shape, _), executable in zip(todo, pool.map(compile_one, todo), strict=True):
-                if isinstance(executable, BucketFailedGate):
-                    self._gate_failed(executable)
-                else:
-                    self._install(shape, executable)
+    def _prompt_logprobs(self, tokens: int) -> Callable:
+        key = PromptLogprobsKey(tokens)
+        executable = self.samplers.get(key)
+        if executable is None:
+            executable = self._build(key)
+            self._install(key, executable)
+        return executable
 
-    def warmup_shapes(self, context_tokens: int, lora: bool = False) -> list[StepShape]:
-        """The configured buckets: decode (each row bucket) and single-row prefill (each token
-        bucket), for every blocks-per-row bucket up to `context_tokens` of context; with `lora`,
-        also the decode buckets of batches that carry one adapter."""
-        top = min(block_bucket(math.ceil(context_tokens / self.block_size)), block_bucket(self.max_blocks_per_seq))
-        block_buckets = sorted({block_bucket(m) for m in range(1, top + 1)})
-        flags = SamplingFlags()
-        shapes = [StepShape(s, s, 1, m, flags, False) for s in self.row_buckets for m in block_buckets]
-        for t in self.token_buckets:
-            prefill_blocks = {self._blocks(m, prefill=True) for m in block_buckets if m * self.block_size >= t}
-            shapes += [StepShape(t, 1, t, m, flags, False) for m in sorted(prefill_blocks)]
-        if lora:
-            shapes += [StepShape(s, s, 1, m, flags, False, 1) for s in self.row_buckets for m in block_buckets]
-        return shapes
+    def sampler_for(self, rows: int) -> Callable:
+        key = SamplerKey(rows)
+        sampler = self.samplers.get(key)
+        if sampler is None:
+            sampler = self._build(key)
+            self._install(key, sampler)
+        return sampler
 
-    def fallback_shapes(self, context_tokens: int) -> list[StepShape]:
-        """Buckets that every plain decode batch and single-prompt prefill up to `context_tokens`
-        can run padded in while their own buckets compile: one decode bucket per row bucket and
-        one prefill bucket per token bucket, each with room for the whole context."""
-        blocks = min(block_bucket(math.ceil(context_tokens / self.block_size)), block_bucket(self.max_blocks_per_seq))
-        flags = SamplingFlags()
-        return ([StepShape(s, s, 1, blocks, flags, False) for s in self.row_buckets]
-                + [StepShape(t, 1, t, self._blocks(max(blocks, math.ceil(t / self.block_size)), prefill=True), flags,
-                             False) for t in self.token_buckets])
+    # ---- inputs ------------------------------------------------------------------------------
 
-    # ---- inputs ------------------------------------------------------------------------
+    def _idle_extras(self, rows: int) -> dict[str, jax.Array]:
+        """The sampler's extras for rows that use none of them, kept on the device: steps without
+        penalties, logit bias, banned ids or grammars pass these and copy nothing."""
+        idle = self._idle.get(rows)
+        if idle is None:
+            V = self.cfg.vocab_size
+            idle = {"adjust_ids": np.full((rows, self.adjust_width), V, np.int32),
+                    "adjust_values": np.zeros((rows, self.adjust_width), np.float32),
+                    "history": np.full((rows, self.history_len), V, np.int32),
+                    "allowed": np.full((rows, (V + 31) // 32), -1, np.int32)}
+            idle = self._idle[rows] = {k: jnp.asarray(v) for k, v in idle.items()}
+        return idle
 
-    def padding_inputs(self, shape: StepShape) -> tuple[StepInputs, np.ndarray, RowSampling, np.ndarray]:
-        """Inputs of an all-padding batch of this shape (what a compile sees)."""
-        S, T = shape.rows, shape.tokens
-        inputs = StepInputs(np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int32),
-                            np.zeros(T, np.int32), np.full((S, shape.query), T, np.int32),
-                            np.zeros((S, shape.blocks), np.int32), np.zeros(S, np.int32))
-        return inputs, np.zeros(S, np.int32), self._sampling_arrays([], shape), np.full(T, -1, np.int32)
-
-    def _sampling_arrays(self, rows: Rows, shape: StepShape) -> RowSampling:
-        S, V = shape.rows, self.cfg.vocab_size
-        f32 = lambda v: np.full(S, v, np.float32)  # noqa: E731
+    def sampling_arrays(self, rows: Rows, R: int) -> RowSampling:
+        """The rows' sampling arrays, padded to R rows (masks come later: see `_run`)."""
+        f32 = lambda v: np.full(R, v, np.float32)  # noqa: E731
         temperature, top_p, min_p = f32(0.0), f32(1.0), f32(0.0)
         presence, frequency, repetition = f32(0.0), f32(0.0), f32(1.0)
-        top_k = np.zeros(S, np.int32)
-        seed = np.zeros((S, 2), np.uint32)
-        step = np.zeros(S, np.int32)
-        bias = [sorted((r.params.logit_bias or {}).items()) for r, _ in rows]
-        banned = [self._banned(r) for r, _ in rows]
-        kb, kn, p_out, p_in = shape.widths
-        bias_ids, bias_values = np.full((S, kb), V, np.int32), np.zeros((S, kb), np.float32)
-        banned_ids = np.full((S, kn), V, np.int32)
-        output_ids, prompt_ids = np.full((S, p_out), V, np.int32), np.full((S, p_in), V, np.int32)
+        top_k, step, prompt_len = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
+        seed = np.zeros((R, 2), np.uint32)
+        top_logprobs, constrained = np.zeros(R, bool), np.zeros(R, bool)
+        extras = dict(self._idle_extras(R))
+        adjust = [(sorted((r.params.logit_bias or {}).items()), self._banned(r)) for r, _ in rows]
+        if any(bias or banned for bias, banned in adjust):
+            V = self.cfg.vocab_size
+            ids, values = np.full((R, self.adjust_width), V, np.int32), np.zeros((R, self.adjust_width), np.float32)
+            for i, (bias, banned) in enumerate(adjust):
+                k = len(bias)
+                if k:
+                    ids[i, :k], values[i, :k] = [int(t) for t, _ in bias], [v for _, v in bias]
+                ids[i, k : k + len(banned)], values[i, k : k + len(banned)] = banned, -np.inf
+            extras["adjust_ids"], extras["adjust_values"] = ids, values
+        if any(r.params.needs_penalties for r, _ in rows):
+            history = np.full((R, self.history_len), self.cfg.vocab_size, np.int32)
+            for i, (r, _) in enumerate(rows):
+                if r.params.needs_penalties:
+                    ids = r.all_ids[: self.history_len]
+                    history[i, : len(ids)] = ids
+            extras["history"] = history
         for i, (r, _) in enumerate(rows):
             p = r.params
             temperature[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
@@ -609,21 +476,17 @@ class Runner:
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seed[i] = (r.seed & 0xFFFFFFFF, (r.seed >> 32) & 0xFFFFFFFF)
             step[i] = len(r.output_ids)
-            for j, (tok, val) in enumerate(bias[i]):
-                bias_ids[i, j], bias_values[i, j] = int(tok), val
-            banned_ids[i, : len(banned[i])] = banned[i]
-            if shape.flags.penalties and p.needs_penalties:
-                output_ids[i, : len(r.output_ids)] = r.output_ids
-                prompt_ids[i, : len(r.prompt_ids)] = r.prompt_ids
-        # a masked step gets its masks while its forward pass runs (MaskedStep); compiles see zeros
-        allowed = np.zeros((S, (V + 31) // 32 if shape.flags.mask else 0), np.int32)
-        return RowSampling(temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, step,
-                           bias_ids, bias_values, banned_ids, output_ids, prompt_ids, allowed)
+            prompt_len[i] = len(r.prompt_ids)
+            top_logprobs[i] = bool(p.logprobs)
+            constrained[i] = r.matcher is not None or bool(r.forced)
+        return RowSampling(temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, step, top_logprobs,
+                           extras["adjust_ids"], extras["adjust_values"], extras["history"], prompt_len, constrained,
+                           extras["allowed"])
 
-    def _masks(self, rows: Rows, shape: StepShape) -> np.ndarray:
+    def _masks(self, rows: Rows, R: int) -> np.ndarray:
         """The rows' allowed-token bitmasks: their grammars', or only their next forced token."""
         constrained = [(r.matcher, i) for i, (r, _) in enumerate(rows) if r.matcher is not None]
-        allowed = self.masks.fill(constrained, shape.rows, self.cfg.vocab_size)
+        allowed = self.masks.fill(constrained, R, self.cfg.vocab_size)
         for i, (r, _) in enumerate(rows):
             if r.forced:
                 allowed[i] = 0
@@ -637,29 +500,40 @@ class Runner:
             return []
         return sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos_ids)))
 
-    def _lora(self, rows: Rows, shape: StepShape):
-        """The slot state and the step's active slots; None (no LoRA work at all) without adapter rows."""
-        if not shape.lora:
-            return None
-        active = np.zeros(shape.lora, np.int32)
-        slots = sorted({r.adapter_slot for r, _ in rows if r.adapter_slot})
-        active[: len(slots)] = slots
-        return {**self.lora_slots.ensure_state(), "active": active}
+    def step_inputs(self, rows: Rows, bucket: StepBucket) -> tuple[StepInputs, np.ndarray, np.ndarray]:
+        """The rows laid out in the bucket: step inputs, each row's last token index, prompt targets."""
+        work = [RowWork(r.all_ids[r.num_computed : r.num_computed + n], r.num_computed, r.block_ids, r.adapter_slot)
+                for r, n in rows]
+        inputs = build_step_inputs(work, self.block_size, num_tokens=bucket.tokens, num_tiles=bucket.tiles,
+                                   tile_size=bucket.tile_size, table_columns=self.table_columns)
+        last_index = np.zeros(bucket.rows, np.int32)
+        targets = np.full(bucket.tokens, -1, np.int32)
+        t = 0
+        for i, (r, n) in enumerate(rows):
+            last_index[i] = t + n - 1
+            if r.params.prompt_logprobs is not None:
+                for j in range(n):
+                    pos = r.num_computed + j
+                    if pos + 1 < len(r.prompt_ids):
+                        targets[t + j] = r.prompt_ids[pos + 1]
+            t += n
+        return inputs, last_index, targets
 
-    # ---- step --------------------------------------------------------------------------
+    # ---- step --------------------------------------------------------------------------------
 
     def execute(self, batch: Batch) -> StepResult | StepFailure:
         """Runs one planned batch; a failure fails its rows, never the process. Raises DeviceLost
         when the error says the device is gone."""
         rows = batch.rows
-        own = self.shape_for(rows)
         try:
-            shape = self.resolve(own)
+            bucket = self.bucket_for(rows)
+            forward = self.forward_for(bucket)
         except (GraphCaptureDisabled, RouteCannotRun) as exc:
-            # a batch whose buckets just failed their gates runs again split (see fits); one row cannot
-            return StepFailure(exc, retry=len(rows) > 1 and self._passing(own) is None)
+            # a batch that no passing bucket fits runs again split (see fits); a one-token row cannot
+            splittable = len(rows) > 1 or rows[0][1] > 1
+            return StepFailure(exc, retry=splittable and not self.fits(rows))
         try:
-            result = self._run(rows, shape)
+            result = self._run(rows, bucket, forward)
         except Exception as exc:
             if is_device_loss(exc):
                 raise as_device_lost(exc) from exc
@@ -683,42 +557,39 @@ class Runner:
         self.quarantined = f"{failed.name}: {why}"
         log.error("route %s quarantined after an accelerator failure (%s); serving goes on with XLA on %s until "
                   "a restart", failed.name, why, jax.default_backend())
-        for future in self._capturing.values():
-            future.cancel()
-        self._capturing.clear()
-        self.executables.clear()
+        self.forwards.clear()
         self.gate_failed.clear()
+        self._idle.clear()
         if failed.resident is not None:
             failed.resident.clear()
         self.route = StepRoute(RouteChoice(
             "xla", f"fallback: route {failed.name} was quarantined after an accelerator failure ({why})",
             xla_capabilities(), {}))
 
-    def _run(self, rows: Rows, shape: StepShape) -> StepResult:
-        work = [RowWork(r.all_ids[r.num_computed : r.num_computed + n], r.num_computed, r.block_ids, r.adapter_slot)
-                for r, n in rows]
-        inputs = build_step_inputs(work, self.block_size, self.num_blocks, shape.tokens, shape.rows, shape.query,
-                                   shape.blocks)
-        last_index = np.zeros(shape.rows, np.int32)
-        targets = np.full(shape.tokens, -1, np.int32)
-        t = 0
-        for i, (r, n) in enumerate(rows):
-            last_index[i] = t + n - 1
-            if shape.prompt_logprobs and r.params.prompt_logprobs is not None:
-                for j in range(n):
-                    pos = r.num_computed + j
-                    if pos + 1 < len(r.prompt_ids):
-                        targets[t + j] = r.prompt_ids[pos + 1]
-            t += n
-        rs = self._sampling_arrays(rows, shape)
-        step = self.executables[shape]
-        self.executables.move_to_end(shape)
-        args = (self.params, self.kv, inputs, last_index, rs, targets, self._lora(rows, shape))
+    def _device_samples(self, rows: Rows) -> bool:
+        """On an IREE route, whether the device's own (basic) sampling serves the batch: not for
+        grammar masks, penalties, top-k/top-p/min-p or top logprobs, which XLA samples on the host
+        (see `sampling.sample`)."""
+        return not any(r.matcher is not None or r.forced or r.params.needs_filtering or r.params.needs_penalties
+                       or r.params.logprobs for r, _ in rows)
+
+    def _run(self, rows: Rows, bucket: StepBucket, forward: Callable) -> StepResult:
+        inputs, last_index, targets = self.step_inputs(rows, bucket)
+        rs = self.sampling_arrays(rows, bucket.rows)
+        lora = self.lora_slots.ensure_state() if bucket.lora else None
+        sampler = self.sampler_for(bucket.rows)
         self.device_loss.before_step()
-        if shape.flags.mask:
-            sampled, prompt, self.kv = step(*args, masks=lambda: self._masks(rows, shape))
+        if self.route.is_iree:
+            row_logits, sampled, hidden, self.kv = forward(self.params, self.kv, inputs, last_index, lora, rs)
+            prompt = None
+            if any(self._wants_targets(r, n) for r, n in rows):
+                hidden = self.route.device.to_host(hidden)
+                prompt = self._prompt_logprobs(bucket.tokens)(self.params, hidden, targets)
+            if self._device_samples(rows):
+                return StepResult(rows, sampled, prompt, targets)
+            row_logits = self.route.device.to_host(row_logits)
         else:
-            sampled, prompt, self.kv = step(*args)
-        return StepResult(rows, sampled, prompt, targets)
-
-
+            row_logits, prompt, self.kv = forward(self.params, self.kv, inputs, last_index, targets, lora)
+        if rs.constrained.any():  # computed while the forward pass runs (dispatched asynchronously)
+            rs = rs._replace(allowed=self._masks(rows, bucket.rows))
+        return StepResult(rows, sampler(row_logits, rs), prompt, targets)

@@ -1,10 +1,13 @@
 """Sampling parameters and the on-device sampler.
 
-Every row carries its own parameters as arrays, so one compiled sampler serves a batch of
-mixed requests. Randomness comes from a per-request key folded with the row's output
-index, so a seeded request draws the same tokens whatever else shares its batch.
-Costly features (penalties, top-k/top-p/min-p sorting, top logprobs) are compiled in only
-when some row of the batch asks for them (static flags).
+Every row carries its own parameters as arrays, so one compiled sampler per row count
+serves any batch of mixed requests: sampling parameters, penalties and their token history,
+logit bias, banned ids, grammar masks and the number of top logprobs are all data, in arrays
+of fixed capacity. Costly features (penalties, top-k/top-p/min-p sorting, top logprobs,
+grammar masks) run only when some row of the batch asks for them (`lax.cond` on the data),
+so a plain batch pays nothing for them. Randomness comes from a per-request key folded with
+the row's output index, so a seeded request draws the same tokens whatever else shares its
+batch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ if TYPE_CHECKING:
     from kiln.engine.grammar import Grammar
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 128  # entries of stop_token_ids; each is banned until min_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,10 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_TOP_LOGPROBS:
                 bad(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}", name)
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:
+            bad(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} entries", "stop_token_ids")
         for tok, bias in (self.logit_bias or {}).items():
             if not 0 <= int(tok) < vocab_size:
                 bad(f"logit_bias token id {tok} is outside the vocabulary", "logit_bias")
@@ -113,17 +122,14 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
-class SamplingFlags(NamedTuple):
-    """Static (compile-time) switches; one executable per combination in use."""
-
-    penalties: bool = False
-    filtering: bool = False
-    top_logprobs: bool = False
-    mask: bool = False  # some row is constrained by a grammar
+def adjust_capacity(num_eos: int) -> int:
+    """Entries per row of the step's logit adjustments: the logit bias plus the banned ids (stop
+    token ids and EOS, banned until min_tokens)."""
+    return MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + num_eos
 
 
 class RowSampling(NamedTuple):
-    """Per-row sampling arrays [S] / [S, K]; padding rows are greedy with no extras."""
+    """Per-row sampling arrays [R] / [R, K] of fixed capacity; padding rows are greedy with no extras."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -132,21 +138,22 @@ class RowSampling(NamedTuple):
     presence: jax.Array
     frequency: jax.Array
     repetition: jax.Array
-    seed: jax.Array  # uint32 [S, 2]: (seed low, seed high)
-    step: jax.Array  # int32 [S]: index of the token being sampled in the request's output
-    bias_ids: jax.Array  # [S, Kb] (vocab = padding)
-    bias_values: jax.Array  # [S, Kb]
-    banned_ids: jax.Array  # [S, Kn] ids masked this step (min_tokens), vocab = padding
-    output_ids: jax.Array  # [S, P] generated so far (penalties), vocab = padding
-    prompt_ids: jax.Array  # [S, P2] prompt (repetition penalty), vocab = padding
-    allowed: jax.Array  # int32 [S, ceil(V / 32)] bitmask of the tokens a grammar allows ([S, 0] without flags.mask)
+    seed: jax.Array  # uint32 [R, 2]: (seed low, seed high)
+    step: jax.Array  # int32 [R]: index of the token being sampled in the request's output
+    top_logprobs: jax.Array  # bool [R]: the row returns its top logprobs
+    adjust_ids: jax.Array  # int32 [R, A]: logit bias ids, then banned ids (vocab = padding)
+    adjust_values: jax.Array  # float32 [R, A]: their bias, -inf for a banned id
+    history: jax.Array  # int32 [R, L]: prompt then output ids, for penalties (vocab = padding)
+    prompt_len: jax.Array  # int32 [R]: how many of `history` are prompt
+    constrained: jax.Array  # bool [R]: the row follows `allowed`
+    allowed: jax.Array  # int32 [R, ceil(V / 32)] bitmask of the tokens a grammar allows
 
 
 class Sampled(NamedTuple):
     tokens: jax.Array  # [S] int32
     logprobs: jax.Array  # [S] float32: the sampled token's logprob (raw model distribution)
-    top_ids: jax.Array  # [S, K] (K = 0 unless flags.top_logprobs)
-    top_logprobs: jax.Array  # [S, K]
+    top_ids: jax.Array  # [R, K]: K = min(20, vocab); zeros unless some row asked for top logprobs
+    top_logprobs: jax.Array  # [R, K]
 
 
 def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -157,11 +164,11 @@ def _row_keys(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.vmap(one)(seed, step)
 
 
-def _presence(ids: jax.Array, vocab: int) -> jax.Array:
-    """Counts of each vocab id in padded id lists [S, P] -> [S, vocab]."""
-    S = ids.shape[0]
-    counts = jnp.zeros((S, vocab + 1), jnp.float32)
-    counts = counts.at[jnp.arange(S)[:, None], ids].add(1.0)
+def _counts(ids: jax.Array, vocab: int, where: jax.Array) -> jax.Array:
+    """Counts of each vocab id among padded id lists [R, L] where `where` -> [R, vocab]."""
+    R = ids.shape[0]
+    counts = jnp.zeros((R, vocab + 1), jnp.float32)
+    counts = counts.at[jnp.arange(R)[:, None], ids].add(where.astype(jnp.float32))
     return counts[:, :vocab]
 
 
@@ -173,51 +180,82 @@ def _argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(jnp.min(jnp.where(x == top, jnp.arange(V, dtype=jnp.int32), V), axis=-1), V - 1)
 
 
-def sample(logits: jax.Array, rs: RowSampling, flags: SamplingFlags) -> Sampled:
-    """logits: [S, V] float32 raw model output."""
-    S, V = logits.shape
+def _when(pred: jax.Array, fn, x):
+    """fn(x) when pred, else x: the work runs only for batches that need it."""
+    return jax.lax.cond(pred, fn, lambda x: x, x)
+
+
+def _apply_mask(x: jax.Array, rs: RowSampling) -> jax.Array:
+    ids = jnp.arange(x.shape[1], dtype=jnp.int32)
+    bits = jnp.right_shift(rs.allowed[:, ids // 32], ids % 32) & 1
+    return jnp.where((bits == 1) | ~rs.constrained[:, None], x, -jnp.inf)
+
+
+def _penalize(x: jax.Array, rs: RowSampling) -> jax.Array:
+    V = x.shape[1]
+    output = jnp.arange(rs.history.shape[1])[None, :] >= rs.prompt_len[:, None]
+    out_counts = _counts(rs.history, V, output)
+    seen = _counts(rs.history, V, jnp.ones_like(output)) > 0
+    rep = rs.repetition[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - rs.frequency[:, None] * out_counts - rs.presence[:, None] * (out_counts > 0)
+
+
+def _filter(scaled: jax.Array, rs: RowSampling) -> jax.Array:
+    """Keeps each row's top-k, top-p and min-p tokens (the rows that ask; the others keep all)."""
+    V = scaled.shape[1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(rs.top_k > 0, jnp.minimum(rs.top_k, V), V)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
+    cum = jnp.cumsum(probs_sorted, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (always the first token)
+    cutoff_idx = jnp.sum(cum - probs_sorted < rs.top_p[:, None], axis=-1) - 1
+    top_p_min = jnp.take_along_axis(sorted_desc, jnp.maximum(cutoff_idx, 0)[:, None], axis=-1)
+    min_p_min = sorted_desc[:, :1] + jnp.log(jnp.maximum(rs.min_p, 1e-30))[:, None]
+    threshold = jnp.maximum(jnp.maximum(kth, top_p_min), jnp.where(rs.min_p[:, None] > 0, min_p_min, -jnp.inf))
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, rs: RowSampling, basic: bool = False) -> Sampled:
+    """logits: [R, V] float32 raw model output.
+
+    `basic`: only greedy and temperature sampling with logit bias and banned ids (no grammar
+    masks, penalties, top-k/top-p/min-p or top logprobs), for IREE routes: IREE 3.13 runs
+    conditional regions holding sorts or scatters wrongly ("transient buffer has not been
+    committed"), so the runner samples batches that need more with XLA."""
+    R, V = logits.shape
+    rs = RowSampling(*map(jnp.asarray, rs))
     log_norm = jax.nn.logsumexp(logits, axis=-1)  # logprobs are logits - log_norm (raw distribution)
-    rows = jnp.arange(S)[:, None]
-    x = logits
-    if flags.mask:  # grammars first: no sampling parameter may bring back a token they rule out
-        ids = jnp.arange(V, dtype=jnp.int32)
-        bits = jnp.right_shift(rs.allowed[:, ids // 32], ids % 32) & 1
-        x = jnp.where(bits == 1, x, -jnp.inf)
+    # grammars first: no sampling parameter may bring back a token they rule out
+    x = logits if basic else _when(jnp.any(rs.constrained), lambda x: _apply_mask(x, rs), logits)
     # padded id lists use id V: they write an extra column, cut off after (indices stay in bounds)
-    x = jnp.pad(x, ((0, 0), (0, 1))).at[rows, rs.bias_ids].add(rs.bias_values)[:, :V]
-    if flags.penalties:
-        out_counts = _presence(rs.output_ids, V)
-        seen = (out_counts + _presence(rs.prompt_ids, V)) > 0
-        rep = rs.repetition[:, None]
-        x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
-        x = x - rs.frequency[:, None] * out_counts - rs.presence[:, None] * (out_counts > 0)
-    x = jnp.pad(x, ((0, 0), (0, 1))).at[rows, rs.banned_ids].set(-jnp.inf)[:, :V]
+    x = jnp.pad(x, ((0, 0), (0, 1))).at[jnp.arange(R)[:, None], rs.adjust_ids].add(rs.adjust_values)[:, :V]
+    if not basic:
+        penalized = (rs.presence != 0.0) | (rs.frequency != 0.0) | (rs.repetition != 1.0)
+        x = _when(jnp.any(penalized), lambda x: _penalize(x, rs), x)
     greedy = _argmax(x)
 
-    def draw():
+    def draw(x):
         scaled = x / jnp.maximum(rs.temperature, 1e-5)[:, None]
-        if flags.filtering:
-            sorted_desc = -jnp.sort(-scaled, axis=-1)
-            k = jnp.where(rs.top_k > 0, jnp.minimum(rs.top_k, V), V)
-            kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-            probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-            cum = jnp.cumsum(probs_sorted, axis=-1)
-            # keep the smallest prefix whose mass reaches top_p (always the first token)
-            cutoff_idx = jnp.sum(cum - probs_sorted < rs.top_p[:, None], axis=-1) - 1
-            top_p_min = jnp.take_along_axis(sorted_desc, jnp.maximum(cutoff_idx, 0)[:, None], axis=-1)
-            min_p_min = sorted_desc[:, :1] + jnp.log(jnp.maximum(rs.min_p, 1e-30))[:, None]
-            threshold = jnp.maximum(jnp.maximum(kth, top_p_min), jnp.where(rs.min_p[:, None] > 0, min_p_min, -jnp.inf))
-            scaled = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        if not basic:
+            filtered = (rs.temperature > 0.0) & ((rs.top_k > 0) | (rs.top_p < 1.0) | (rs.min_p > 0.0))
+            scaled = _when(jnp.any(filtered), lambda s: _filter(s, rs), scaled)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(_row_keys(rs.seed, rs.step))
         return _argmax(scaled + gumbel)
 
-    # an all-greedy batch skips the noise and filtering at run time (same executable)
-    sampled = jax.lax.cond(jnp.any(rs.temperature > 0.0), draw, lambda: greedy)
+    # an all-greedy batch skips the noise and filtering at run time
+    sampled = jax.lax.cond(jnp.any(rs.temperature > 0.0), draw, lambda x: greedy, x)
     tokens = jnp.where(rs.temperature == 0.0, greedy, sampled).astype(jnp.int32)
     token_logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_norm
-    if flags.top_logprobs:
-        top_logits, top_ids = jax.lax.top_k(logits, min(MAX_TOP_LOGPROBS, V))
-        top_lp = top_logits - log_norm[:, None]
-    else:
-        top_lp, top_ids = jnp.zeros((S, 0), jnp.float32), jnp.zeros((S, 0), jnp.int32)
-    return Sampled(tokens, token_logprobs, top_ids.astype(jnp.int32), top_lp)
+    K = min(MAX_TOP_LOGPROBS, V)
+
+    def top(logits):
+        top_logits, top_ids = jax.lax.top_k(logits, K)
+        return top_ids.astype(jnp.int32), top_logits - log_norm[:, None]
+
+    def none(_):
+        return jnp.zeros((R, K), jnp.int32), jnp.zeros((R, K), jnp.float32)
+
+    top_ids, top_lp = none(logits) if basic else jax.lax.cond(jnp.any(rs.top_logprobs), top, none, logits)
+    return Sampled(tokens, token_logprobs, top_ids, top_lp)

@@ -234,10 +234,15 @@ class Scheduler:
         return [Batch(part) for group in groups for part in self._split(group)]
 
     def _split(self, rows: Rows) -> list[Rows]:
-        """Rows that cannot run as one step (no compiled step fits them with live capture off, or
-        every bucket that fits them failed its correctness gate) run as halves, recursively."""
-        if len(rows) == 1 or self.fits(rows):
+        """Rows that cannot run as one step (no step bucket fits them, none that fits is built with
+        live capture off, or every one that fits failed its correctness gate) run as halves,
+        recursively; a lone prompt chunk that still cannot runs as half the chunk (the rest of the
+        prompt follows in later steps)."""
+        if self.fits(rows):
             return [rows]
+        if len(rows) == 1:
+            req, n = rows[0]
+            return self._split([(req, n // 2)]) if n > 1 else [rows]
         half = len(rows) // 2
         return self._split(rows[:half]) + self._split(rows[half:])
 

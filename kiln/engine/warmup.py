@@ -1,39 +1,70 @@
-"""`kiln warmup`: compile the configured step buckets into JAX's persistent compilation cache,
-so the next start (or the serving profile's prewarm) loads executables instead of compiling."""
+"""Building the bounded step set: at server start (before ready), by `kiln warmup`, or listed.
+
+`build_step_set` builds every executable of an engine's set, or loads it from disk (see
+executables.py), with a progress bar; `kiln warmup` does the same in its own process so that
+the next start only loads, and `kiln warmup --list` prints the set for the resolved settings
+without loading a model.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
-import jax
 from tqdm import tqdm
 
 from kiln.config import Settings
+from kiln.engine.buckets import BucketSet
 from kiln.engine.config import EngineConfig
-from kiln.engine.core import EngineCore
-from kiln.engine.runner import COUNTER
-from kiln.engine.setup import configure_compilation_cache, load_model_from_settings, select_route_from_settings
+
+
+def build_step_set(runner, show_progress: bool = True) -> dict:
+    """Builds or loads the runner's whole step set (on the thread that owns the runner); returns
+    what it did: executables, built, loaded, seconds, memory mappings after."""
+    start = time.monotonic()
+    store = runner.store
+    loads, saves = store.loads, store.saves
+    cache = runner.route.cache
+    iree_before = (cache.compiles, cache.hits) if cache is not None else (0, 0)
+    todo = [k for k in runner.executable_set() if k not in runner.executables]
+    with tqdm(total=len(todo), desc="building step executables", unit="executable", file=sys.stderr,
+              disable=not show_progress or not todo) as bar:
+        runner.warm(todo, workers=os.cpu_count() or 1, progress=lambda key: bar.update())
+    built, loaded = store.saves - saves, store.loads - loads
+    if cache is not None:
+        built += cache.compiles - iree_before[0]
+        loaded += cache.hits - iree_before[1]
+    return {"executables": len(runner.executables), "set": len(runner.executable_set()), "built": built,
+            "loaded": loaded, "refused_by_gate": len(runner.gate_failed),
+            "seconds": round(time.monotonic() - start, 1), "memory_mappings": runner.mapped_regions()}
+
+
+def list_step_set(settings: Settings) -> int:
+    config = EngineConfig.from_settings(settings)
+    buckets = BucketSet(config.decode_row_buckets, config.prefill_token_buckets, config.max_num_seqs,
+                        config.max_num_batched_tokens)
+    for bucket in buckets.forwards:
+        print(f"forward  {bucket.describe()}")
+    for rows in buckets.sampler_rows:
+        print(f"sampler  rows={rows}")
+    print(f"{len(buckets)} executables (forward steps: {len(buckets.forwards)}, samplers: {len(buckets.sampler_rows)})"
+          "; an IREE route adds a device sampler per row count")
+    return 0
 
 
 def warmup(settings: Settings) -> int:
+    from kiln.engine.core import EngineCore
+    from kiln.engine.setup import configure_compilation_cache, load_model_from_settings, select_route_from_settings
+
     start = time.monotonic()
     configure_compilation_cache(settings.compilation_dir())
     model = load_model_from_settings(settings)
     core = EngineCore(model, EngineConfig.from_settings(settings), route=select_route_from_settings(settings, model))
     try:
-        runner = core.runner
-        shapes = runner.warmup_shapes(settings.engine.warmup_context_tokens, lora=True)
-        built, hits = COUNTER.builds, COUNTER.cache_hits
-        for i, shape in enumerate(tqdm(shapes, desc="compiling step buckets", unit="bucket"), 1):
-            runner.compile_bucket(shape)  # lands in the persistent cache; not kept here
-            if i % 8 == 0:
-                jax.clear_caches()  # JAX's own caches would keep every executable (and its memory mappings)
-        compiled = (COUNTER.builds - built) - (COUNTER.cache_hits - hits)
-        print(
-            f"warmup: {len(shapes)} step buckets ready in {time.monotonic() - start:.1f}s "
-            f"({compiled} executables compiled, {COUNTER.cache_hits - hits} loaded from cache) "
-            f"-> {settings.compilation_dir()}"
-        )
+        done = build_step_set(core.runner)
+        print(f"warmup: {done['executables']} step executables ready in {time.monotonic() - start:.1f}s "
+              f"({done['built']} built, {done['loaded']} loaded from disk) -> {settings.compilation_dir()}")
     finally:
         core.close()
     return 0

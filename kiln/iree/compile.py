@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -86,7 +87,14 @@ class ModuleCache:
         return self.dir / f"{key}.{target}.vmfb"
 
     def get_or_compile(self, mlir: str, target: str) -> bytes:
+        return self.get_or_compile_keyed(mlir, target)[1]
+
+    def get_or_compile_keyed(self, mlir: str, target: str) -> tuple[str, bytes]:
+        """(the module's key, its compiled bytes)."""
         key = module_key(mlir, target)
+        return key, self._get_or_compile(key, mlir, target)
+
+    def _get_or_compile(self, key: str, mlir: str, target: str) -> bytes:
         path = self.path(key, target)
         if path.exists():
             self.hits += 1
@@ -100,6 +108,21 @@ class ModuleCache:
             f.write(vmfb)
         os.replace(tmp, path)
         return vmfb
+
+
+    def verdict(self, key: str, device: str) -> dict | None:
+        """A correctness gate's recorded verdict on this module and device ({"why": None} passed)."""
+        try:
+            return json.loads((self.dir / f"{key}.{device}.gate.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def record_verdict(self, key: str, device: str, why: str | None) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"why": why}, f)
+        os.replace(tmp, self.dir / f"{key}.{device}.gate.json")
 
 
 def compile_module(mlir: str, target: str) -> bytes:

@@ -57,8 +57,9 @@ class IreeStep:
     are in `device_outputs` stay on the device, the others come to the host as numpy arrays."""
 
     def __init__(self, device: IreeDevice, resident: ResidentArrays, function, exported: ExportedStep,
-                 device_outputs: tuple[int, ...]):
+                 device_outputs: tuple[int, ...], module_key: str = ""):
         self.device, self.resident, self.function, self.exported = device, resident, function, exported
+        self.module_key = module_key  # names the compiled module in the route's cache
         n_out = exported.out_tree.num_leaves
         marks = jax.tree.unflatten(exported.out_tree, range(n_out))
         on_device = set()

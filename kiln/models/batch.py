@@ -1,12 +1,13 @@
-"""Host-side assembly of StepInputs from per-row work (numpy, padded to given bucket sizes)."""
+"""Host-side assembly of StepInputs from per-row work (numpy, padded to given sizes)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
-from kiln.models.decoder import StepInputs
+from kiln.models.decoder import StepInputs, table_width
 
 
 @dataclasses.dataclass
@@ -19,32 +20,38 @@ class RowWork:
     adapter_slot: int = 0
 
 
+def tiles_needed(rows: list[RowWork] | list[int], tile_size: int) -> int:
+    """Attention tiles of `tile_size` queries the rows take (rows or their new-token counts)."""
+    return sum(math.ceil((n if isinstance(n, int) else len(n.tokens)) / tile_size) for n in rows)
+
+
 def build_step_inputs(
     rows: list[RowWork],
     block_size: int,
-    num_blocks: int,
+    *,
     num_tokens: int | None = None,
-    num_rows: int | None = None,
-    max_query: int | None = None,
-    max_blocks: int | None = None,
+    num_tiles: int | None = None,
+    tile_size: int | None = None,
+    table_columns: int | None = None,
 ) -> StepInputs:
-    """Packs rows into fixed-shape arrays; sizes default to the tight fit (pass buckets to pad)."""
+    """Packs rows into fixed-shape arrays: their tokens one after another, each row's tokens in
+    tiles of `tile_size`. Sizes default to the tight fit (one tile per row); pass a step
+    bucket's sizes to pad."""
     total = sum(len(r.tokens) for r in rows)
     T = num_tokens or total
-    S = num_rows or len(rows)
-    Q = max_query or max(len(r.tokens) for r in rows)
-    M = max_blocks or max(len(r.block_table) for r in rows)
-    if total > T or len(rows) > S or any(len(r.tokens) > Q or len(r.block_table) > M for r in rows):
+    QT = tile_size or max(len(r.tokens) for r in rows)
+    NT = num_tiles or tiles_needed(rows, QT)
+    W = table_columns or table_width(max(len(r.block_table) for r in rows), block_size)
+    if total > T or tiles_needed(rows, QT) > NT or any(len(r.block_table) > W for r in rows):
         raise ValueError("rows do not fit the requested step shape")
     pad_slot = 0  # block 0 is never allocated: padding tokens' K/V is written there and never read
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slots = np.full(T, pad_slot, np.int32)
-    token_rows = np.zeros(T, np.int32)
-    query_index = np.full((S, Q), T, np.int32)
-    block_tables = np.zeros((S, M), np.int32)
-    adapter_slots = np.zeros(S, np.int32)
-    t = 0
+    adapters = np.zeros(T, np.int32)
+    tile_tokens = np.full((NT, QT), T, np.int32)
+    tile_blocks = np.zeros((NT, W), np.int32)
+    t = tile = 0
     for s, row in enumerate(rows):
         n = len(row.tokens)
         pos = np.arange(row.start, row.start + n)
@@ -54,9 +61,11 @@ def build_step_inputs(
         tokens[t : t + n] = row.tokens
         positions[t : t + n] = pos
         slots[t : t + n] = table[pos // block_size] * block_size + pos % block_size
-        token_rows[t : t + n] = s
-        query_index[s, :n] = np.arange(t, t + n)
-        block_tables[s, : len(table)] = table
-        adapter_slots[s] = row.adapter_slot
+        adapters[t : t + n] = row.adapter_slot
+        for c in range(0, n, QT):
+            k = min(QT, n - c)
+            tile_tokens[tile, :k] = np.arange(t + c, t + c + k)
+            tile_blocks[tile, : len(table)] = table
+            tile += 1
         t += n
-    return StepInputs(tokens, positions, slots, token_rows, query_index, block_tables, adapter_slots)
+    return StepInputs(tokens, positions, slots, adapters, tile_tokens, tile_blocks)

@@ -5,10 +5,11 @@ layer axis, run under `lax.scan` (compile time flat in depth), or one dict per l
 unrolled (see `loader.default_layer_loop`). `decoder_layer` is the one layer both serving
 (here, over the paged pool) and training (`kiln.train.forward`, dense) run.
 
-One step takes a flat batch of T tokens that belong to S rows (sequences). Each row
-brings new tokens (one for decode, a chunk for prefill) whose K/V are scattered into
-the paged pool; attention then reads the row's blocks through its block table and
-masks keys by position, so prefill chunks and decode rows share one code path.
+One step takes a flat batch of T tokens that belong to rows (sequences). Each row brings
+new tokens (one for decode, a chunk for prefill) whose K/V are scattered into the paged
+pool; attention runs over tiles of a row's consecutive new tokens, reading the row's blocks
+through its block table and masking keys by position, so prefill chunks and decode rows
+share one code path and a step's shape never depends on how long its contexts are.
 """
 
 from __future__ import annotations
@@ -21,52 +22,74 @@ import jax.numpy as jnp
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.lora import active_lora, active_weights, lora_delta
+from kiln.models.lora import layer_weights, lora_delta, slot_weights
 
 Params = dict
 
 
 class KVCache(NamedTuple):
-    """Paged K/V pool: [layers, num_blocks, block_size, kv_heads, head_dim] each.
+    """Paged K/V pool: [layers, kv_heads, num_blocks, block_size, head_dim] each.
 
-    A 16-bit float pool is held as its uint16 bits: XLA:CPU widens the whole operand of a
-    16-bit float scatter to float32 and back (every layer, every step), while an integer
-    scatter updates in place. Its float type is the model's (`kv_float_dtype`)."""
+    Heads lead blocks so that one KV head's gathered blocks are contiguous rows of a batched
+    matmul: attention reads them with no transpose. A 16-bit float pool is held as its uint16
+    bits: XLA:CPU widens the whole operand of a 16-bit float scatter to float32 and back (every
+    layer, every step), while an integer scatter updates in place. Its float type is the
+    model's (`kv_float_dtype`)."""
 
     k: jax.Array
     v: jax.Array
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 class StepInputs(NamedTuple):
-    """Fixed-shape inputs of one step; the engine pads each field to a shape bucket.
+    """Fixed-shape inputs of one step: T flat tokens and NT attention tiles.
 
-    tokens, positions, slots, token_rows: [T]. slots is the flat pool slot
-    (block * block_size + offset) each token's K/V goes to; padding tokens use slot 0,
-    in block 0, which the block pool never hands out (every index stays in bounds: IREE's
-    scatters do not drop out-of-range updates).
-    query_index: [S, Q] flat token index of each row's q-th new token (T for padding).
-    block_tables: [S, max_blocks]. adapter_slots: [S] (0 = no adapter).
+    tokens, positions, slots, adapters: [T]. slots is the flat pool slot (block * block_size +
+    offset) each token's K/V goes to; padding tokens use slot 0, in block 0, which the block pool
+    never hands out (every index stays in bounds: IREE's scatters do not drop out-of-range
+    updates). adapters: the LoRA slot of each token's row (0 = none).
+    tile_tokens: [NT, QT] flat token index of each tile's queries (T for padding): a tile holds
+    up to QT consecutive new tokens of one row (QT = 1 for decode steps).
+    tile_blocks: [NT, W] the block table of the tile's row, zero-padded to W (`table_width`).
+    Context length is data, not shape: attention reads a tile's blocks up to the step's largest
+    position.
     """
 
     tokens: jax.Array
     positions: jax.Array
     slots: jax.Array
-    token_rows: jax.Array
-    query_index: jax.Array
-    block_tables: jax.Array
-    adapter_slots: jax.Array
+    adapters: jax.Array
+    tile_tokens: jax.Array
+    tile_blocks: jax.Array
+
+
+# Attention reads keys in chunks: the first (FIRST_KEYS) always, then CHUNK_KEYS at a time up to
+# the step's largest position, so a step's cost follows its longest context with no context axis
+# in its shape. A short first chunk keeps the short-context decode steps free of loop overhead.
+FIRST_KEYS = 64
+CHUNK_KEYS = 128
+
+
+def _chunk_blocks(keys: int, block_size: int) -> int:
+    return max(1, keys // block_size)
+
+
+def table_width(max_blocks: int, block_size: int) -> int:
+    """Columns of `tile_blocks` for rows of up to `max_blocks` blocks: the chunks attention
+    reads never run past the table's end (zero columns are block 0, masked by position)."""
+    first, chunk = _chunk_blocks(FIRST_KEYS, block_size), _chunk_blocks(CHUNK_KEYS, block_size)
+    return first + -(-max(0, max_blocks - first) // chunk) * chunk
 
 
 def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> KVCache:
-    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     storage = jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else dtype  # zero bits are 0.0
     return KVCache(jnp.zeros(shape, storage), jnp.zeros(shape, storage))
 
@@ -98,76 +121,99 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def project(x, layer, lora_layer, name, token_weight):
-    """x @ layer[name], plus the LoRA delta of the active adapters (see `lora.lora_delta`)."""
+    """x @ layer[name], plus the LoRA delta of the adapter slots (see `lora.lora_delta`)."""
     out = matmul(x, layer[name])
     if lora_layer is not None and name in lora_layer:
         out = out + lora_delta(x, lora_layer[name], token_weight)
     return out
 
 
-def _write_kv(pool: jax.Array, layer_idx, blocks: jax.Array, offsets: jax.Array, new: jax.Array, dtype) -> jax.Array:
-    """pool[layer, block, offset] = new, in place (as bits for a uint16 pool of `dtype` values)."""
+def _rows(pool: jax.Array) -> jax.Array:
+    """The pool as rows of one (layer, head, block, offset) slot each: [L*KH*N*B, D] (a bitcast)."""
+    return pool.reshape(-1, pool.shape[-1])
+
+
+def _write_kv(pool: jax.Array, layer_idx, slots: jax.Array, new: jax.Array, dtype) -> jax.Array:
+    """pool[layer, head, block, offset] = new [T, KH, D], in place (as bits for a uint16 pool of
+    `dtype` values). Indexes flat rows, so a traced layer index slices nothing."""
+    L, KH, N, B, D = pool.shape
     new = new.astype(dtype)
     if pool.dtype == jnp.uint16:
         new = jax.lax.bitcast_convert_type(new, jnp.uint16)
-    return pool.at[layer_idx, blocks, offsets].set(new, mode="drop")
+    heads = jnp.arange(KH, dtype=jnp.int32)
+    rows = (layer_idx * KH + heads[None, :]) * (N * B) + slots[:, None]  # [T, KH]
+    return _rows(pool).at[rows.reshape(-1)].set(new.reshape(-1, D)).reshape(pool.shape)
 
 
-class _AttentionPlan(NamedTuple):
-    """Per-step attention indexing, shared by all layers."""
-
-    query_gather: jax.Array  # [S, Q] token index to read each row's queries from
-    query_scatter: jax.Array  # [S*Q] token index to write outputs to (T = dropped)
-    valid_query: jax.Array  # [S, Q]
-    visible: jax.Array  # [S, Q, C] key visibility (causal by position, sliding window)
-
-
-def _attention_plan(inputs: StepInputs, block_size: int, cfg: ModelConfig) -> _AttentionPlan:
-    T = inputs.tokens.shape[0]
-    valid = inputs.query_index < T
-    gather = jnp.where(valid, inputs.query_index, 0)
-    q_pos = jnp.where(valid, inputs.positions[gather], -1)
-    key_pos = jnp.arange(inputs.block_tables.shape[1] * block_size)
-    visible = key_pos[None, None, :] <= q_pos[:, :, None]
-    if cfg.sliding_window:
-        visible &= key_pos[None, None, :] > q_pos[:, :, None] - cfg.sliding_window
-    scatter = jnp.where(valid, inputs.query_index, T).reshape(-1)
-    return _AttentionPlan(gather, scatter, valid, visible)
+def _gather_blocks(pool: jax.Array, layer_idx, tables: jax.Array, dtype) -> jax.Array:
+    """The blocks `tables` [NT, C] of one layer, per KV head: [KH, NT, C * block_size, D]."""
+    L, KH, N, B, D = pool.shape
+    blocks = pool.reshape(L * KH * N, B * D)
+    heads = jnp.arange(KH, dtype=jnp.int32)
+    index = (layer_idx * KH + heads[:, None, None]) * N + tables[None]  # [KH, NT, C]
+    out = jnp.take(blocks, index, axis=0, mode="clip").reshape(KH, tables.shape[0], tables.shape[1] * B, D)
+    return jax.lax.bitcast_convert_type(out, dtype) if pool.dtype == jnp.uint16 else out
 
 
-def _gather_blocks(pool: jax.Array, layer_idx, block_tables: jax.Array, dtype) -> jax.Array:
-    """pool[layer_idx][block_tables] as a row gather of flattened blocks (measured ~2x faster on XLA:CPU)."""
-    L, N = pool.shape[:2]
-    layer = jax.lax.dynamic_index_in_dim(pool.reshape(L, N, -1), layer_idx, keepdims=False)
-    blocks = jnp.take(layer, block_tables, axis=0, mode="clip")
-    return jax.lax.bitcast_convert_type(blocks, dtype) if pool.dtype == jnp.uint16 else blocks
+def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfig, kv_dtype,
+               dynamic_context: bool = True):
+    """Portable XLA paged attention over tiles. q: [T, H, D]; pools: [L, KH, N, B, D]. Returns [T, H, D].
 
-
-def _attention(q, k_all, v_all, layer_idx, inputs: StepInputs, plan: _AttentionPlan, cfg: ModelConfig, kv_dtype):
-    """Portable XLA paged attention. q: [T, H, D]; caches: [L, N, B, KH, D]. Returns [T, H, D].
-
-    Gathers only the rows' blocks of this layer (one gather, no copy of the layer's pool).
-    """
+    Each tile's queries attend to its row's blocks, read chunk by chunk with an online softmax up to
+    the step's largest position (a loop whose trip count is data): one gather of the chunk's blocks
+    per chunk, batched matmuls over (KV head, tile), keys masked by position. Without
+    `dynamic_context` every chunk of the table is read (a program with no data-dependent loop)."""
     T = q.shape[0]
-    S, Q = inputs.query_index.shape
+    NT, QT = inputs.tile_tokens.shape
     KH, D = cfg.num_kv_heads, cfg.head_dim
     G = cfg.num_heads // KH
-    C = inputs.block_tables.shape[1] * k_all.shape[2]
-    # batched matmuls over (row, kv head); the G query heads of a group share K/V (GQA)
-    q_rows = q[plan.query_gather].reshape(S, Q, KH, G, D).transpose(0, 2, 3, 1, 4).reshape(S * KH, G * Q, D)
-    k = _gather_blocks(k_all, layer_idx, inputs.block_tables, kv_dtype).reshape(S, C, KH, D)
-    v = _gather_blocks(v_all, layer_idx, inputs.block_tables, kv_dtype).reshape(S, C, KH, D)
-    k = k.transpose(0, 2, 3, 1).reshape(S * KH, D, C)
-    v = v.transpose(0, 2, 1, 3).reshape(S * KH, C, D)
-    scores = jax.lax.batch_matmul(q_rows, k.astype(q_rows.dtype), precision=None).astype(jnp.float32)
-    scores = scores.reshape(S, KH, G, Q, C) * (D**-0.5)
-    scores = jnp.where(plan.visible[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    probs = jnp.where(plan.valid_query[:, None, None, :, None], probs, 0.0).astype(q.dtype)
-    out = jax.lax.batch_matmul(probs.reshape(S * KH, G * Q, C), v.astype(q.dtype))  # [S*KH, G*Q, D]
-    out = out.reshape(S, KH, G, Q, D).transpose(0, 3, 1, 2, 4).reshape(S * Q, KH * G, D)
+    B = k_pool.shape[3]
+    valid = inputs.tile_tokens < T
+    gather = jnp.where(valid, inputs.tile_tokens, 0)
+    # queries of a (KV head, tile) pair as matrix rows (g, q); the G heads of a group share K/V (GQA)
+    q_tiles = q[gather].reshape(NT, QT, KH, G, D).transpose(2, 0, 3, 1, 4).reshape(KH, NT, G * QT, D)
+    q_tiles = q_tiles.astype(jnp.float32) * (D**-0.5)
+    q_pos = jnp.where(valid, inputs.positions[gather], -1)  # [NT, QT]
+    q_pos = jnp.broadcast_to(q_pos[None, :, None, :], (KH, NT, G, QT)).reshape(KH, NT, G * QT, 1)
+    window = cfg.sliding_window
+
+    tables = inputs.tile_blocks
+    if tables.shape[1] < table_width(tables.shape[1], B):  # chunks never read past the table
+        tables = jnp.pad(tables, ((0, 0), (0, table_width(tables.shape[1], B) - tables.shape[1])))
+
+    def chunk(start, n_blocks, carry):
+        m, norm, acc = carry
+        blocks = jax.lax.dynamic_slice_in_dim(tables, start, n_blocks, axis=1)
+        k = _gather_blocks(k_pool, layer_idx, blocks, kv_dtype).astype(jnp.float32)
+        v = _gather_blocks(v_pool, layer_idx, blocks, kv_dtype).astype(jnp.float32)
+        scores = jnp.einsum("ktqd,ktcd->ktqc", q_tiles, k)
+        key_pos = start * B + jnp.arange(n_blocks * B, dtype=jnp.int32)
+        visible = key_pos <= q_pos
+        if window:
+            visible &= key_pos > q_pos - window
+        scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(-1))
+        p = jnp.exp(scores - m_new[..., None])
+        correction = jnp.exp(m - m_new)
+        return m_new, norm * correction + p.sum(-1), acc * correction[..., None] + jnp.einsum("ktqc,ktcd->ktqd", p, v)
+
+    first, size = _chunk_blocks(FIRST_KEYS, B), _chunk_blocks(CHUNK_KEYS, B)
+    init = (jnp.full((KH, NT, G * QT), -1e30, jnp.float32), jnp.zeros((KH, NT, G * QT), jnp.float32),
+            jnp.zeros((KH, NT, G * QT, D), jnp.float32))
+    carry = chunk(0, first, init)
+    if not dynamic_context:  # every chunk of the table, each masked by position
+        for start in range(first, tables.shape[1], size):
+            carry = chunk(start, size, carry)
+    elif tables.shape[1] > first:  # longer rows possible: the rest in chunks, as many as the step needs
+        last = jnp.max(q_pos)  # the step's largest query position
+        more = jnp.maximum(last + 1 - first * B + size * B - 1, 0) // (size * B)
+        carry = jax.lax.fori_loop(0, more, lambda j, c: chunk(first + j * size, size, c), carry)
+    _, norm, acc = carry
+    out = acc / jnp.maximum(norm, 1e-30)[..., None]  # padding queries saw nothing: zeros
+    out = out.reshape(KH, NT, G, QT, D).transpose(1, 3, 0, 2, 4).reshape(NT * QT, KH * G, D)
     # padding queries land in an extra row T, cut off after: every scatter index stays in bounds
-    return jnp.zeros((T + 1, KH * G, D), q.dtype).at[plan.query_scatter].set(out.astype(q.dtype))[:T]
+    scatter = jnp.where(valid, inputs.tile_tokens, T).reshape(-1)
+    return jnp.zeros((T + 1, KH * G, D), q.dtype).at[scatter].set(out.astype(q.dtype))[:T]
 
 
 def decoder_layer(h: jax.Array, layer: dict, proj: Callable, cos, sin, attend: Callable, cfg: ModelConfig):
@@ -206,21 +252,18 @@ def forward_hidden(
     cfg: ModelConfig,
     lora: dict | None = None,
     unroll: int | bool = 1,
+    dynamic_context: bool = True,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs the decoder; returns final-normed hidden states [T, hidden] and the updated cache."""
+    """Runs the decoder; returns final-normed hidden states [T, hidden] and the updated cache.
+
+    `lora`: a slot state ({"scale": [n], "layers": ...}, see `lora.py`); every token applies its
+    row's slot (inputs.adapters), all n slots in one matmul each. `dynamic_context`: see `_attention`."""
     inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
-    block_size = kv.block_size
     kv_dtype = kv_float_dtype(kv, params)
-    plan = _attention_plan(inputs, block_size, cfg)
     h = params["embed"][inputs.tokens].astype(jnp.float32)  # the residual stream is float32 whatever the weights
     inv_freq, rope_scale = rope.inv_freq_and_scale(cfg)
     cos, sin = rope.cos_sin(inputs.positions, jnp.asarray(inv_freq), rope_scale)
-    blocks = inputs.slots // block_size  # out-of-range slots give block >= num_blocks: dropped
-    offsets = inputs.slots % block_size
-
-    token_weight = lora_index = None
-    if lora is not None:
-        token_weight, lora_index = active_lora(lora, inputs.adapter_slots[inputs.token_rows], h.dtype)
+    token_weight = None if lora is None else slot_weights(lora, inputs.adapters, h.dtype)
 
     def layer_fn(carry, xs):
         h, k_all, v_all, idx = carry
@@ -228,10 +271,10 @@ def forward_hidden(
 
         def paged_attention(q, k, v):
             with jax.named_scope("kv_write"):
-                k_pool = _write_kv(k_all, idx, blocks, offsets, k, kv_dtype)
-                v_pool = _write_kv(v_all, idx, blocks, offsets, v, kv_dtype)
+                k_pool = _write_kv(k_all, idx, inputs.slots, k, kv_dtype)
+                v_pool = _write_kv(v_all, idx, inputs.slots, v, kv_dtype)
             with jax.named_scope("attention"):
-                return _attention(q, k_pool, v_pool, idx, inputs, plan, cfg, kv_dtype), (k_pool, v_pool)
+                return _attention(q, k_pool, v_pool, idx, inputs, cfg, kv_dtype, dynamic_context), (k_pool, v_pool)
 
         proj = lambda x, name: project(x, layer, lora_layer, name, token_weight)  # noqa: E731
         h, (k_all, v_all) = decoder_layer(h, layer, proj, cos, sin, paged_attention, cfg)
@@ -241,11 +284,11 @@ def forward_hidden(
     if isinstance(layers, (list, tuple)):  # one array per layer: unrolled, no per-layer weight slicing
         carry = (h, kv.k, kv.v, 0)
         for i, layer in enumerate(layers):
-            lora_layer = None if lora is None else active_weights(lora["layers"], lora_index, i)
+            lora_layer = None if lora is None else layer_weights(lora["layers"], i)
             carry, _ = layer_fn(carry, (layer, lora_layer))
         h, k_all, v_all, _ = carry
     else:
-        lora_layers = None if lora is None else active_weights(lora["layers"], lora_index)
+        lora_layers = None if lora is None else lora["layers"]
         (h, k_all, v_all, _), _ = jax.lax.scan(layer_fn, (h, kv.k, kv.v, jnp.int32(0)), (layers, lora_layers),
                                                unroll=unroll)
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), KVCache(k_all, v_all)

@@ -20,12 +20,11 @@ from kiln.models.decoder import KVCache, StepInputs, forward_hidden, init_kv_cac
 
 @functools.partial(jax.jit, static_argnames=("cfg", "unroll"), donate_argnames=("kv",))
 def greedy_step(params, kv: KVCache, inputs: StepInputs, cfg: ModelConfig, lora=None, unroll=1):
-    """One step: writes the new tokens' K/V and returns each row's greedy next token [S]."""
+    """One step (one tile per row): writes the new tokens' K/V and returns each row's greedy next token."""
     hidden, kv = forward_hidden(params, kv, inputs, cfg, lora, unroll)
-    S, Q = inputs.query_index.shape
     T = inputs.tokens.shape[0]
-    # the last new token of each row: the largest valid query index
-    last = jnp.max(jnp.where(inputs.query_index < T, inputs.query_index, -1), axis=1)
+    # the last new token of each row (one tile per row): the largest valid query index
+    last = jnp.max(jnp.where(inputs.tile_tokens < T, inputs.tile_tokens, -1), axis=1)
     row_logits = logits(params, hidden[jnp.maximum(last, 0)])
     return jnp.argmax(row_logits, axis=-1).astype(jnp.int32), kv
 
@@ -49,13 +48,13 @@ def greedy_generate(
     tables = [list(range(i * blocks_per_row, (i + 1) * blocks_per_row)) for i in range(n)]
     slots = adapter_slots or [0] * n
     rows = [RowWork(list(p), 0, tables[i], slots[i]) for i, p in enumerate(prompts)]
-    inputs = build_step_inputs(rows, block_size, num_blocks)
+    inputs = build_step_inputs(rows, block_size)
     nxt, kv = greedy_step(params, kv, inputs, cfg, lora, unroll)
     out = [[int(t)] for t in np.asarray(nxt)]
     lengths = [len(p) for p in prompts]
     for _ in range(max_new_tokens - 1):
         rows = [RowWork([out[i][-1]], lengths[i] + len(out[i]) - 1, tables[i], slots[i]) for i in range(n)]
-        nxt, kv = greedy_step(params, kv, build_step_inputs(rows, block_size, num_blocks), cfg, lora, unroll)
+        nxt, kv = greedy_step(params, kv, build_step_inputs(rows, block_size), cfg, lora, unroll)
         for i, t in enumerate(np.asarray(nxt)):
             out[i].append(int(t))
     return out

@@ -51,7 +51,7 @@ def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 
 def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
     tp = mesh.shape[AXIS]
-    spec = P(None, None, None, AXIS, None) if cfg.num_kv_heads % tp == 0 else P()
+    spec = P(None, AXIS, None, None, None) if cfg.num_kv_heads % tp == 0 else P()
     return NamedSharding(mesh, spec)
 
 

@@ -74,7 +74,8 @@ def config(request: Request) -> dict[str, Any]:
     core = st.engine.core
     backend = {**core.route.choice.to_json(), "resident_prefill": core.resident_prefill,
                "quarantined": core.quarantined}
-    return {**st.settings.to_json(), "model": model, "backend": backend,
+    steps = {"executables": [key.describe() for key in core.runner.executable_set()], "startup": st.step_set}
+    return {**st.settings.to_json(), "model": model, "backend": backend, "step_set": steps,
             "version": __version__}
 
 

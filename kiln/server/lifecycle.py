@@ -5,7 +5,6 @@ and runs uvicorn; SIGTERM drains in-flight requests before exit."""
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 
@@ -22,19 +21,21 @@ log = logging.getLogger("kiln.server")
 
 
 def prewarm(state: ServerState) -> None:
-    """Compiles (or loads from the persistent cache) a decode bucket per row bucket and a prefill
-    bucket per token bucket, each with room for a full prefill chunk of context: every plain
-    batch up to that context can then run at once, padded, while its own bucket compiles."""
+    """Builds the engine's whole step set (or loads it from disk) before the server reports ready:
+    from then on no request waits for a compiler."""
     if state.profile.profile is ServingProfile.MAINTENANCE:
         state.prewarm = "skipped"
         log.info("prewarm skipped: serving profile is maintenance")
         return
+    from kiln.engine.warmup import build_step_set
+
     runner = state.engine.core.runner
-    shapes = runner.fallback_shapes(state.engine.config.max_num_batched_tokens)
-    # the runner belongs to the engine thread
-    state.engine.at_boundary(lambda: runner.warm(shapes, workers=os.cpu_count() or 1)).result()
+    done = state.engine.at_boundary(lambda: build_step_set(runner)).result()  # the runner belongs to the engine thread
     state.prewarm = "done"
-    log.info("prewarm: %d step buckets ready", len(shapes))
+    state.step_set = done
+    log.info("step set ready: %d executables in %.1fs (%d built, %d loaded from disk, %d refused by a correctness "
+             "gate; %d memory mappings)", done["executables"], done["seconds"], done["built"], done["loaded"],
+             done["refused_by_gate"], done["memory_mappings"])
 
 
 def preload_adapters(state: ServerState) -> bool:

@@ -28,6 +28,7 @@ class ServerState:
     jobs: Any = None  # kiln.train.jobs.JobManager
     evals: Any = None  # kiln.eval.service.EvalService
     prewarm: str = "pending"  # pending | done | skipped
+    step_set: dict | None = None  # what prewarm built: executables, built, loaded, seconds
 
     def __post_init__(self):
         self.grammars.timeout_s = self.settings.server.grammar_compile_timeout_s

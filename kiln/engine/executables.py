@@ -1,0 +1,107 @@
+"""Compiled steps kept on disk, so that a restart loads its executables instead of building them.
+
+JAX's persistent compilation cache keys an executable by its lowered program, so even a hit
+traces and lowers the step first (about 0.6 s for an unrolled 30-layer model on a small CPU).
+Kiln keys its step executables by what determines them: the step's name and bucket, the
+abstract arguments (shapes, dtypes, placement), the model configuration, the Kiln sources
+that define the computation, the JAX/XLA versions, the backend and device, the host CPU's
+features and XLA's flags. A hit deserializes the executable without tracing. Files are
+written atomically, so several processes may share one directory. The directory sits beside
+JAX's cache (`<compilation dir>/kiln-steps`); without a configured JAX cache nothing is kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import platform
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+log = logging.getLogger("kiln.engine")
+
+# the sources whose code becomes a step executable
+_SOURCES = ("models/decoder.py", "models/lora.py", "models/rope.py", "engine/sampling.py", "engine/steps.py")
+
+
+@functools.cache
+def _environment() -> str:
+    kiln_root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update(name.encode())
+        h.update((kiln_root / name).read_bytes())
+    device = jax.devices()[0]
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        cpu = platform.processor()
+    parts = (h.hexdigest(), jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+             getattr(device.client, "platform_version", ""), platform.machine(), cpu, os.environ.get("XLA_FLAGS", ""))
+    return "\n".join(map(str, parts))
+
+
+def executable_key(name: str, abstract_args, static) -> str:
+    leaves, tree = jax.tree.flatten(abstract_args)
+    described = [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]
+    text = "\n".join([_environment(), name, repr(static), str(tree), repr(described)])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class ExecutableStore:
+    """Serialized step executables in one directory (None: keep nothing)."""
+
+    def __init__(self, directory: Path | None):
+        self.directory = directory
+        self.loads = 0
+        self.saves = 0
+
+    @classmethod
+    def beside_jax_cache(cls) -> ExecutableStore:
+        cache = jax.config.jax_compilation_cache_dir
+        return cls(Path(cache) / "kiln-steps" if cache else None)
+
+    def load(self, key: str):
+        """The executable stored under `key`, or None (absent, or stored by an incompatible build)."""
+        if self.directory is None:
+            return None
+        path = self.directory / f"{key}.bin"
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        try:
+            payload, in_tree, out_tree = pickle.loads(blob)
+            executable = deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as exc:  # a stale or damaged entry is rebuilt, never fatal
+            log.warning("stored step executable %s could not be loaded (%s); compiling it again", path.name, exc)
+            return None
+        self.loads += 1
+        return executable
+
+    def save(self, key: str, executable) -> None:
+        if self.directory is None:
+            return
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            blob = pickle.dumps(serialize(executable))
+        except Exception as exc:  # a backend that cannot serialize still serves; it just compiles at start
+            log.warning("step executable could not be serialized (%s)", exc)
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, self.directory / f"{key}.bin")
+        self.saves += 1

@@ -1,0 +1,130 @@
+"""The two jitted halves of an engine step: the forward pass and the sampler.
+
+`forward_step` runs the decoder over a bucket's padded batch and returns the logits of each
+sampled row (kept on the device), the prompt logprobs where a row asked for them, and the
+updated KV state (donated: XLA updates it in place). `sample_step` turns row logits into
+tokens. They are separate executables so that the host computes grammar masks (and, later,
+the next step's inputs) while the forward pass runs, and so that one sampler per row count
+serves every forward bucket with that many rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax._src import dispatch
+
+from kiln.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampled, sample
+from kiln.models.config import ModelConfig
+from kiln.models.decoder import KVCache, StepInputs, forward_hidden, logits
+
+PROMPT_CHUNK = 64  # prompt logprobs take the vocabulary's log-softmax this many tokens at a time
+
+
+class PromptLogprobs(NamedTuple):
+    target: jax.Array  # [T] logprob of the next prompt token at each position
+    top_ids: jax.Array  # [T, K]
+    top_logprobs: jax.Array  # [T, K]
+
+
+class CompileCounter:
+    """Counts executables built by XLA vs loaded from the persistent compilation cache."""
+
+    def __init__(self):
+        self.builds = 0
+        self.cache_hits = 0
+        self.traces = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_duration(self, event, duration, **kwargs):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            self.builds += 1
+
+    def _on_event(self, event, **kwargs):
+        if event == "/jax/compilation_cache/cache_hits":
+            self.cache_hits += 1
+
+    @property
+    def compiled(self) -> int:
+        return self.builds - self.cache_hits
+
+
+COUNTER = CompileCounter()
+_trace_lock = threading.Lock()
+
+
+def _prompt_logprobs(params, hidden: jax.Array, targets: jax.Array) -> PromptLogprobs:
+    """Each position's logprob of the next prompt token and its top logprobs, a chunk of tokens
+    at a time (a whole step's vocabulary log-softmax would be hundreds of MB)."""
+    T = hidden.shape[0]
+    chunk = min(PROMPT_CHUNK, T)
+    pad = -T % chunk
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
+    t = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, chunk)
+
+    def one(args):
+        h, t = args
+        lp = jax.nn.log_softmax(logits(params, h), axis=-1)
+        target = jnp.take_along_axis(lp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
+        return target, top_ids.astype(jnp.int32), top_lp
+
+    target, top_ids, top_lp = jax.lax.map(one, (h, t))
+    K = top_ids.shape[-1]
+    return PromptLogprobs(target.reshape(-1)[:T], top_ids.reshape(-1, K)[:T], top_lp.reshape(-1, K)[:T])
+
+
+def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, cfg: ModelConfig,
+             prompt_logprobs: bool):
+    with _trace_lock:
+        COUNTER.traces += 1  # runs at trace time only
+    hidden, kv = forward_hidden(params, kv, inputs, cfg, lora)
+    with jax.named_scope("lm_head"):
+        row_logits = logits(params, hidden[last_index])
+    prompt = None
+    if prompt_logprobs:
+        T, K = hidden.shape[0], min(MAX_TOP_LOGPROBS, cfg.vocab_size)
+        none = lambda h: PromptLogprobs(jnp.zeros(T, jnp.float32), jnp.zeros((T, K), jnp.int32),  # noqa: E731
+                                        jnp.zeros((T, K), jnp.float32))
+        prompt = jax.lax.cond(jnp.any(prompt_targets >= 0), lambda h: _prompt_logprobs(params, h, prompt_targets),
+                              none, hidden)
+    return row_logits, prompt, kv
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "prompt_logprobs"), donate_argnames=("kv",))
+def forward_step(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, *, cfg: ModelConfig,
+                 prompt_logprobs: bool):
+    """Row logits [R, V] of the tokens at `last_index`, prompt logprobs (prefill steps, computed
+    only when some target is set) and the new KV state."""
+    return _forward(params, kv, inputs, last_index, prompt_targets, lora, cfg, prompt_logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
+def forward_sample_step(params, kv: KVCache, inputs: StepInputs, last_index, lora, rs: RowSampling, *,
+                        cfg: ModelConfig):
+    """Both halves in one program, for IREE routes: their modules cannot hand a fresh result to
+    another module. IREE 3.13 also runs some control flow wrongly ("transient buffer has not been
+    committed"): conditional regions holding sorts or scatters, and a data-dependent loop after
+    LoRA's per-token weights. So the sampler is the basic one (see `sample`), prompt
+    logprobs are left to `prompt_logprobs_step` on the host, and with LoRA attention reads every
+    chunk of the block table. Returns the row logits (sampled elsewhere when the basic sampler
+    cannot serve the batch), the sampled rows, the hidden states and the new KV state."""
+    with _trace_lock:
+        COUNTER.traces += 1
+    hidden, kv = forward_hidden(params, kv, inputs, cfg, lora, dynamic_context=lora is None)
+    row_logits = logits(params, hidden[last_index])
+    return row_logits, sample(row_logits, rs, basic=True), hidden, kv
+
+
+prompt_logprobs_step = jax.jit(_prompt_logprobs)
+
+
+@jax.jit
+def sample_step(row_logits: jax.Array, rs: RowSampling) -> Sampled:
+    with jax.named_scope("sampling"):
+        return sample(row_logits, rs)
