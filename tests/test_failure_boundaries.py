@@ -218,7 +218,7 @@ class StepFault:
     def arm(self, prompt_token: int, after_tokens: int = 0, take_kv: bool = False) -> None:
         self.armed = (prompt_token, after_tokens, take_kv)
 
-    def __call__(self, rows, shape):
+    def __call__(self, rows, bucket, forward):
         if self.armed is not None:
             token, after, take_kv = self.armed
             if any(token in r.prompt_ids and len(r.output_ids) >= after for r, _ in rows):
@@ -228,7 +228,7 @@ class StepFault:
                     self.runner.kv.k.delete()
                     self.runner.kv.v.delete()
                 raise jax.errors.JaxRuntimeError("INTERNAL: injected step failure")
-        return self.real_run(rows, shape)
+        return self.real_run(rows, bucket, forward)
 
 
 @contextlib.contextmanager

@@ -233,7 +233,9 @@ def test_a_batch_whose_bucket_fails_its_gate_runs_split(tiny_model, iree_cache, 
     from kiln.iree.compile import ModuleCache
 
     real = runner_module.check_bucket
-    monkeypatch.setattr(ModuleCache, "verdict", lambda *args: None)  # gate again: the injection decides
+    # gate again and keep no verdict: the injection decides, and only here
+    monkeypatch.setattr(ModuleCache, "verdict", lambda *args: None)
+    monkeypatch.setattr(ModuleCache, "record_verdict", lambda *args: None)
     monkeypatch.setattr(runner_module, "check_bucket", lambda runner, bucket, executable, lora: (
         "injected: wrong tokens" if bucket.kind == "prefill" and bucket.tokens == 32
         else real(runner, bucket, executable, lora)))

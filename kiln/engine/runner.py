@@ -405,8 +405,8 @@ class Runner:
                 forward = self._build(bucket)
             except BucketFailedGate as exc:
                 self._gate_failed(exc)
-                raise RouteCannotRun(f"step bucket {bucket.describe()} failed its correctness gate ({exc.why})"
-                                     ) from None
+                raise RouteCannotRun(f"no step bucket of the {self.route.name} route that fits this batch passed its "
+                                     f"correctness gate ({exc.why})") from None
             self._install(bucket, forward)
             self.compile_waits += 1
             log.info("built step bucket %s in %.1fs (the step waited)", bucket.describe(), time.perf_counter() - t0)
