@@ -139,7 +139,7 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "enable_prefix_caching", "bool", True, None, "reuse KV blocks of shared prefixes"),
     Key("engine", "decode_row_buckets", "list[int]", [1, 2, 4, 8, 16, 32], ascending_buckets,
         "rows of the compiled decode steps (max_num_seqs is always one)"),
-    Key("engine", "prefill_token_buckets", "list[int]", [16, 32, 64, 128, 256, 512], ascending_buckets,
+    Key("engine", "prefill_token_buckets", "list[int]", [32, 64, 128, 256, 512], ascending_buckets,
         "flattened tokens of the compiled prefill steps (max_num_batched_tokens is always one)"),
     Key("engine", "kv_events_endpoint", "str", "", None,
         "ZMQ PUB endpoint for KV events, e.g. tcp://*:5557; empty = off"),
