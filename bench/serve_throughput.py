@@ -248,7 +248,7 @@ def main():
                 mixed = [asyncio.run(served_round(url, questions(r, big), new, half_constrained=True))
                          for r in range(91, 91 + args.rounds)]
                 constrained = {k: statistics.median(r[k] for r in mixed) for k in mixed[0]}
-            waits[c] = metric(url, "kiln:step_compile_waits")
+            waits[c] = metric(url, "kiln:step_compile_waits_total")
         finally:
             stop(proc)
 

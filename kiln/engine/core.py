@@ -247,7 +247,6 @@ class EngineCore:
         }
 
     def close(self) -> None:
-        self.runner.close()
         if self.publisher:
             self.publisher.close()
 

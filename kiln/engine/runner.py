@@ -158,7 +158,8 @@ class Runner:
         self.history_len = max_model_len  # penalties see a row's whole prompt and output
         self.adjust_width = adjust_capacity(len(eos_ids))
         self.forwards: dict[StepBucket, Callable] = {}
-        self.samplers: dict[SamplerKey | PromptLogprobsKey, Callable] = {}  # the executables besides forwards
+        # samplers and (IREE routes) prompt-logprob steps: small, one per row or token count
+        self.auxiliary: dict[SamplerKey | PromptLogprobsKey, Callable] = {}
         self.store = ExecutableStore.beside_jax_cache()
         self.abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         self.compile_waits = 0  # steps that waited for their executable to compile (none once warmed)
@@ -187,7 +188,7 @@ class Runner:
     @property
     def executables(self) -> dict:
         """The built executables of the set, by forward bucket or sampler key."""
-        return {**self.forwards, **self.samplers}
+        return {**self.forwards, **self.auxiliary}
 
     @property
     def compiled(self) -> set:
@@ -223,7 +224,7 @@ class Runner:
             if isinstance(key, StepBucket):
                 self.forwards[key] = executable
             else:
-                self.samplers[key] = executable
+                self.auxiliary[key] = executable
 
     def _build(self, key, abstract=None) -> Callable:
         if isinstance(key, StepBucket):
@@ -279,9 +280,6 @@ class Runner:
         jax.clear_caches()  # JAX's own caches hold the old pool's executables too
         for bucket, executable in executables.items():
             self._install(bucket, executable)
-
-    def close(self) -> None:
-        pass
 
     # ---- buckets -----------------------------------------------------------------------------
 
@@ -412,21 +410,15 @@ class Runner:
             log.info("built step bucket %s in %.1fs (the step waited)", bucket.describe(), time.perf_counter() - t0)
         return forward
 
-    def _prompt_logprobs(self, tokens: int) -> Callable:
-        key = PromptLogprobsKey(tokens)
-        executable = self.samplers.get(key)
-        if executable is None:
+    def _auxiliary_for(self, key: SamplerKey | PromptLogprobsKey) -> Callable:
+        executable = self.auxiliary.get(key)
+        if executable is None:  # an engine that was not warmed
             executable = self._build(key)
             self._install(key, executable)
         return executable
 
     def sampler_for(self, rows: int) -> Callable:
-        key = SamplerKey(rows)
-        sampler = self.samplers.get(key)
-        if sampler is None:
-            sampler = self._build(key)
-            self._install(key, sampler)
-        return sampler
+        return self._auxiliary_for(SamplerKey(rows))
 
     # ---- inputs ------------------------------------------------------------------------------
 
@@ -584,7 +576,7 @@ class Runner:
             prompt = None
             if any(self._wants_targets(r, n) for r, n in rows):
                 hidden = self.route.device.to_host(hidden)
-                prompt = self._prompt_logprobs(bucket.tokens)(self.params, hidden, targets)
+                prompt = self._auxiliary_for(PromptLogprobsKey(bucket.tokens))(self.params, hidden, targets)
             if self._device_samples(rows):
                 return StepResult(rows, sampled, prompt, targets)
             row_logits = self.route.device.to_host(row_logits)
