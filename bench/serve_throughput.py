@@ -17,7 +17,7 @@ Phases (one at a time, so they never share the CPU):
      TTFT cold vs prefix-cache hit; then the largest concurrency with every other stream
      constrained by a JSON Schema (a string field long enough that no stream finishes early);
   4. transformers' generate on the same prompts, batch = c.
-Every server reports how many steps waited for a compile (`kiln:step_compile_waits`): 0 is the
+Every server reports how many steps waited for a compile (`kiln:step_compile_waits_total`): 0 is the
 promise of the bounded step set.
 
     python bench/serve_throughput.py [--concurrency 1,32] [--new-tokens 48] [--rounds 2] [--skip-hf] [--skip-cold]

@@ -19,6 +19,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# the engine settings of the suite's servers: a small step set (10 executables), built once per
+# model shape and then loaded by every later server of the session
+SUITE_ENGINE = {"KILN_ENGINE_DECODE_ROW_BUCKETS": "1,8", "KILN_ENGINE_PREFILL_TOKEN_BUCKETS": "16,64",
+                "KILN_ENGINE_MAX_NUM_SEQS": "8", "KILN_ENGINE_MAX_NUM_BATCHED_TOKENS": "64",
+                "KILN_ENGINE_NUM_KV_BLOCKS": "128"}
+
+
 class ServerProcess:
     def __init__(self, model_path: str, cache_dir: str, **env_overrides: str):
         self.port = free_port()
@@ -30,11 +37,7 @@ class ServerProcess:
             KILN_MODEL_PATH=model_path,
             KILN_CACHE_DIR=cache_dir,
             KILN_SERVER_PORT=str(self.port),
-            KILN_ENGINE_DECODE_ROW_BUCKETS="1,2,4,8",
-            KILN_ENGINE_PREFILL_TOKEN_BUCKETS="16,32,64",
-            KILN_ENGINE_MAX_NUM_SEQS="8",
-            KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="64",
-            KILN_ENGINE_NUM_KV_BLOCKS="128",
+            **SUITE_ENGINE,
         )
         env.update(env_overrides)
         self.proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.PIPE,
@@ -43,7 +46,7 @@ class ServerProcess:
         # drain the pipe all along: a full pipe would block the server's logging
         self._reader = threading.Thread(target=lambda: self._output.extend(self.proc.stdout), daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 600  # a first start builds its step set
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._reader.join(5)

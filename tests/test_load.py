@@ -86,7 +86,8 @@ def test_256_streams_with_disconnects_leave_nothing_behind(server):
 
     text = asyncio.run(drained())
     # the engine recorded every request once, when it ended: a hung-up one as aborted (or as
-    # finished, if it completed before the server saw the disconnect)
+    # finished, if it completed before the server saw the disconnect: a tiny model's 200 tokens
+    # take about a second, so a busy event loop lets some finish)
     length = metric(text, "vllm:request_success_total", finished_reason="length")
     aborted = metric(text, "vllm:request_success_total", finished_reason="abort")
-    assert length + aborted == CLIENTS and length >= len(completed) and aborted >= len(hang_ups) // 2
+    assert length + aborted == CLIENTS and length >= len(completed) and aborted >= len(hang_ups) // 5

@@ -31,7 +31,10 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server(kiln_cache):
-    srv = ServerProcess("", str(kiln_cache), KILN_SERVER_GRAMMAR_COMPILE_TIMEOUT_S="0.5")
+    # the default model with a small step set (8 executables): its first start builds them
+    srv = ServerProcess("", str(kiln_cache), KILN_SERVER_GRAMMAR_COMPILE_TIMEOUT_S="0.5",
+                        KILN_ENGINE_DECODE_ROW_BUCKETS="1,4", KILN_ENGINE_PREFILL_TOKEN_BUCKETS="64",
+                        KILN_ENGINE_MAX_NUM_SEQS="4", KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="64")
     yield srv
     srv.stop_cleanly()
 
