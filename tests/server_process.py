@@ -25,6 +25,10 @@ SUITE_ENGINE = {"KILN_ENGINE_DECODE_ROW_BUCKETS": "1,8", "KILN_ENGINE_PREFILL_TO
                 "KILN_ENGINE_MAX_NUM_SEQS": "8", "KILN_ENGINE_MAX_NUM_BATCHED_TOKENS": "64",
                 "KILN_ENGINE_NUM_KV_BLOCKS": "128"}
 
+# a tiny model's server compiles its steps without LLVM's optimizations, about twice as fast to build;
+# its steps are too small for their speed to matter, and no test compares them with in-process steps
+TINY_MODEL_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
 
 class ServerProcess:
     def __init__(self, model_path: str, cache_dir: str, **env_overrides: str):
@@ -39,6 +43,8 @@ class ServerProcess:
             KILN_SERVER_PORT=str(self.port),
             **SUITE_ENGINE,
         )
+        if model_path and "XLA_FLAGS" not in os.environ:
+            env["XLA_FLAGS"] = TINY_MODEL_XLA_FLAGS
         env.update(env_overrides)
         self.proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
