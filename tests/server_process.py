@@ -30,22 +30,23 @@ SUITE_ENGINE = {"KILN_ENGINE_DECODE_ROW_BUCKETS": "1,8", "KILN_ENGINE_PREFILL_TO
 TINY_MODEL_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
+def suite_env(model_path: str, cache_dir: str, **overrides: str) -> dict[str, str]:
+    """The environment of a Kiln process the suite starts: this one's without its KILN_ settings, the
+    suite's engine settings, and the tiny-model XLA flags unless XLA_FLAGS is set already."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(JAX_PLATFORMS="cpu", KILN_MODEL_PATH=model_path, KILN_CACHE_DIR=cache_dir, **SUITE_ENGINE)
+    if model_path and "XLA_FLAGS" not in os.environ:
+        env["XLA_FLAGS"] = TINY_MODEL_XLA_FLAGS
+    env.update(overrides)
+    return env
+
+
 class ServerProcess:
     def __init__(self, model_path: str, cache_dir: str, **env_overrides: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-        env.update(
-            JAX_PLATFORMS="cpu",
-            PYTHONFAULTHANDLER="1",  # a hung server dumps every thread's stack on SIGABRT
-            KILN_MODEL_PATH=model_path,
-            KILN_CACHE_DIR=cache_dir,
-            KILN_SERVER_PORT=str(self.port),
-            **SUITE_ENGINE,
-        )
-        if model_path and "XLA_FLAGS" not in os.environ:
-            env["XLA_FLAGS"] = TINY_MODEL_XLA_FLAGS
-        env.update(env_overrides)
+        env = suite_env(model_path, cache_dir, PYTHONFAULTHANDLER="1",  # a hung server dumps its stacks on SIGABRT
+                        KILN_SERVER_PORT=str(self.port), **env_overrides)
         self.proc = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
         self._output: list[str] = []

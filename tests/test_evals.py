@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from server_process import SUITE_ENGINE, TINY_MODEL_XLA_FLAGS, ServerProcess
+from server_process import ServerProcess, suite_env
 
 import kiln.eval
 from kiln.errors import InvalidRequest
@@ -310,15 +310,11 @@ def check_report_in_a_browser(url):
 
 
 def kiln_eval(tiny_model, kiln_cache, server, store, *args):
-    import os
     import subprocess
     import sys
 
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KILN_")}, "JAX_PLATFORMS": "cpu",
-           "KILN_MODEL_PATH": tiny_model.source, "KILN_CACHE_DIR": str(kiln_cache),
-           "KILN_MODEL_SERVED_MODEL_NAME": MODEL, "KILN_TRAIN_DATA_DIR": str(server.data_dir),
-           "KILN_ADAPTERS_STORE": str(store), **SUITE_ENGINE,
-           "XLA_FLAGS": TINY_MODEL_XLA_FLAGS}
+    env = suite_env(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL,
+                    KILN_TRAIN_DATA_DIR=str(server.data_dir), KILN_ADAPTERS_STORE=str(store))
     return subprocess.run([sys.executable, "-m", "kiln", "eval", *map(str, args)], env=env, capture_output=True,
                           text=True, timeout=300)
 
