@@ -9,7 +9,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import SUITE_ENGINE, ServerProcess
 
 MODEL = "tiny-llama"
 REPLY = "kiln says hi"
@@ -489,8 +489,8 @@ def test_a_job_that_does_not_fit_shrinks_the_kv_pool_and_serving_goes_on(express
     """With almost no memory budget, the plan takes the job's bytes from the KV pool: the pool
     shrinks at an iteration boundary (a stream running meanwhile keeps its blocks and its exact
     greedy tokens) and grows back after the job."""
-    srv = start(expressive_model, kiln_cache, tmp_path / "data", tmp_path / "store",
-                KILN_TRAIN_MEMORY_BUDGET_BYTES="1", KILN_ENGINE_NUM_KV_BLOCKS="1024")
+    blocks = int(SUITE_ENGINE["KILN_ENGINE_NUM_KV_BLOCKS"])  # the suite's pool: its steps are built already
+    srv = start(expressive_model, kiln_cache, tmp_path / "data", tmp_path / "store", KILN_TRAIN_MEMORY_BUDGET_BYTES="1")
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         ask = dict(model=MODEL, messages=[{"role": "user", "content": "tell me a long story"}], max_tokens=150,
@@ -499,10 +499,11 @@ def test_a_job_that_does_not_fit_shrinks_the_kv_pool_and_serving_goes_on(express
         train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
         stream = client.chat.completions.create(**ask, stream=True)
         first = next(iter(stream))  # the stream holds KV blocks when the job shrinks the pool
-        job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(3),
+        # one row per step: a job small enough that the suite's small pool can make room for it
+        job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(3, batch_size=1),
                                              extra_body={"kiln": KILN})
         resize = job.model_extra["kiln"]["plan"]["kv_resize"]
-        assert resize["from_blocks"] == 1024 and 17 <= resize["to_blocks"] < 1024
+        assert resize["from_blocks"] == blocks and 17 <= resize["to_blocks"] < blocks
         text = (first.choices[0].delta.content or "") + "".join(c.choices[0].delta.content or "" for c in stream)
         seen = set()
         while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed"):
@@ -511,11 +512,11 @@ def test_a_job_that_does_not_fit_shrinks_the_kv_pool_and_serving_goes_on(express
         assert job.status == "succeeded", job.error
         assert text == expected
         messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data]
-        assert any(m.startswith("Shrinking the KV pool from 1024") for m in messages)
-        assert "KV pool grown back to 1024 blocks" in messages
+        assert any(m.startswith(f"Shrinking the KV pool from {blocks}") for m in messages)
+        assert f"KV pool grown back to {blocks} blocks" in messages
         assert resize["to_blocks"] in seen
         kv = httpx.get(srv.url + "/v1/runtime", timeout=30).json()["memory"]["kv_pool"]
-        assert kv["blocks"] == kv["configured_blocks"] == 1024
+        assert kv["blocks"] == kv["configured_blocks"] == blocks
         assert client.chat.completions.create(**ask).choices[0].message.content == expected
     finally:
         srv.stop_cleanly()

@@ -17,8 +17,8 @@ MODEL = "tiny"
 PROMPTS = ["hello there", "The quick brown fox", "abcabcabc"]
 
 
-def serve(tiny_model, kiln_cache, route: str) -> ServerProcess:
-    return ServerProcess(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL,
+def serve(model, kiln_cache, route: str) -> ServerProcess:
+    return ServerProcess(model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL,
                          KILN_BACKEND_ROUTE=route, KILN_ENGINE_DECODE_ROW_BUCKETS="1,4",
                          KILN_ENGINE_PREFILL_TOKEN_BUCKETS="32", KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="32",
                          KILN_ENGINE_MAX_NUM_SEQS="4", KILN_ENGINE_NUM_KV_BLOCKS="32")
@@ -35,8 +35,10 @@ def completions(url: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def xla_texts(tiny_model, kiln_cache):
-    srv = serve(tiny_model, kiln_cache, "xla")
+def xla_texts(expressive_model, kiln_cache):
+    # the expressive tiny llama: its logits are far apart, so that greedy tokens are equal across
+    # backends whose float rounding differs (the default init's logits are nearly tied)
+    srv = serve(expressive_model, kiln_cache, "xla")
     try:
         yield completions(srv.url)
     finally:
@@ -44,10 +46,10 @@ def xla_texts(tiny_model, kiln_cache):
 
 
 @VULKAN
-def test_server_on_vulkan_route(tiny_model, kiln_cache, xla_texts):
+def test_server_on_vulkan_route(expressive_model, kiln_cache, xla_texts):
     """(The iree-cpu route shares all of this but the quarantine; its parity is tested on the engine.)"""
     route = "vulkan"
-    srv = serve(tiny_model, kiln_cache, route)
+    srv = serve(expressive_model, kiln_cache, route)
     try:
         assert completions(srv.url) == xla_texts
         health = httpx.get(srv.url + "/health", timeout=30).json()

@@ -55,6 +55,11 @@ def holder(api: FakeApiServer, name: str = "kiln-router") -> str | None:
     return lease["spec"].get("holderIdentity") if lease else None
 
 
+# how long a watch or status write may take to show: generous, so that a busy machine (the suite's
+# other processes) does not fail a test; a passing test waits only as long as the change takes
+SETTLE_S = 30
+
+
 async def until(predicate, timeout: float, what: str) -> float:
     """Seconds until predicate() holds (polled every 20 ms); fails after timeout."""
     start = time.monotonic()
@@ -132,7 +137,7 @@ def test_one_leader_and_a_released_lease_is_taken_at_once(api, kubeconfig):
         b.on_change.append(lambda leading: changes.append(("b", leading)))
         a.start()
         b.start()
-        await until(lambda: a.is_leader or b.is_leader, 5, "a leader")
+        await until(lambda: a.is_leader or b.is_leader, SETTLE_S, "a leader")
         await exactly_one_leader_for([a, b], 2.5)  # renewals included (every second)
         leader, follower = (a, b) if a.is_leader else (b, a)
         assert holder(api) == leader.identity and leader.leading.is_set() and not follower.leading.is_set()
@@ -156,7 +161,7 @@ def test_a_leader_that_stops_renewing_is_replaced_after_the_lease_expires(api, k
     async def main():
         a = elector(kubeconfig, "a")
         a.start()
-        await until(lambda: a.is_leader, 5, "a to lead")
+        await until(lambda: a.is_leader, SETTLE_S, "a to lead")
         b = elector(kubeconfig, "b")
         b.start()
         await exactly_one_leader_for([a, b], 1.0)
@@ -187,7 +192,7 @@ def test_a_conflicting_write_makes_the_loser_a_follower(api, kubeconfig):
 
         b.client.get = stale_get
         a.start()
-        await until(lambda: a.is_leader, 5, "a to lead")
+        await until(lambda: a.is_leader, SETTLE_S, "a to lead")
         b.start()
         await exactly_one_leader_for([a, b], 1.5)
         assert a.is_leader and not b.is_leader and holder(api) == "a"
@@ -204,7 +209,7 @@ def test_a_leader_that_sees_another_holder_or_cannot_renew_stops_leading_at_once
         seen = []
         a.on_change.append(lambda leading: seen.append((leading, holder(api))))
         a.start()
-        await until(lambda: a.is_leader, 5, "a to lead")
+        await until(lambda: a.is_leader, SETTLE_S, "a to lead")
         # another candidate took the lease (say, after a clock jump): a's next renewal sees it
         now = dt.datetime.now(dt.UTC).isoformat()
         lease = api.get(LEASES, NS, "leases", "kiln-router")
@@ -232,7 +237,7 @@ def test_the_watchdog_ends_leadership_when_a_renewal_hangs(api, kubeconfig):
     async def main():
         a = elector(kubeconfig, "a", lease_duration_s=2, renew_grace_s=1)
         a.start()
-        await until(lambda: a.is_leader, 5, "a to lead")
+        await until(lambda: a.is_leader, SETTLE_S, "a to lead")
         started = time.monotonic()
 
         async def hang(*args, **kwargs):
@@ -457,7 +462,7 @@ def test_fake_apiserver_lists_and_watches_with_lightkube(api, kubeconfig):
                     return
 
         task = asyncio.create_task(watch())
-        await until(lambda: events, 5, "the current objects, as ADDED")
+        await until(lambda: events, SETTLE_S, "the current objects, as ADDED")
         cm = await client.get(ConfigMap, "a", namespace=NS)
         cm.data = {"k": "2"}
         await client.replace(cm)
@@ -567,14 +572,14 @@ def test_discovery_follows_endpoint_slices(api, kubeconfig, caplog):
         )
         discovery.start()
         try:
-            await until(lambda: discovery.failing is not None, 5, "the first list to fail")
+            await until(lambda: discovery.failing is not None, SETTLE_S, "the first list to fail")
             ready, reasons = core.ready()
             assert not ready and "EndpointSlices of Service kiln/kiln-worker are not listed yet" in reasons[0]
             assert "cannot follow the EndpointSlices of Service kiln/kiln-worker" in caplog.text
             assert "answered 503" in caplog.text
 
             api.unavailable = False
-            await until(lambda: discovery.listed, 5, "the first list")
+            await until(lambda: discovery.listed, SETTLE_S, "the first list")
             assert core.ready() == (True, [])
             names = lambda: {w.worker_id_str for w, _ in core.workers.values()}  # noqa: E731
             assert names() == {"pod-0", "pod-1"}  # pod-2 is not ready; pod-9 is another Service's
@@ -588,7 +593,7 @@ def test_discovery_follows_endpoint_slices(api, kubeconfig, caplog):
                 "pod_ip": "127.0.0.1",
                 "availability_zone": "zone-a",
             }
-            await until(lambda: all(core.scraper.states()[n].models for n in core.workers), 5, "/v1/models")
+            await until(lambda: all(core.scraper.states()[n].models for n in core.workers), SETTLE_S, "/v1/models")
             assert await picked(core) == {"pod-0", "pod-1"}
 
             # a pod turns ready, another stops being ready, a slice goes away: picks follow
@@ -598,18 +603,18 @@ def test_discovery_follows_endpoint_slices(api, kubeconfig, caplog):
             api.put(
                 SLICES, NS, "endpointslices", endpoint_slice("kw-b", "kiln-worker", workers[1].port, ("pod-1", False))
             )
-            await until(lambda: names() == {"pod-0", "pod-2"}, 5, "pod-2 in, pod-1 out")
-            await until(lambda: all(core.scraper.states()[n].models for n in core.workers), 5, "/v1/models")
+            await until(lambda: names() == {"pod-0", "pod-2"}, SETTLE_S, "pod-2 in, pod-1 out")
+            await until(lambda: all(core.scraper.states()[n].models for n in core.workers), SETTLE_S, "/v1/models")
             assert await picked(core) == {"pod-0", "pod-2"}
             api.delete(SLICES, NS, "endpointslices", "kw-a")
-            await until(lambda: names() == {"pod-2"}, 5, "pod-0 out")
+            await until(lambda: names() == {"pod-2"}, SETTLE_S, "pod-0 out")
             assert await picked(core) == {"pod-2"}
 
             # the apiserver goes away: the workers stay, and picks go on
             caplog.clear()
             api.unavailable = True
             api.end_watches()
-            await until(lambda: discovery.failing is not None, 5, "the watch to fail")
+            await until(lambda: discovery.failing is not None, SETTLE_S, "the watch to fail")
             assert "keeping its 1 known worker(s)" in caplog.text
             assert names() == {"pod-2"} and core.ready()[0]
             assert await picked(core) == {"pod-2"}
@@ -617,14 +622,14 @@ def test_discovery_follows_endpoint_slices(api, kubeconfig, caplog):
                 SLICES, NS, "endpointslices", endpoint_slice("kw-a", "kiln-worker", workers[0].port, ("pod-0", True))
             )
             api.unavailable = False  # back: listed again
-            await until(lambda: names() == {"pod-0", "pod-2"}, 5, "the list after the outage")
+            await until(lambda: names() == {"pod-0", "pod-2"}, SETTLE_S, "the list after the outage")
             assert discovery.failing is None
 
             # a watch that expires (410) lists again, quietly
             api.compact()
             api.end_watches()
             api.delete(SLICES, NS, "endpointslices", "kw-c")
-            await until(lambda: names() == {"pod-0"}, 5, "pod-2 out after the 410")
+            await until(lambda: names() == {"pod-0"}, SETTLE_S, "pod-2 out after the 410")
             assert discovery.failing is None
         finally:
             await discovery.stop()
@@ -646,7 +651,7 @@ def test_discovery_without_rbac_says_so(api, kubeconfig, caplog):
         )
         discovery.start()
         try:
-            await until(lambda: discovery.failing is not None, 5, "the list to fail")
+            await until(lambda: discovery.failing is not None, SETTLE_S, "the list to fail")
             assert "denied by" in discovery.failing and "RBAC" in discovery.failing
             assert not core.ready()[0]
         finally:
@@ -699,17 +704,17 @@ def test_inference_worker_sets_and_status_written_by_the_leader_only(api, kubeco
         watcher.start()
         leader.start()
         try:
-            await until(lambda: watcher.listed, 5, "the InferenceWorkerSets")
+            await until(lambda: watcher.listed, SETTLE_S, "the InferenceWorkerSets")
             assert set(core.sets) == {"qwen"}  # typo and bad are skipped, theirs is not selected
             names = lambda: {w.worker_id_str for w, _ in core.workers.values()}  # noqa: E731
-            await until(lambda: names() == {"qwen-0"}, 5, "qwen's worker")
+            await until(lambda: names() == {"qwen-0"}, SETTLE_S, "qwen's worker")
             assert await picked(core, 3) == {"qwen-0"}  # modelName: served without a /v1/models poll
             await asyncio.sleep(0.5)
             assert api.status_writes == [] and not leader.is_leader  # another replica holds the Lease
 
             api.delete(LEASES, NS, "leases", "kiln-router")  # free: this replica leads, and writes
-            await until(lambda: leader.is_leader, 5, "leadership")
-            await until(lambda: len({n for _, n in api.status_writes}) == 3, 5, "three statuses")
+            await until(lambda: leader.is_leader, SETTLE_S, "leadership")
+            await until(lambda: len({n for _, n in api.status_writes}) == 3, SETTLE_S, "three statuses")
             assert api.get(CRDS, NS, "inferenceworkersets", "theirs").get("status") is None
             good = api.get(CRDS, NS, "inferenceworkersets", "qwen")["status"]
             assert good["workers"] == 1 and good["aliveWorkers"] == 1 and good["observedGeneration"] == 1
@@ -720,22 +725,23 @@ def test_inference_worker_sets_and_status_written_by_the_leader_only(api, kubeco
             assert (bad["status"], bad["reason"]) == ("False", "Invalid") and "kvBlockSize" in bad["message"]
 
             put_slice(api, "kw-qwen-2", "kw-qwen", workers[1].port, ("qwen-1", True))  # counts follow
-            await until(lambda: names() == {"qwen-0", "qwen-1"}, 5, "qwen's second worker")
-            await until(lambda: api.get(CRDS, NS, "inferenceworkersets", "qwen")["status"]["workers"] == 2, 5, "2")
+            await until(lambda: names() == {"qwen-0", "qwen-1"}, SETTLE_S, "qwen's second worker")
+            workers_seen = lambda: api.get(CRDS, NS, "inferenceworkersets", "qwen")["status"]["workers"]  # noqa: E731
+            await until(lambda: workers_seen() == 2, SETTLE_S, "2")
 
             # a fixed resource is taken; a deleted one goes
             api.put(CRDS, NS, "inferenceworkersets", worker_set_cr("typo", modelName="m", serviceName="kw-qwen"))
-            await until(lambda: "typo" in core.sets, 5, "the fixed resource")
-            await until(lambda: accepted(api, "inferenceworkersets", "typo")["status"] == "True", 5, "accepted")
+            await until(lambda: "typo" in core.sets, SETTLE_S, "the fixed resource")
+            await until(lambda: accepted(api, "inferenceworkersets", "typo")["status"] == "True", SETTLE_S, "accepted")
             api.delete(CRDS, NS, "inferenceworkersets", "qwen")
-            await until(lambda: "qwen" not in core.sets, 5, "the deleted resource's set to go")
+            await until(lambda: "qwen" not in core.sets, SETTLE_S, "the deleted resource's set to go")
             assert {e.ws.name for _, e in core.workers.values()} == {"typo"}
 
             # the Lease lost: no more writes, at once
             await leader.stop(release=False)
             written = len(api.status_writes)
             put_slice(api, "kw-qwen-2", "kw-qwen", workers[1].port, ("qwen-1", False))
-            await until(lambda: len(core.sets["typo"].workers) == 1, 5, "a worker to leave")
+            await until(lambda: len(core.sets["typo"].workers) == 1, SETTLE_S, "a worker to leave")
             await asyncio.sleep(0.5)
             assert len(api.status_writes) == written
         finally:
@@ -791,7 +797,7 @@ def test_inference_pools_restrict_picks(api, kubeconfig):
         status.start()
         pools.start()
         try:
-            await until(lambda: core.pools is not None, 5, "the pools")
+            await until(lambda: core.pools is not None, SETTLE_S, "the pools")
             assert await pick_in(core, "only-b") == {("b0", "")}
             assert {w for w, _ in await pick_in(core, "")} == {"a0"}  # mock: the first set serving m
             with pytest.raises(PickError) as e:
@@ -809,7 +815,7 @@ def test_inference_pools_restrict_picks(api, kubeconfig):
                     await pick_in(core, name)
                 assert e.value.kind == kind and "no InferencePool named" in e.value.message
             names = ("broken", "only-b", "tier-x")
-            await until(lambda: all(accepted(api, "inferencepools", n) for n in names), 5, "the pools' status")
+            await until(lambda: all(accepted(api, "inferencepools", n) for n in names), SETTLE_S, "the pools' status")
             assert accepted(api, "inferencepools", "broken")["reason"] == "Invalid"
             assert accepted(api, "inferencepools", "only-b")["status"] == "True"
             await until(
@@ -818,7 +824,7 @@ def test_inference_pools_restrict_picks(api, kubeconfig):
                 "count",
             )
             api.delete(CRDS, NS, "inferencepools", "only-b")
-            await until(lambda: ("kiln", "only-b") not in pools.pools, 5, "the deleted pool")
+            await until(lambda: ("kiln", "only-b") not in pools.pools, SETTLE_S, "the deleted pool")
             with pytest.raises(PickError):
                 await pick_in(core, "only-b")
         finally:

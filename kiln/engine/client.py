@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -119,6 +120,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # requests submitted, not yet seen by the engine thread
         self._pending_lock = threading.Lock()
+        self._deferred_lock = threading.Lock()  # one caller builds the deferred steps; others wait for them
         self._wake = threading.Event()
         self._sinks: dict[str, Sink | tuple[_Mailbox, RequestStream]] = {}  # engine thread only
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> _Mailbox; engine thread
@@ -227,8 +229,18 @@ class AsyncEngine:
 
     def place_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
         """Loads an adapter version into a slot at the next boundary (result: the slot, or
-        None while every slot serves live requests: it then loads on first use)."""
+        None while every slot serves live requests: it then loads on first use). The first one
+        after a start that deferred the LoRA steps builds them first, on this thread."""
+        self._build_deferred_steps()
         return self.at_boundary(lambda: self.core.lora_slots.place(adapter))
+
+    def _build_deferred_steps(self) -> None:
+        runner = self.core.runner
+        with self._deferred_lock:
+            while runner.deferred:
+                num_blocks, built = runner.build_deferred()  # serving goes on meanwhile
+                if self.at_boundary(functools.partial(runner.install_deferred, num_blocks, built)).result():
+                    log.info("built the %d LoRA steps for the first adapter", len(built))
 
     def retire_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
         """Unload/replace: new requests cannot select this version; requests already on it

@@ -163,6 +163,7 @@ class Runner:
         self.store = ExecutableStore.beside_jax_cache()
         self.abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         self.compile_waits = 0  # steps that waited for their executable to compile (none once warmed)
+        self.deferred: list[StepBucket] = []  # LoRA steps a start left for the first adapter to build
         self.gate_failed: dict[StepBucket, str] = {}  # IREE buckets that failed their correctness gate, and why
         self.quarantined: str | None = None  # the route an accelerator failure took out of service, and why
         self.masks = MaskFiller()
@@ -184,6 +185,29 @@ class Runner:
         if self.route.is_iree:
             keys += [PromptLogprobsKey(b.tokens) for b in self.buckets.base if b.kind == "prefill"]
         return keys
+
+    def startup_set(self, defer_lora: bool) -> list[StepBucket | SamplerKey]:
+        """What a start builds: the whole set, or on XLA routes (`defer_lora`) all but the LoRA steps,
+        which wait for the first adapter (`build_deferred`); an IREE route gates every module at start."""
+        if not defer_lora or self.route.is_iree:
+            return self.executable_set()
+        self.deferred = [b for b in self.buckets.forwards if b.lora and b not in self.forwards]
+        return [k for k in self.executable_set() if k not in self.deferred]
+
+    def build_deferred(self) -> tuple[int, dict[StepBucket, Callable]]:
+        """Builds (or loads) the steps a start deferred, for the current pool (any thread: serving goes
+        on meanwhile); returns the pool size they are for, and them, for `install_deferred`."""
+        num_blocks = self.num_blocks
+        return num_blocks, self.compile_for_pool(num_blocks, list(self.deferred))
+
+    def install_deferred(self, num_blocks: int, executables: dict[StepBucket, Callable]) -> bool:
+        """Installs what `build_deferred` built (engine thread); False when the pool was resized since."""
+        if num_blocks != self.num_blocks:
+            return False
+        for bucket, executable in executables.items():
+            self._install(bucket, executable)
+        self.deferred = []
+        return True
 
     @property
     def executables(self) -> dict:
@@ -294,12 +318,14 @@ class Runner:
         return r.params.prompt_logprobs is not None and r.num_computed + 1 < len(r.prompt_ids)
 
     def _runnable(self, rows: Rows) -> list[StepBucket]:
-        """Buckets the rows may run in now: fitting, not refused by a gate, and built unless live
-        capture may build them."""
+        """Buckets the rows may run in now: fitting, not refused by a gate, and built, smallest first.
+        Only when none is built may live capture build one (the smallest): a bigger built bucket
+        pads more but never makes the step wait for a compiler."""
         passing = [b for b in self._candidates(rows) if b not in self.gate_failed]
-        if self.config.allow_live_capture:
-            return passing
-        return [b for b in passing if b in self.forwards]
+        built = [b for b in passing if b in self.forwards]
+        if built or not self.config.allow_live_capture:
+            return built
+        return passing
 
     def fits(self, rows: Rows) -> bool:
         """Whether the rows can run as one step (the scheduler splits them when not)."""

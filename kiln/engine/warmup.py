@@ -19,15 +19,16 @@ from kiln.engine.buckets import BucketSet
 from kiln.engine.config import EngineConfig
 
 
-def build_step_set(runner, show_progress: bool = True) -> dict:
-    """Builds or loads the runner's whole step set (on the thread that owns the runner); returns
-    what it did: executables, built, loaded, seconds, memory mappings after."""
+def build_step_set(runner, show_progress: bool = True, defer_lora: bool = False) -> dict:
+    """Builds or loads the runner's whole step set, or all but its LoRA steps (`defer_lora`: the first
+    adapter builds those), on the thread that owns the runner; returns what it did: executables,
+    built, loaded, deferred, seconds, memory mappings after."""
     start = time.monotonic()
     store = runner.store
     loads, saves = store.loads, store.saves
     cache = runner.route.cache
     iree_before = (cache.compiles, cache.hits) if cache is not None else (0, 0)
-    todo = [k for k in runner.executable_set() if k not in runner.executables]
+    todo = [k for k in runner.startup_set(defer_lora) if k not in runner.executables]
     with tqdm(total=len(todo), desc="building step executables", unit="executable", file=sys.stderr,
               disable=not show_progress or not todo) as bar:
         runner.warm(todo, workers=os.cpu_count() or 1, progress=lambda key: bar.update())
@@ -36,7 +37,7 @@ def build_step_set(runner, show_progress: bool = True) -> dict:
         built += cache.compiles - iree_before[0]
         loaded += cache.hits - iree_before[1]
     return {"executables": len(runner.executables), "set": len(runner.executable_set()), "built": built,
-            "loaded": loaded, "refused_by_gate": len(runner.gate_failed),
+            "loaded": loaded, "deferred": len(runner.deferred), "refused_by_gate": len(runner.gate_failed),
             "seconds": round(time.monotonic() - start, 1), "memory_mappings": runner.mapped_regions()}
 
 
