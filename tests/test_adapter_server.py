@@ -52,7 +52,10 @@ def greedy(client, model, n=8, prompt=PROMPT):
 
 
 def test_load_select_list_unload_and_reload_from_the_store(server, client, adapters, tiny_model):
-    r = httpx.post(server.url + "/v1/adapters", json={"name": "sql", "path": str(adapters["sql"][0])}, timeout=60)
+    # the start left its LoRA steps (2 decode and 2 prefill buckets) for the first adapter load
+    assert httpx.get(server.url + "/v1/config").json()["step_set"]["startup"]["deferred"] == 4
+    r = httpx.post(server.url + "/v1/adapters", json={"name": "sql", "path": str(adapters["sql"][0])},
+                   timeout=600)  # builds the LoRA steps first
     assert r.status_code == 200, r.text
     loaded = r.json()
     assert loaded["name"] == "sql" and loaded["rank"] == 4 and loaded["manifest_digest"].startswith("sha256:")
@@ -73,6 +76,7 @@ def test_load_select_list_unload_and_reload_from_the_store(server, client, adapt
     assert chunks[-1].model == "sql" and chunks[-1].model_extra["kiln"]["lineage"]["adapter"] == "sql"
 
     metrics = httpx.get(server.url + "/metrics").text
+    assert f'kiln:step_compile_waits_total{{model_name="{MODEL}"}} 0.0' in metrics  # built before the load returned
     assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
     assert f'kiln:lora_slots_used{{model_name="{MODEL}"}} 1.0' in metrics
     assert "kiln:writer_operations_total" in metrics

@@ -1,6 +1,7 @@
 """The engine end to end on a tiny model: batching, prefix cache, preemption, sampling, stops."""
 
 import asyncio
+import os
 import random
 
 import numpy as np
@@ -220,7 +221,8 @@ def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
         (_, _, last), = run(eng, [prompt], greedy)
         assert last.finish_reason == "error" and isinstance(last.error, GraphCaptureDisabled)
         runner = eng.core.runner
-        eng.at_boundary(runner.warm).result()
+        # what a server start builds: the plain steps and samplers (the LoRA steps wait for an adapter)
+        eng.at_boundary(lambda: runner.warm(runner.startup_set(defer_lora=True), workers=os.cpu_count() or 1)).result()
         compiled = set(runner.compiled)
         outs = run(eng, prompts_of(3, seed=17, lo=10, hi=30), greedy)  # mixed batches split into warm buckets
         assert all(o[2].finish_reason == "length" for o in outs)

@@ -735,7 +735,8 @@ def test_inference_worker_sets_and_status_written_by_the_leader_only(api, kubeco
             await until(lambda: accepted(api, "inferenceworkersets", "typo")["status"] == "True", SETTLE_S, "accepted")
             api.delete(CRDS, NS, "inferenceworkersets", "qwen")
             await until(lambda: "qwen" not in core.sets, SETTLE_S, "the deleted resource's set to go")
-            assert {e.ws.name for _, e in core.workers.values()} == {"typo"}
+            sets_served = lambda: {e.ws.name for _, e in core.workers.values()}  # noqa: E731
+            await until(lambda: sets_served() == {"typo"}, SETTLE_S, "the workers to follow the fixed resource")
 
             # the Lease lost: no more writes, at once
             await leader.stop(release=False)

@@ -99,7 +99,7 @@ def default_engine(kiln_cache):
 
 
 @pytest.mark.slow
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=SCHEMAS, pattern=REGEXES, sampling=SAMPLING)
 def test_the_default_model_follows_random_schemas_and_regexes(default_engine, schema, pattern, sampling):
     tok = default_engine.core.model.tokenizer

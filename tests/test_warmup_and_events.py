@@ -2,36 +2,21 @@
 engine publishes its prefix-cache blocks as vLLM-format KV events over ZMQ."""
 
 import asyncio
-import os
 import re
 import subprocess
 import sys
 
 import msgpack
 import zmq
+from server_process import suite_env
 
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.sampling import SamplingParams
 
 
-def _env(tmp_path, model_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    env.update(
-        KILN_MODEL_PATH=str(model_path),
-        KILN_CACHE_DIR=str(tmp_path / "cache"),
-        KILN_ENGINE_DECODE_ROW_BUCKETS="1,4",
-        KILN_ENGINE_PREFILL_TOKEN_BUCKETS="16,32",
-        KILN_ENGINE_MAX_NUM_SEQS="4",
-        KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="32",
-        KILN_ENGINE_NUM_KV_BLOCKS="64",
-        JAX_PLATFORMS="cpu",
-    )
-    return env
-
-
 def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
-    env = _env(tmp_path, tiny_model.source)
+    env = suite_env(str(tiny_model.source), str(tmp_path / "cache"))  # a cache of its own: the first run builds
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-m", "kiln", "warmup"], env=env, capture_output=True, text=True,

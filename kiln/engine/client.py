@@ -237,6 +237,8 @@ class AsyncEngine:
     def _build_deferred_steps(self) -> None:
         runner = self.core.runner
         with self._deferred_lock:
+            if runner.deferred and runner.route.is_iree:  # gates run modules on the device: not beside steps
+                self.at_boundary(lambda: runner.install_deferred(*runner.build_deferred())).result()
             while runner.deferred:
                 num_blocks, built = runner.build_deferred()  # serving goes on meanwhile
                 if self.at_boundary(functools.partial(runner.install_deferred, num_blocks, built)).result():

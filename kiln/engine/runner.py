@@ -187,9 +187,9 @@ class Runner:
         return keys
 
     def startup_set(self, defer_lora: bool) -> list[StepBucket | SamplerKey]:
-        """What a start builds: the whole set, or on XLA routes (`defer_lora`) all but the LoRA steps,
-        which wait for the first adapter (`build_deferred`); an IREE route gates every module at start."""
-        if not defer_lora or self.route.is_iree:
+        """What a start builds: the whole set, or (`defer_lora`) all but the LoRA steps, which wait for
+        the first adapter (`build_deferred`)."""
+        if not defer_lora:
             return self.executable_set()
         self.deferred = [b for b in self.buckets.forwards if b.lora and b not in self.forwards]
         return [k for k in self.executable_set() if k not in self.deferred]
@@ -197,15 +197,23 @@ class Runner:
     def build_deferred(self) -> tuple[int, dict[StepBucket, Callable]]:
         """Builds (or loads) the steps a start deferred, for the current pool (any thread: serving goes
         on meanwhile); returns the pool size they are for, and them, for `install_deferred`."""
-        num_blocks = self.num_blocks
-        return num_blocks, self.compile_for_pool(num_blocks, list(self.deferred))
+        num_blocks, abstract, built = self.num_blocks, self.abstract, {}
+        for bucket in list(self.deferred):
+            try:
+                built[bucket] = self._compile_forward(bucket, abstract, gate=True)  # IREE: gated as at start
+            except BucketFailedGate as exc:
+                built[bucket] = exc
+        return num_blocks, built
 
-    def install_deferred(self, num_blocks: int, executables: dict[StepBucket, Callable]) -> bool:
+    def install_deferred(self, num_blocks: int, built: dict[StepBucket, Callable | BucketFailedGate]) -> bool:
         """Installs what `build_deferred` built (engine thread); False when the pool was resized since."""
         if num_blocks != self.num_blocks:
             return False
-        for bucket, executable in executables.items():
-            self._install(bucket, executable)
+        for bucket, executable in built.items():
+            if isinstance(executable, BucketFailedGate):
+                self._gate_failed(executable)
+            else:
+                self._install(bucket, executable)
         self.deferred = []
         return True
 
@@ -372,15 +380,16 @@ class Runner:
                             np.zeros((NT, self.table_columns), np.int32))
         return inputs, np.zeros(bucket.rows, np.int32), np.full(T, -1, np.int32)
 
-    def _compile_forward(self, bucket: StepBucket, abstract=None) -> Callable:
-        """The forward executable of one bucket (any thread): loaded from disk, else compiled (and kept)."""
+    def _compile_forward(self, bucket: StepBucket, abstract=None, gate: bool | None = None) -> Callable:
+        """The forward executable of one bucket (any thread): loaded from disk, else compiled (and kept).
+        An IREE module is gated for the serving pool (`gate`, default: when `abstract` is not given)."""
         params, kv = abstract or self.abstract
         inputs, last_index, targets = self.padding_inputs(bucket)
         lora = self._lora_abstract(bucket)
         args = (params, kv, inputs, last_index, targets, lora)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
         if self.route.is_iree:
-            return self._compile_iree_forward(bucket, args, check=abstract is None)
+            return self._compile_iree_forward(bucket, args, check=abstract is None if gate is None else gate)
         return self._compile_xla("forward", forward_step, args, static, bucket)
 
     def _sampler_args(self, rows: int) -> tuple:
