@@ -237,12 +237,13 @@ class AsyncEngine:
     def _build_deferred_steps(self) -> None:
         runner = self.core.runner
         with self._deferred_lock:
-            if runner.deferred and runner.route.is_iree:  # gates run modules on the device: not beside steps
-                self.at_boundary(lambda: runner.install_deferred(*runner.build_deferred())).result()
             while runner.deferred:
-                num_blocks, built = runner.build_deferred()  # serving goes on meanwhile
-                if self.at_boundary(functools.partial(runner.install_deferred, num_blocks, built)).result():
-                    log.info("built the %d LoRA steps for the first adapter", len(built))
+                if runner.route.is_iree:  # its gates run modules on the device: not beside serving steps
+                    build = lambda: runner.install_deferred(*runner.build_deferred())  # noqa: E731
+                else:  # built here while serving goes on, installed at a boundary
+                    build = functools.partial(runner.install_deferred, *runner.build_deferred())
+                if self.at_boundary(build).result():
+                    log.info("built the LoRA steps for the first adapter")
 
     def retire_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
         """Unload/replace: new requests cannot select this version; requests already on it

@@ -187,8 +187,8 @@ class Runner:
         return keys
 
     def startup_set(self, defer_lora: bool) -> list[StepBucket | SamplerKey]:
-        """What a start builds: the whole set, or (`defer_lora`) all but the LoRA steps, which wait for
-        the first adapter (`build_deferred`)."""
+        """What a start builds: the whole set, or (`defer_lora`) all but the LoRA steps, which it records
+        in `deferred` for the first adapter to build (`build_deferred`)."""
         if not defer_lora:
             return self.executable_set()
         self.deferred = [b for b in self.buckets.forwards if b.lora and b not in self.forwards]
@@ -200,7 +200,7 @@ class Runner:
         num_blocks, abstract, built = self.num_blocks, self.abstract, {}
         for bucket in list(self.deferred):
             try:
-                built[bucket] = self._compile_forward(bucket, abstract, gate=True)  # IREE: gated as at start
+                built[bucket] = self._compile_forward(bucket, abstract)  # IREE: gated as at start
             except BucketFailedGate as exc:
                 built[bucket] = exc
         return num_blocks, built
@@ -258,9 +258,9 @@ class Runner:
             else:
                 self.auxiliary[key] = executable
 
-    def _build(self, key, abstract=None) -> Callable:
+    def _build(self, key) -> Callable:
         if isinstance(key, StepBucket):
-            return self._compile_forward(key, abstract)
+            return self._compile_forward(key)
         if isinstance(key, PromptLogprobsKey):
             hidden = jax.ShapeDtypeStruct((key.tokens, self.cfg.hidden_size), jnp.float32)
             targets = jax.ShapeDtypeStruct((key.tokens,), jnp.int32)
@@ -284,7 +284,8 @@ class Runner:
         params, kv = self.abstract
         kv = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0], a.shape[1], num_blocks, *a.shape[3:]), a.dtype,
                                                          sharding=a.sharding), kv)
-        return {b: self._compile_forward(b, (params, kv)) for b in buckets}
+        # no gate: it checks a module against the serving pool, which this one is not for yet
+        return {b: self._compile_forward(b, (params, kv), gate=False) for b in buckets}
 
     def resize_kv(self, num_blocks: int, moves: dict[int, int], executables: dict[StepBucket, Callable]) -> None:
         """Gives the KV pool `num_blocks` blocks (engine thread, under writer ownership): the moved
@@ -380,16 +381,16 @@ class Runner:
                             np.zeros((NT, self.table_columns), np.int32))
         return inputs, np.zeros(bucket.rows, np.int32), np.full(T, -1, np.int32)
 
-    def _compile_forward(self, bucket: StepBucket, abstract=None, gate: bool | None = None) -> Callable:
+    def _compile_forward(self, bucket: StepBucket, abstract=None, gate: bool = True) -> Callable:
         """The forward executable of one bucket (any thread): loaded from disk, else compiled (and kept).
-        An IREE module is gated for the serving pool (`gate`, default: when `abstract` is not given)."""
+        An IREE module is checked by its correctness gate first (`gate`)."""
         params, kv = abstract or self.abstract
         inputs, last_index, targets = self.padding_inputs(bucket)
         lora = self._lora_abstract(bucket)
         args = (params, kv, inputs, last_index, targets, lora)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
         if self.route.is_iree:
-            return self._compile_iree_forward(bucket, args, check=abstract is None if gate is None else gate)
+            return self._compile_iree_forward(bucket, args, check=gate)
         return self._compile_xla("forward", forward_step, args, static, bucket)
 
     def _sampler_args(self, rows: int) -> tuple:
