@@ -12,17 +12,9 @@ import pytest
 
 pytest.importorskip("iree.runtime")
 
-from kiln.iree.device import IreeDevice, RouteUnavailable  # noqa: E402
+from test_iree_route import VULKAN  # noqa: E402
 
 KILN = Path(__file__).resolve().parent.parent / "kiln"
-
-
-def vulkan_available() -> bool:
-    try:
-        IreeDevice("vulkan")
-        return True
-    except RouteUnavailable:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +74,7 @@ def test_iree_cpu_qualifies_and_writes_a_receipt(tiny_model, cache, tmp_path):
     assert 0 <= buckets["max_kv_error"] <= buckets["tolerances"]["kv_relative"]
 
 
-@pytest.mark.skipif(not vulkan_available(), reason="no Vulkan driver (apt-get install mesa-vulkan-drivers)")
+@VULKAN
 def test_vulkan_qualifies_on_this_device(tiny_model, cache, tmp_path):
     data = tmp_path / "data"
     out = kiln_qualify(_env(cache, data), "--route", "vulkan", "--model", tiny_model.source, "--tokens", 3,

@@ -165,9 +165,9 @@ def select_route(requested: str, cache_dir: Path, model_dtype: str = "float32",
     vulkan = capabilities
     if vulkan is None:
         try:
-            from kiln.iree.device import IreeDevice
+            from kiln.iree.device import probe
 
-            vulkan = IreeDevice("vulkan").capabilities.to_json()
+            vulkan = probe("vulkan").to_json()
         except RouteUnavailable as exc:
             return StepRoute(RouteChoice("xla", f"auto: XLA on the CPU; no Vulkan route ({exc})", xla, {}))
     if vulkan["device_type"] != "gpu":

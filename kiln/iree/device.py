@@ -85,28 +85,36 @@ def _host_memory() -> int:
         return 0
 
 
+def probe(route: str) -> DeviceCapabilities:
+    """The capabilities of a route's first device, read from its driver without opening it. Opening a
+    device starts its driver's queue threads (lavapipe's poll without pause), so a probe that decides
+    against the route must leave them unstarted."""
+    rt = import_runtime()
+    driver_name = ROUTE_DRIVERS[route]
+    if driver_name not in rt.query_available_drivers():
+        raise RouteUnavailable(f"route {route}: IREE has no {driver_name} driver in this build")
+    try:
+        driver = rt.get_driver(driver_name)
+        found = driver.query_available_devices()
+    except Exception as exc:  # the driver loads but finds no loader/ICD
+        raise RouteUnavailable(f"route {route}: the {driver_name} driver cannot start ({exc}); "
+                               + _install_hint(route)) from exc
+    if not found:
+        raise RouteUnavailable(f"route {route}: no {driver_name} device found; " + _install_hint(route))
+    return parse_device_info(route, driver.dump_device_info(found[0]["device_id"]), _host_memory())
+
+
 class IreeDevice:
     """One opened IREE device with its runtime configuration."""
 
     def __init__(self, route: str):
-        rt = import_runtime()
-        self.rt = rt
+        self.capabilities = probe(route)
+        self.rt = import_runtime()
         self.route = route
         self.driver_name = ROUTE_DRIVERS[route]
-        if self.driver_name not in rt.query_available_drivers():
-            raise RouteUnavailable(f"route {route}: IREE has no {self.driver_name} driver in this build")
-        try:
-            driver = rt.get_driver(self.driver_name)
-            found = driver.query_available_devices()
-        except Exception as exc:  # the driver loads but finds no loader/ICD
-            raise RouteUnavailable(f"route {route}: the {self.driver_name} driver cannot start ({exc}); "
-                                   + _install_hint(route)) from exc
-        if not found:
-            raise RouteUnavailable(f"route {route}: no {self.driver_name} device found; " + _install_hint(route))
-        info = driver.dump_device_info(found[0]["device_id"])
-        self.capabilities = parse_device_info(route, info, _host_memory())
-        self.config = rt.Config(self.driver_name)
-        self.device = self.config.device
+        # an uncached device: it closes, and its driver threads stop, once this object and its modules go
+        self.device = self.rt.get_driver(self.driver_name).create_device_by_uri(self.driver_name)
+        self.config = self.rt.Config(device=self.device)
         self._lock = threading.Lock()
         self.uploaded_bytes = 0  # host -> device, all time
         self.downloaded_bytes = 0  # device -> host, all time
