@@ -37,12 +37,17 @@ class ResidentArrays:
             copy = self.device.upload(np.asarray(array))
             with self._lock:
                 self._copies[key] = copy
-            weakref.finalize(array, self._drop, key)
+            # through a weak reference: the model's weights outlive a route, and a finalizer holding
+            # this object would keep the route's device (and its driver threads) open with them
+            weakref.finalize(array, ResidentArrays._drop, weakref.ref(self), key)
         return copy
 
-    def _drop(self, key: int) -> None:
-        with self._lock:
-            self._copies.pop(key, None)
+    @staticmethod
+    def _drop(ref: weakref.ref, key: int) -> None:
+        self = ref()
+        if self is not None:
+            with self._lock:
+                self._copies.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:

@@ -25,7 +25,6 @@ ready (`RouterCore.not_ready`), unless `gates_readiness` is off (an InferenceWor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,7 +35,7 @@ from lightkube.resources.discovery_v1 import EndpointSlice
 
 from kiln.router.config import DiscoveryDefaults, Worker
 from kiln.router.core import WorkerMeta
-from kiln.router.k8s import describe_error
+from kiln.router.k8s import describe_error, stop_api_task
 
 if TYPE_CHECKING:
     from kiln.router.core import RouterCore
@@ -117,9 +116,7 @@ class EndpointSliceDiscovery:
     async def stop(self) -> None:
         """Stop watching; the workers stay with the core (removing the worker set removes them)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_api_task(self._task)
             self._task = None
         self.core.not_ready.pop(self._ready_key, None)
 

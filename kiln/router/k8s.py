@@ -7,6 +7,8 @@ Leader election (leader.py) and TokenReview (token_review.py) share one client.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +20,10 @@ from kiln.router.config import SERVICE_ACCOUNT_TOKEN
 
 # Each API call gives up after this long; callers with a tighter deadline wrap calls in their own.
 REQUEST_TIMEOUT_S = 10.0
+# how long stopping a task that talks to the API server waits for it to end after its cancel
+STOP_TIMEOUT_S = 5.0
+
+log = logging.getLogger("kiln.router")
 
 
 class KubernetesError(Exception):
@@ -90,3 +96,13 @@ def describe_error(error: BaseException, client: AsyncClient | None = None) -> s
     if isinstance(error, httpx2.HTTPError | OSError):
         return f"cannot reach {where}: {type(error).__name__}: {error}"
     return f"Kubernetes API call failed: {type(error).__name__}: {error}"
+
+
+async def stop_api_task(task: asyncio.Task, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Cancels a task that talks to the API server and waits for it to end, at most `timeout_s`:
+    closing a cancelled watch stream can wait on a connection that never answers, and a stop
+    (a shutdown, a removed worker set) must not wait with it."""
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        log.warning("%s did not end within %.0f s of its cancel; left to end on its own", task.get_name(), timeout_s)

@@ -39,7 +39,7 @@ from pydantic import ValidationError
 
 from kiln.router.config import RouterConfig, WorkerSet
 from kiln.router.discovery import RETRY_S, WATCH_TIMEOUT_S, EndpointSliceDiscovery, PortNames
-from kiln.router.k8s import describe_error
+from kiln.router.k8s import describe_error, stop_api_task
 from kiln.router.selectors import Matcher, match_expressions, parse_selector
 
 if TYPE_CHECKING:
@@ -117,9 +117,7 @@ class StatusWriter:
     async def _end(self) -> None:
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_api_task(task)
 
     def set(
         self,
@@ -223,9 +221,7 @@ class _Follower:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_api_task(self._task)
             self._task = None
         self.core.not_ready.pop(self.what, None)
 
