@@ -57,7 +57,9 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._reader.join(5)
-                raise RuntimeError(f"server exited early:\n{''.join(self._output)[-4000:]}")
+                # without nanobind's leak report, which IREE's bindings print at exit and would fill the tail
+                said = "".join(line for line in self._output if not line.lstrip(" -").startswith(("leaked", "nanobind")))
+                raise RuntimeError(f"server exited early:\n{said[-4000:]}")
             try:
                 httpx.get(self.url + "/health", timeout=2)  # any answer: up (maintenance answers 503)
                 return
