@@ -58,7 +58,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 self._reader.join(5)
                 # without nanobind's leak report, which IREE's bindings print at exit and would fill the tail
-                said = "".join(line for line in self._output if not line.lstrip(" -").startswith(("leaked", "nanobind")))
+                said = "".join(line for line in self._output
+                               if not line.lstrip(" -").startswith(("leaked", "nanobind")))
                 raise RuntimeError(f"server exited early:\n{said[-4000:]}")
             try:
                 httpx.get(self.url + "/health", timeout=2)  # any answer: up (maintenance answers 503)
