@@ -3,6 +3,7 @@ on the tiny model: same greedy tokens, same sampled tokens for a seed, KV reside
 prefix-reuse quarantine on Vulkan, module cache, and route selection from capabilities."""
 
 import asyncio
+import gc
 import os
 import random
 import subprocess
@@ -62,12 +63,22 @@ def iree_cache(kiln_cache):
     return kiln_cache / "iree"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def close_devices():
+    """Collects the module's routes when it ends: an open device holds its memory (lavapipe's is the
+    host's) and, on lavapipe, two polling threads, and the engines' reference cycles wait for a collection."""
+    yield
+    gc.collect()
+
+
 @pytest.fixture(scope="module", params=ROUTES)
 def iree_engine(request, tiny_model, iree_cache):
     route = select_route(request.param, iree_cache)
     eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
     yield eng
     eng.shutdown()
+    del eng, route
+    gc.collect()
 
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), [100, 101, 102]]
