@@ -133,10 +133,10 @@ def run_gates(route: StepRoute) -> dict[str, bool]:
 def open_iree(route: str, cache_dir: Path) -> StepRoute:
     """Opens an IREE route's device and runs its gates; RouteUnavailable if it cannot run here."""
     from kiln.iree.compile import ModuleCache, compiler_version
-    from kiln.iree.device import IreeDevice
+    from kiln.iree.device import open_device
 
     compiler_version()  # the compiler is part of the route: fail now, not at the first step
-    device = IreeDevice(route)
+    device = open_device(route)
     opened = StepRoute(RouteChoice(route, "", device.capabilities.to_json(), {}), device, ModuleCache(cache_dir))
     opened.choice = dataclasses.replace(opened.choice, gates=run_gates(opened))
     return opened

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
+import weakref
 
 import numpy as np
 
@@ -170,3 +171,18 @@ def _install_hint(route: str) -> str:
         return ("install a Vulkan driver and loader (for a software device: apt-get install mesa-vulkan-drivers "
                 "libvulkan1)")
     return "reinstall Kiln's vulkan extra: pip install 'kiln[vulkan]'"
+
+
+_open_devices: weakref.WeakValueDictionary[str, IreeDevice] = weakref.WeakValueDictionary()
+_open_lock = threading.Lock()
+
+
+def open_device(route: str) -> IreeDevice:
+    """The route's device open in this process, opened if none is. One at a time: a second lavapipe
+    device beside an open one lost its queue (VK_ERROR_DEVICE_LOST). Unlike IREE's own device cache,
+    the device closes once no route uses it."""
+    with _open_lock:
+        device = _open_devices.get(route)
+        if device is None:
+            device = _open_devices[route] = IreeDevice(route)
+        return device
