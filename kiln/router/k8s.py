@@ -106,3 +106,5 @@ async def stop_api_task(task: asyncio.Task, timeout_s: float = STOP_TIMEOUT_S) -
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
         log.warning("%s did not end within %.0f s of its cancel; left to end on its own", task.get_name(), timeout_s)
+    elif not task.cancelled():
+        task.result()  # what the task ended with, raised as awaiting it would
