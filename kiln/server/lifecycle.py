@@ -23,7 +23,7 @@ log = logging.getLogger("kiln.server")
 
 def start_prewarm(settings: Settings, engine) -> concurrent.futures.Future | None:
     """Starts building the engine's step set (or loading it from disk) on the engine thread, so the
-    rest of the start (adapters, jobs, evals, the grammar tokenizer) runs beside it; `finish_prewarm`
+    rest of the start (adapter registry, jobs, evals, the grammar tokenizer) runs beside it; `finish_prewarm`
     waits for it before the server reports ready: from then on no request waits for a compiler. The
     LoRA steps are left for the first adapter load to build, before it returns: a server that never
     serves an adapter starts in about half the time. None under maintenance (nothing is built)."""
