@@ -68,11 +68,11 @@ class Recorder:
         self.compile_s = 0.0
         self.compiles = 0
         self.gate_s = 0.0
-        execute, compile_ = self.runner.execute, self.runner._build
+        dispatch, compile_ = self.runner.dispatch, self.runner._build
 
-        def recorded_execute(batch):
+        def recorded_dispatch(batch, feed=None):
             self.steps.append((batch.kind, len(batch.rows), time.perf_counter(), *self.route.bytes_moved()))
-            return execute(batch)
+            return dispatch(batch, feed)
 
         def recorded_compile(*args, **kwargs):
             t0 = time.perf_counter()
@@ -82,7 +82,7 @@ class Recorder:
                 self.compile_s += time.perf_counter() - t0
                 self.compiles += 1
 
-        self.runner.execute = recorded_execute
+        self.runner.dispatch = recorded_dispatch
         self.runner._build = recorded_compile
 
 

@@ -3,6 +3,7 @@ and transformers on the same weights."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import statistics
@@ -19,6 +20,7 @@ from kiln.engine.buckets import StepBucket
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.sampling import RowSampling, SamplingParams
+from kiln.engine.steps import TokenFeed
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import matmul
@@ -79,12 +81,21 @@ def matmul_chain(cfg: ModelConfig, rows: int, dtype=jnp.float32) -> Callable[[],
     return lambda: chain(weights, head, x).block_until_ready()
 
 
+def first_layers(model, layers: int):
+    """The model cut to its first `layers` layers: the same step with less device work per token (a
+    step of a few milliseconds on a CPU, the size of a small model's step on an accelerator)."""
+    params = dict(model.params)
+    params["layers"] = params["layers"][:layers] if isinstance(params["layers"], list) else \
+        jax.tree.map(lambda x: x[:layers], params["layers"])
+    return dataclasses.replace(model, config=dataclasses.replace(model.config, num_layers=layers), params=params)
+
+
 def decoding_core(model, rows: int, context: int, **config) -> EngineCore:
     """An EngineCore with `rows` requests each decoding at about `context` tokens of context."""
     core = EngineCore(model, EngineConfig(**{"num_kv_blocks": 2048, "max_num_seqs": max(rows, 1),
                                              "decode_row_buckets": (1, 2, 4, 8, 16, 32, 64), **config}))
     prompts = chat_prompts(model.tokenizer, rows)
-    greedy = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         for req in core.make_requests(f"r{i}", (p * (context // len(p) + 1))[: context - 4], greedy):
             core.add_request(req)
@@ -92,6 +103,7 @@ def decoding_core(model, rows: int, context: int, **config) -> EngineCore:
         core.step()
     while min(r.num_tokens for r in core.scheduler.running) < context:
         core.step()
+    core.flush()  # nothing in flight
     return core
 
 
@@ -105,7 +117,8 @@ def decode_step_args(core: EngineCore) -> tuple[StepBucket, tuple, RowSampling]:
     work = [RowWork([r.all_ids[r.num_computed - 1]], r.num_computed - 1, r.block_ids) for r, _ in rows]
     inputs = build_step_inputs(work, runner.block_size, num_tokens=bucket.tokens, num_tiles=bucket.tiles,
                                tile_size=bucket.tile_size, table_columns=runner.table_columns)
-    return bucket, (inputs, np.arange(bucket.rows, dtype=np.int32), np.full(bucket.tokens, -1, np.int32), None), \
+    feed = TokenFeed(np.zeros(runner.feed_rows, np.int32), np.full(bucket.tokens, -1, np.int32))
+    return bucket, (inputs, np.arange(bucket.rows, dtype=np.int32), np.full(bucket.tokens, -1, np.int32), None, feed), \
         runner.sampling_arrays(rows, bucket.rows)
 
 
@@ -118,9 +131,50 @@ def bare_step(core: EngineCore) -> tuple[Callable[[], None], StepBucket]:
 
     def run():
         row_logits, _, runner.kv = forward(runner.params, runner.kv, *args)
-        np.asarray(sampler(row_logits, rs).tokens)
+        np.asarray(sampler(row_logits, rs)[0].tokens)
 
     return run, bucket
+
+
+def engine_step_times(core: EngineCore, blocks: int = 5, steps: int = 8) -> dict[str, float]:
+    """Seconds per decode step of the core's running rows: the bare step (device time only), the
+    engine's step (`EngineCore.step` in a row, flushed at the end: with async scheduling each step's
+    host work overlaps the one before on the device), what the engine adds to the bare step (the
+    median of block-by-block differences: blocks of each alternate, so noise hits both alike), and
+    the host's work per engine step (its wall time less the wait for the device's results)."""
+    run, _ = bare_step(core)
+    fetch, waits = core.runner.fetch, []
+
+    def timed_fetch(pending):
+        t0 = time.perf_counter()
+        try:
+            return fetch(pending)
+        finally:
+            waits.append(time.perf_counter() - t0)
+
+    core.runner.fetch = timed_fetch
+    run(), core.step(), core.flush()  # untimed first calls
+    bare, engine, host = [], [], []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            run()
+        bare.append((time.perf_counter() - t0) / steps)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        core.flush()
+        engine.append((time.perf_counter() - t0) / steps)
+        for _ in range(steps):
+            waits.clear()
+            t0 = time.perf_counter()
+            core.step()
+            host.append(time.perf_counter() - t0 - sum(waits))
+        core.flush()
+    core.runner.fetch = fetch
+    return {"bare": statistics.median(bare), "engine": statistics.median(engine),
+            "added": statistics.median(e - b for e, b in zip(engine, bare, strict=True)),
+            "host": statistics.median(host)}
 
 
 def load_transformers():

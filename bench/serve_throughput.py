@@ -6,7 +6,8 @@ Phases (one at a time, so they never share the CPU):
      mid-generation context, and (for the largest) a plain jitted chain of the same matmuls: the
      matmul peak; prefill of 32 short chat prompts through the engine against a chain at prefill
      shapes, as a fraction of that peak (FLOPs per token times tokens, over time); the host time
-     an engine decode step adds to the bare step;
+     of an engine decode step, and how much of it the device step does not hide, with async
+     scheduling on and off, for the model and for its first two layers (an accelerator-sized step);
   2. startup: `python -m kiln.server` on an empty executable cache (cold: the step set is built)
      and again on the filled one (warm: loaded), each timed until /health says ready;
   3. for each concurrency c, a freshly started server: the first round of c streaming chat
@@ -41,6 +42,8 @@ from common import (
     bare_step,
     chat_prompts,
     decoding_core,
+    engine_step_times,
+    first_layers,
     hf_generate,
     load_transformers,
     matmul_chain,
@@ -165,14 +168,18 @@ def prefill_fraction(model, n: int = 32) -> tuple[float, float, float]:
     return flops / seconds / 1e9, peak / 1e9, seconds
 
 
-def host_time(model, rows: int, context: int) -> tuple[float, float]:
-    """(bare decode step, engine step) seconds at `rows` rows: the engine adds scheduling, inputs,
-    detokenizing and the update."""
-    core = decoding_core(model, rows, context)
-    run, _ = bare_step(core)
-    t = timed({"bare": run, "engine": core.step}, 10)
-    core.close()
-    return t["bare"], t["engine"]
+def host_time(model, rows: int, context: int) -> dict[tuple[int, str], dict[str, float]]:
+    """A `rows`-row decode step inside the engine against the bare step, with async scheduling on and
+    off (the engine adds scheduling, inputs, detokenizing and the update: `engine_step_times`), for the
+    model and for its first two layers (a step of a few milliseconds: an accelerator's step size)."""
+    times = {}
+    for layers in (model.config.num_layers, 2):
+        cut = model if layers == model.config.num_layers else first_layers(model, layers)
+        for mode in ("on", "off"):
+            core = decoding_core(cut, rows, context, async_scheduling=mode)
+            times[layers, mode] = engine_step_times(core)
+            core.close()
+    return times
 
 
 def served(args, c: int, new: int, url: str) -> dict:
@@ -221,7 +228,7 @@ def main():
         del core, run
     print(f"  bare step measured at {context} tokens of context", flush=True)
     prefill_gflops, prefill_peak, prefill_s = prefill_fraction(model, 32)
-    bare_s, engine_s = host_time(model, big, context)
+    steps = host_time(model, big, context)
     print("  prefill and host time measured", flush=True)
 
     starts = {}
@@ -283,8 +290,12 @@ def main():
           f"{fraction:.0%} of a plain jitted chain of the same matmuls")
     print(f"prefill of 32 short chat prompts: {prefill_s:.2f}s, {prefill_gflops:.1f} GFLOP/s = "
           f"{prefill_gflops / prefill_peak:.0%} of the matmul peak at prefill shapes ({prefill_peak:.1f} GFLOP/s)")
-    print(f"host time of a {big}-row decode step: {(engine_s - bare_s) * 1e3:.1f} ms beyond the bare step's "
-          f"{bare_s * 1e3:.1f} ms (none of it overlapped with the device step)")
+    for layers in (model.config.num_layers, 2):
+        on, off = steps[layers, "on"], steps[layers, "off"]
+        print(f"host time of a {big}-row decode step ({layers} layers): {on['host'] * 1e3:.1f} ms; not hidden behind "
+              f"the device step: {on['added'] * 1e3:.1f} ms with async scheduling on (engine step "
+              f"{on['engine'] * 1e3:.1f} ms vs bare {on['bare'] * 1e3:.1f} ms), {off['added'] * 1e3:.1f} ms with it "
+              f"off (engine step {off['engine'] * 1e3:.1f} ms vs bare {off['bare'] * 1e3:.1f} ms)")
     for name, (ready, info) in starts.items():
         print(f"{name} start: ready in {ready:.1f}s; step set {info['executables']} executables, "
               f"{info['built']} built, {info['loaded']} loaded, in {info['seconds']:.1f}s; "

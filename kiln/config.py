@@ -137,6 +137,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "max_num_batched_tokens", "int", 512, at_least(1), "token budget per step"),
     Key("engine", "max_model_len", "int", 0, at_least(0), "context limit; 0 = derive from the model"),
     Key("engine", "enable_prefix_caching", "bool", True, None, "reuse KV blocks of shared prefixes"),
+    Key("engine", "async_scheduling", "str", "auto", one_of("auto", "on", "off"),
+        "plan and lay out each step while the previous one runs; auto = when the host's work is worth hiding"),
     Key("engine", "decode_row_buckets", "list[int]", [1, 2, 4, 8, 16, 32], ascending_buckets,
         "rows of the compiled decode steps (max_num_seqs is always one)"),
     Key("engine", "prefill_token_buckets", "list[int]", [32, 64, 128, 256, 512], ascending_buckets,

@@ -22,7 +22,7 @@ SMALL = dict(block_size=16, decode_row_buckets=(1, 2, 4, 8), prefill_token_bucke
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, async_scheduling="on", **SMALL))
     yield eng
     eng.shutdown()
 
@@ -292,3 +292,78 @@ def test_kv_pool_shrink_waits_while_requests_hold_too_many_blocks(tiny_model):
     with pytest.raises(ValueError):
         core.resize_kv(4)  # cannot hold one max_model_len sequence
     core.close()
+
+
+def _async_workload(core, grammar):
+    """Requests of every kind the engine plans ahead for or not, arriving over the first steps of
+    `core`, run to the end; returns each request's deltas (tokens, text, logprobs, finish) by id."""
+    prompts = prompts_of(9, seed=40, lo=5, hi=70)
+    kinds = [
+        SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=5, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=6, stop=["a", "b"]),
+        SamplingParams(max_tokens=9, temperature=0.0, logprobs=3, prompt_logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.7, seed=7, min_tokens=6, stop_token_ids=[40, 41, 42, 43]),
+        SamplingParams(max_tokens=11, temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5,
+                       ignore_eos=True),  # penalties: the engine waits for its tokens on the host
+        SamplingParams(max_tokens=16, temperature=0.0, grammar=grammar),  # a grammar: the same
+        SamplingParams(max_tokens=1, temperature=0.0),
+        SamplingParams(max_tokens=25, temperature=1.0, seed=8, top_k=20, ignore_eos=True),
+    ]
+    seen: dict[str, list] = {}
+    step = 0
+    while step < 4 or core.has_work():
+        if step < len(prompts):  # one new request per step, the rest running
+            for req in core.make_requests(f"r{step}", prompts[step], kinds[step]):
+                core.add_request(req)
+        for d in core.step():
+            lps = [(lp.token_id, round(lp.logprob, 4), [(t, round(v, 4)) for t, v in lp.top])
+                   for lp in d.logprobs or []]
+            seen.setdefault(d.request_id, []).append((d.token_ids, d.text, lps, d.finish_reason, d.usage))
+        step += 1
+    return seen
+
+
+def test_async_scheduling_gives_the_tokens_sync_scheduling_gives(tiny_model):
+    """Planning each step while the one before runs (rows taking their last token from the step in
+    flight on the device) changes no request's tokens, text, logprobs, finish or usage: greedy, seeded
+    sampling with n=2, stop strings, min_tokens with stop ids, logprobs and prompt logprobs, penalties
+    and a grammar (which wait for their tokens on the host), a one-token request, and preemption in a
+    pool too small for all of them. Every block comes back."""
+    from kiln.engine.core import EngineCore
+    from kiln.engine.grammar import GrammarSpec
+
+    runs = {}
+    for mode in ("on", "off"):
+        core = EngineCore(tiny_model, EngineConfig(num_kv_blocks=24, async_scheduling=mode, **SMALL))
+        grammar = core.grammars.compile(GrammarSpec("regex", "[a-f]{3,12}"))
+        runs[mode] = _async_workload(core, grammar), core.steps_ahead, core.scheduler.stats.preemptions
+        assert core.pool.num_free == core.pool.num_blocks and not core.scheduler.requests
+        core.close()
+    (on, ahead, preempted), (off, not_ahead, _) = runs["on"], runs["off"]
+    assert ahead > 10 and not_ahead == 0  # it did plan ahead, and only when on
+    assert preempted > 0  # the pool was too small: requests were preempted and recomputed
+    assert on.keys() == off.keys() and len(on) == 10
+    for rid in off:
+        assert on[rid] == off[rid], rid
+
+
+def test_step_clock_plans_ahead_only_where_the_host_work_is_worth_hiding():
+    from kiln.engine.buckets import StepBucket
+    from kiln.engine.pacing import StepClock
+
+    decode, prefill = StepBucket("decode", 32, 32, 1, 32), StepBucket("prefill", 512, 32, 32, 32)
+    clock = StepClock("auto")
+    assert not clock.runs_ahead(decode)  # nothing measured yet: it measures a step first
+    clock.host(0.004)
+    clock.fetched(decode, dispatched_at=10.0, waited_from=10.001, done=10.021, was_ready=False)
+    assert clock.device_s[decode] == pytest.approx(0.021) and clock.runs_ahead(decode)  # 4 ms of 21
+    # a prefill queued behind that decode step: its device time starts when the decode step ended
+    clock.fetched(prefill, dispatched_at=10.005, waited_from=10.03, done=10.321, was_ready=False)
+    assert clock.device_s[prefill] == pytest.approx(0.3) and not clock.runs_ahead(prefill)  # 4 ms of 300
+    clock.fetched(decode, dispatched_at=11.0, waited_from=11.5, done=11.5, was_ready=True)  # no sample
+    assert clock.device_s[decode] == pytest.approx(0.021)
+    for t in range(20, 50):  # the step slows down: the moving average follows
+        clock.fetched(decode, dispatched_at=t, waited_from=t, done=t + 0.2, was_ready=False)
+    assert not clock.runs_ahead(decode)
+    assert StepClock("on").runs_ahead(prefill) and not StepClock("off").runs_ahead(decode)

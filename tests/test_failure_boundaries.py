@@ -66,11 +66,10 @@ def test_only_clearly_fatal_runtime_errors_are_device_loss(message, lost):
     assert is_device_loss(DeviceLost("gone"))
 
 
-def test_injector_raises_after_n_successful_steps():
+def test_injector_raises_after_n_dispatched_steps():
     never, after_two = DeviceLossInjector(0), DeviceLossInjector(2)
     for _ in range(2):
         never.before_step(), after_two.before_step()
-        never.step_succeeded(), after_two.step_succeeded()
     never.before_step()
     with pytest.raises(jax.errors.JaxRuntimeError, match="DEVICE_LOST") as exc:
         after_two.before_step()
@@ -210,15 +209,15 @@ class StepFault:
     `take_kv`, the failure also consumes the (donated) KV state."""
 
     def __init__(self, runner):
-        self.runner, self.real_run = runner, runner._run
+        self.runner, self.real_launch = runner, runner._launch
         self.armed: tuple[int, int, bool] | None = None
         self.fired = 0
-        runner._run = self
+        runner._launch = self
 
     def arm(self, prompt_token: int, after_tokens: int = 0, take_kv: bool = False) -> None:
         self.armed = (prompt_token, after_tokens, take_kv)
 
-    def __call__(self, rows, bucket, forward):
+    def __call__(self, rows, bucket, forward, feed):
         if self.armed is not None:
             token, after, take_kv = self.armed
             if any(token in r.prompt_ids and len(r.output_ids) >= after for r, _ in rows):
@@ -228,7 +227,7 @@ class StepFault:
                     self.runner.kv.k.delete()
                     self.runner.kv.v.delete()
                 raise jax.errors.JaxRuntimeError("INTERNAL: injected step failure")
-        return self.real_run(rows, bucket, forward)
+        return self.real_launch(rows, bucket, forward, feed)
 
 
 @contextlib.contextmanager

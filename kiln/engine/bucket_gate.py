@@ -78,7 +78,7 @@ def measure_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> dict
 
     rows = gate_batch(runner, bucket)
     inputs = _layout(runner, bucket, rows)
-    _, last_index, targets = runner.padding_inputs(bucket)
+    _, last_index, targets, _ = runner.padding_inputs(bucket)
     last_index[: len(rows)] = np.cumsum([len(r.tokens) for r in rows]) - 1
     # Only the blocks the rows use hold random K/V, and XLA's reference runs on a pool of just those
     # (renumbered 1..n; block 0 takes padding writes): the bucket's own executable needs a pool of
@@ -100,7 +100,7 @@ def measure_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> dict
     lora = None if lora is None else jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), lora)
     static = {"cfg": runner.cfg, "prompt_logprobs": False}
     want_logits, _, want_kv = forward_step(runner.params, KVCache(*map(jnp.asarray, compact_kv)), compact_inputs,
-                                           last_index, targets, lora, **static)
+                                           last_index, targets, lora, None, **static)
     want = (np.asarray(want_logits), [np.asarray(x)[:, :, 1:] for x in want_kv])
     result = {"rows": len(rows), "tokens_equal": True, "max_logprob_error": 0.0, "max_k_error": 0.0,
               "max_v_error": 0.0, "why": None}

@@ -327,6 +327,7 @@ class AsyncEngine:
                 self._dispatch(self.core.abort(item[1]))
             elif kind == "call":
                 _, fn, future = item
+                self._dispatch(self.core.flush())  # a boundary: no step is in flight while fn runs
                 try:
                     self.core.check_device()
                     result = fn()

@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = _default("engine.max_num_batched_tokens")
     max_model_len: int = _default("engine.max_model_len")  # 0: min(model's positions, pool capacity)
     enable_prefix_caching: bool = _default("engine.enable_prefix_caching")
+    async_scheduling: str = _default("engine.async_scheduling")  # auto | on | off
     decode_row_buckets: tuple[int, ...] = _default("engine.decode_row_buckets")
     prefill_token_buckets: tuple[int, ...] = _default("engine.prefill_token_buckets")
     kv_events_endpoint: str = _default("engine.kv_events_endpoint")
@@ -39,7 +40,8 @@ class EngineConfig:
         return cls(
             num_kv_blocks=e.num_kv_blocks, block_size=e.block_size, max_num_seqs=e.max_num_seqs,
             max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
-            enable_prefix_caching=e.enable_prefix_caching, decode_row_buckets=tuple(e.decode_row_buckets),
+            enable_prefix_caching=e.enable_prefix_caching, async_scheduling=e.async_scheduling,
+            decode_row_buckets=tuple(e.decode_row_buckets),
             prefill_token_buckets=tuple(e.prefill_token_buckets), kv_events_endpoint=e.kv_events_endpoint,
             kv_events_replay_endpoint=e.kv_events_replay_endpoint, kv_events_encoding=e.kv_events_encoding,
             seed=e.seed, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,

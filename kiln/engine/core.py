@@ -4,6 +4,16 @@ It holds the block pool, the scheduler, the runner, the LoRA slots and accelerat
 ownership, and is driven by one thread at a time: the async client's engine thread when
 serving, or a caller's own loop (benchmarks, trainers' rollouts, tests).
 
+With async scheduling (vLLM v1's), a step's batch stays in flight on the device when `step()`
+returns: the next `step()` plans and dispatches the following batch first, then applies the
+results of the one in flight while the new one runs, so the host's work (scheduling, laying out
+inputs, detokenizing, stop checks) hides behind the device's. A row whose last token the step in
+flight is still sampling takes it from that step's sampler on the device. It runs where it pays
+(`engine.async_scheduling`, see pacing.py). The engine waits for the results before planning
+when a row needs its token on the host first (grammars, penalties, a thinking budget), when
+planning would preempt a request in flight, and at every iteration boundary (`flush`): writers,
+adapter transitions and KV resizes never see a step in flight.
+
 A step failure fails that step's requests only; on an IREE route it also quarantines the route
 (later steps run on XLA, see Runner._quarantine_route). Device loss (DeviceLost, raised by the runner)
 is terminal: every request ends with it, their blocks are freed, and from then on `step` and
@@ -12,8 +22,10 @@ is terminal: every request ends with it, their blocks are freed, and from then o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
+import time
 
 from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import EngineConfig
@@ -22,15 +34,24 @@ from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
 from kiln.engine.ownership import Ownership
+from kiln.engine.pacing import StepClock
 from kiln.engine.request import Request
 from kiln.engine.routes import XLA, StepRoute
-from kiln.engine.runner import Runner, StepResult
+from kiln.engine.runner import PendingStep, Runner
 from kiln.engine.sampling import SamplingParams
-from kiln.engine.scheduler import Scheduler, StepFailure, StepPlan
+from kiln.engine.scheduler import Batch, Scheduler, StepFailure
 from kiln.errors import DeviceLost, InvalidRequest
 from kiln.models.loader import LoadedModel
 
 log = logging.getLogger("kiln.engine")
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched batch whose results are not applied yet (it holds an inference share of ownership)."""
+
+    batch: Batch
+    pending: PendingStep
 
 
 class EngineCore:
@@ -68,7 +89,12 @@ class EngineCore:
                                    fits=self.runner.fits, on_finish=self._on_finish,
                                    resident_prefill=self.resident_prefill)
         self.grammars = GrammarCompiler(model.tokenizer, cfg.vocab_size, self.eos_ids)
+        self.inflight: InFlight | None = None
+        self.clock = StepClock(config.async_scheduling)
+        self._waited = 0.0  # seconds this step() waited for the device
+        self._carried: list[Delta] = []  # deltas of a step completed at a boundary, handed out by the next step()
         self.steps = 0
+        self.steps_ahead = 0  # steps dispatched while the step before them still ran
         self.step_failures = 0  # batches that failed (their requests ended with an error)
         self.device_lost: DeviceLost | None = None  # set once, for the life of the process
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
@@ -119,49 +145,124 @@ class EngineCore:
         return self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None or bool(self._carried)
 
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[Delta]:
         """One iteration; on device loss, the final (failed) deltas of every request."""
         self.check_device()
-        plan = self.scheduler.schedule()
+        started, self._waited = time.monotonic(), 0.0
+        outputs, self._carried = self._carried, []
         try:
-            results = self.execute(plan)
+            if self.inflight is not None and not self.scheduler.runs_ahead(self.inflight.batch):
+                outputs += self._complete()
+            plan = self.scheduler.schedule(ahead=self.inflight is not None)
+            if plan is None:  # it would preempt a request whose step is in flight
+                outputs += self._complete()
+                plan = self.scheduler.schedule()
+            outputs += plan.finished
+            feed = self.inflight.pending.feed if self.inflight is not None else None
+            launched = False
+            for batch in plan.batches:
+                if self.inflight is not None and not self._stays_in_flight(self.inflight):
+                    outputs += self._complete()  # an earlier batch of this plan
+                batch = batch.live()  # rows whose request an earlier step's results ended drop out
+                if batch is not None:
+                    outputs += self._launch(batch, feed)
+                    launched = True
+            if self.inflight is not None and not (launched and self._stays_in_flight(self.inflight)):
+                outputs += self._complete()
         except DeviceLost as exc:
-            return plan.finished + self.lose_device(exc)
-        return self.update_from_output(plan, results)
+            return outputs + self.lose_device(exc)
+        self.clock.host(time.monotonic() - started - self._waited)
+        return outputs
+
+    def _stays_in_flight(self, flight: InFlight) -> bool:
+        """Whether the next step is planned while this one runs (async scheduling, where it pays: see
+        pacing.py); an IREE route runs each step to its results."""
+        return not self.runner.route.is_iree and self.clock.runs_ahead(flight.pending.bucket)
+
+    def _launch(self, batch: Batch, feed) -> list[Delta]:
+        """Dispatches one batch under accelerator ownership, then applies the results of the step
+        in flight before it (while this one runs); this one stays in flight. Returns the deltas."""
+        outputs = []
+        if not self.ownership.begin_inference(wait=self.inflight is None):
+            outputs += self._complete()  # a writer waits: it gets the accelerator at this boundary
+            self.ownership.begin_inference()
+        try:
+            pending = self.runner.dispatch(batch, feed)
+        except BaseException:
+            self.ownership.end_inference()
+            raise
+        self.steps += 1
+        if self.runner.quarantined and self.resident_prefill:  # resident prefill was the failed route's
+            self.resident_prefill = self.scheduler.resident_prefill = False
+        if isinstance(pending, StepFailure):
+            self.ownership.end_inference()
+            outputs += self._complete()  # results apply in dispatch order
+            return outputs + self._apply(batch, pending)
+        self.scheduler.commit(batch)
+        previous, self.inflight = self.inflight, InFlight(batch, pending)
+        if previous is not None:
+            self.steps_ahead += 1
+            outputs += self._finish(previous)
+        return outputs
+
+    def _complete(self) -> list[Delta]:
+        """Waits for the step in flight (if any) and applies its results."""
+        flight, self.inflight = self.inflight, None
+        return self._finish(flight) if flight is not None else []
+
+    def _finish(self, flight: InFlight) -> list[Delta]:
+        pending = flight.pending
+        was_ready, waited_from = pending.ready(), time.monotonic()
+        try:
+            result = self.runner.fetch(pending)
+        finally:
+            self.ownership.end_inference()
+        done = time.monotonic()
+        self._waited += done - waited_from
+        self.clock.fetched(pending.bucket, pending.dispatched_at, waited_from, done, was_ready)
+        return self._apply(flight.batch, result)
+
+    def _apply(self, batch: Batch, result) -> list[Delta]:
+        self.step_failures += isinstance(result, StepFailure) and not result.retry
+        outputs = self.scheduler.update_from_batch(batch, result)
+        if isinstance(result, StepFailure) and result.kv_lost:
+            # a step dispatched after it ran on the lost KV state; its requests recompute (reset above)
+            self._discard_inflight()
+        self._publish_events()
+        return outputs
+
+    def _discard_inflight(self) -> None:
+        if self.inflight is not None:
+            self.inflight = None
+            self.ownership.end_inference()
+
+    def flush(self) -> list[Delta]:
+        """An iteration boundary: waits for the step in flight and applies it. Returns the deltas
+        not handed out yet (a caller that drives `step()` gets them from its next call otherwise)."""
+        self._settle()
+        outputs, self._carried = self._carried, []
+        return outputs
+
+    def _settle(self) -> None:
+        """Nothing in flight from here on; the deltas wait for the next `step()` or `flush()`."""
+        if self.inflight is not None:
+            try:
+                self._carried += self._complete()
+            except DeviceLost as exc:
+                self._carried += self.lose_device(exc)
 
     def lose_device(self, exc: DeviceLost) -> list[Delta]:
         """The device is gone: ends every request with `exc` (freeing its blocks and slot) and
         refuses all work from now on. Returns the requests' final deltas."""
         log.critical("device lost: %s; every request fails until the process restarts", exc.message)
         self.device_lost = exc
+        self._discard_inflight()
         outputs = [self.scheduler.finish(req, "error", exc) for req in list(self.scheduler.requests.values())]
         self._events = []  # nothing is published about a KV state that no longer exists
-        return outputs
-
-    def execute(self, plan: StepPlan) -> list[StepResult | StepFailure | None]:
-        """Runs each planned batch as one inference step under accelerator ownership (writers
-        waiting get the accelerator between steps). After a failure that lost the KV state,
-        the remaining batches are not run (None)."""
-        results: list[StepResult | StepFailure | None] = []
-        for batch in plan.batches:
-            if any(isinstance(r, StepFailure) and r.kv_lost for r in results):
-                results.append(None)
-                continue
-            with self.ownership.inference():
-                results.append(self.runner.execute(batch))
-            self.steps += 1
-            self.step_failures += isinstance(results[-1], StepFailure) and not results[-1].retry
-            if self.runner.quarantined and self.resident_prefill:  # resident prefill was the failed route's
-                self.resident_prefill = self.scheduler.resident_prefill = False
-        return results
-
-    def update_from_output(self, plan: StepPlan, results: list[StepResult | StepFailure | None]) -> list[Delta]:
-        outputs = self.scheduler.update_from_output(plan, results)
-        self._publish_events()
         return outputs
 
     def _publish_events(self) -> None:
@@ -185,6 +286,7 @@ class EngineCore:
         (`Runner.compile_for_pool`); without them the buckets compile on first use."""
         if num_blocks < self.min_kv_blocks:
             raise ValueError(f"a KV pool of {num_blocks} blocks cannot hold one {self.max_model_len}-token sequence")
+        self._settle()
         current = len(self.pool.blocks)
         if num_blocks == current:
             return True
@@ -234,6 +336,7 @@ class EngineCore:
             "waiting_adapters": sorted({r.adapter_name for r in sched.waiting if r.adapter_name}),
             "writer_operations": self.ownership.writes,
             "steps": self.steps,
+            "steps_ahead": self.steps_ahead,
             "compiled_steps": len(self.runner.executables),
             "step_set_size": len(self.runner.executable_set()),
             "compile_waits": self.runner.compile_waits,

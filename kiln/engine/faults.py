@@ -58,18 +58,16 @@ def as_device_lost(exc: BaseException) -> DeviceLost:
 
 
 class DeviceLossInjector:
-    """`[debug] inject_device_loss_after_steps`: after `after` successful steps, the next step
+    """`[debug] inject_device_loss_after_steps`: after `after` dispatched steps, the next step
     (and every one after it) raises the runtime error a lost device raises. 0 never does."""
 
     def __init__(self, after: int):
         self.after = after
-        self.succeeded = 0
-
-    def step_succeeded(self) -> None:
-        self.succeeded += 1
+        self.dispatched = 0
 
     def before_step(self) -> None:
-        if self.after and self.succeeded >= self.after:
+        if self.after and self.dispatched >= self.after:
             raise jax.errors.JaxRuntimeError(
-                f"INTERNAL: DEVICE_LOST: injected by [debug] inject_device_loss_after_steps after {self.succeeded} "
+                f"INTERNAL: DEVICE_LOST: injected by [debug] inject_device_loss_after_steps after {self.dispatched} "
                 "steps")
+        self.dispatched += 1

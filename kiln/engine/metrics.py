@@ -55,6 +55,9 @@ class _SnapshotCollector:
                            "Steps that waited for their executable to compile (none once the set is warm)",
                            s["compile_waits"])
         yield self._family(CounterMetricFamily, "kiln:engine_steps", "Jitted steps executed", s["steps"])
+        yield self._family(CounterMetricFamily, "kiln:engine_steps_ahead",
+                           "Steps dispatched while the step before them still ran (async scheduling)",
+                           s["steps_ahead"])
         yield self._family(CounterMetricFamily, "kiln:step_failures",
                            "Batches whose step failed (their requests ended with an error)", s["step_failures"])
         yield self._family(GaugeMetricFamily, "kiln:device_lost",

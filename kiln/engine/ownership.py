@@ -5,6 +5,11 @@ Inference steps are readers; writers are operations that change accelerator stat
 exclusive and have priority: once a writer waits, no new inference step starts, so the
 writer gets the accelerator at the next iteration boundary; inference resumes when no
 writer is waiting or active. A step therefore never sees a half-applied write.
+
+An inference step is held from its dispatch until its results are on the host, which with async
+scheduling spans the planning of the next step. A write made by the thread that holds such a
+step (the engine thread loading an adapter into a slot while planning) does not wait for it: the
+step in flight reads the slot arrays it was dispatched with, and the write makes new ones.
 """
 
 from __future__ import annotations
@@ -19,34 +24,53 @@ class Ownership:
     def __init__(self):
         self._cond = threading.Condition()
         self._steps = 0  # inference steps in progress
+        self._held: dict[int, int] = {}  # of those, by the thread that holds them
         self._writer: str | None = None
         self._waiting: list[str] = []
         self.writes = 0
         self.write_wait_s = 0.0  # total time writers waited for a boundary
         self.write_hold_s = 0.0  # total time writers held the accelerator
 
+    def begin_inference(self, wait: bool = True) -> bool:
+        """One inference step starts (held until `end_inference`, while it is on the device); it waits
+        while any writer is active or waiting, or with `wait=False` returns False instead."""
+        with self._cond:
+            while self._writer is not None or self._waiting:
+                if not wait:
+                    return False
+                self._cond.wait()
+            self._steps += 1
+            me = threading.get_ident()
+            self._held[me] = self._held.get(me, 0) + 1
+            return True
+
+    def end_inference(self) -> None:
+        with self._cond:
+            self._steps -= 1
+            me = threading.get_ident()
+            self._held[me] -= 1
+            if not self._held[me]:
+                del self._held[me]
+            self._cond.notify_all()
+
     @contextlib.contextmanager
     def inference(self) -> Iterator[None]:
         """Held around one inference step; waits while any writer is active or waiting."""
-        with self._cond:
-            while self._writer is not None or self._waiting:
-                self._cond.wait()
-            self._steps += 1
+        self.begin_inference()
         try:
             yield
         finally:
-            with self._cond:
-                self._steps -= 1
-                self._cond.notify_all()
+            self.end_inference()
 
     @contextlib.contextmanager
     def write(self, what: str) -> Iterator[None]:
-        """Exclusive accelerator access for a writer; never call it while holding `inference`."""
+        """Exclusive accelerator access for a writer: it waits for the inference steps other threads hold."""
         t0 = time.monotonic()
         with self._cond:
             self._waiting.append(what)
+            own = self._held.get(threading.get_ident(), 0)
             try:
-                while self._writer is not None or self._steps:
+                while self._writer is not None or self._steps > own:
                     self._cond.wait()
             finally:
                 self._waiting.remove(what)

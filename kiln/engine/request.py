@@ -59,6 +59,10 @@ class Request:
     status: Status = Status.WAITING
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    # dispatched steps whose results are not applied yet (async scheduling, see EngineCore.step):
+    num_inflight: int = 0  # tokens they compute
+    num_pending: int = 0  # tokens they sample (appended when their results are applied)
+    feed_row: int = 0  # the sampler row of the latest dispatched step that samples this request's next token
     block_ids: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # of full, cached blocks
     num_cached_prompt_tokens: int = 0
@@ -79,6 +83,21 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens computed or being computed: where the next step's tokens start."""
+        return self.num_computed + self.num_inflight
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens known or being sampled by a dispatched step."""
+        return self.num_tokens + self.num_pending
+
+    @property
+    def num_output_ahead(self) -> int:
+        """Output tokens known or being sampled: the index of the next token a step samples."""
+        return len(self.output_ids) + self.num_pending
 
     @property
     def adapter_name(self) -> str | None:

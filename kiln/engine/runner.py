@@ -1,17 +1,22 @@
 """Runner: executes one planned batch as one step of the bounded executable set, and owns the KV state.
 
-It lays the batch out in the smallest step bucket that fits it (see buckets.py), runs that
+It lays the batch out in the smallest step bucket that fits it (see buckets.py), dispatches that
 bucket's forward executable, computes grammar masks on the host while the forward pass runs,
-then runs the sampler of the bucket's row count. It never splits or reorders what the scheduler
-planned. The whole set is built (or loaded from disk, see executables.py) by `warm` before a
-server reports ready: Kiln's graph capture. An engine used without warming (tests, scripts)
-builds a step's executable the first time it needs it, which only live capture allows; when the
-serving profile forbids it, nothing new compiles: a batch runs in a built bucket that fits or
-fails with GraphCaptureDisabled (`fits` tells the scheduler beforehand).
+then dispatches the sampler of the bucket's row count (`dispatch`); `fetch` brings the sampled
+rows to the host. Between the two the host is free: the engine plans and lays out the next step
+while this one runs, whose rows may take their last token from this step's sampler on the device
+(a `TokenFeed`). It never splits or reorders what the scheduler planned.
+
+The whole set is built (or loaded from disk, see executables.py) by `warm` before a server
+reports ready: Kiln's graph capture. An engine used without warming (tests, scripts) builds a
+step's executable the first time it needs it, which only live capture allows; when the serving
+profile forbids it, nothing new compiles: a batch runs in a built bucket that fits or fails with
+GraphCaptureDisabled (`fits` tells the scheduler beforehand).
 
 A failed step fails only its own rows (RequestFailed, code accelerator_error); one that took
-the donated KV state with it is recovered here (`reset_kv`) and the scheduler then recomputes
-the running requests. An error that means the device itself is gone (see faults.py) is raised
+the donated KV state with it (any failure found when its results are fetched: the steps
+dispatched after it ran on that state too) is recovered here (`reset_kv`) and the scheduler
+then recomputes the running requests. An error that means the device itself is gone (see faults.py) is raised
 as DeviceLost instead: nothing runs on this process's accelerator again.
 """
 
@@ -44,6 +49,7 @@ from kiln.engine.scheduler import Batch, Rows, StepFailure
 from kiln.engine.steps import (
     COUNTER,
     PromptLogprobs,
+    TokenFeed,
     forward_sample_step,
     forward_step,
     prompt_logprobs_step,
@@ -55,7 +61,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, StepInputs, init_kv_cache, table_width
 from kiln.models.lora import module_shapes
 
-__all__ = ["COUNTER", "Runner", "SamplerKey", "StepBucket", "StepResult"]
+__all__ = ["COUNTER", "PendingStep", "Runner", "SamplerKey", "StepBucket", "StepResult"]
 
 log = logging.getLogger("kiln.engine")
 
@@ -102,9 +108,10 @@ class SamplerKey:
 
 class StepResult:
     """One executed batch, on the host: each row's sampled token and, for rows that asked,
-    the logprobs of their prompt tokens."""
+    the logprobs of their prompt tokens. `starts`: each row's first position in the step."""
 
-    def __init__(self, rows: Rows, sampled: Sampled, prompt: PromptLogprobs | None, targets: np.ndarray):
+    def __init__(self, rows: Rows, sampled: Sampled, prompt: PromptLogprobs | None, targets: np.ndarray,
+                 starts: list[int]):
         self.tokens, self.logprobs = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
         want_top = any(r.params.logprobs for r, _ in rows)
         self.top_ids = np.asarray(sampled.top_ids) if want_top else None
@@ -114,8 +121,7 @@ class StepResult:
         self.prompt = tuple(np.asarray(x) for x in prompt) if want_prompt else None
         self.targets = targets
         self.offsets = np.cumsum([0] + [n for _, n in rows])
-        # positions are read now: the scheduler advances the requests after this step
-        self.starts = [r.num_computed for r, _ in rows]
+        self.starts = starts
 
     def token(self, i: int) -> tuple[int, float, list[tuple[int, float]]]:
         k = self.rows[i][0].params.logprobs or 0
@@ -135,6 +141,27 @@ class StepResult:
                 pos = self.starts[i] + (t - self.offsets[i]) + 1
                 out.append((pos, TokenLogprob(int(self.targets[t]), float(target[t]), top)))
         return out
+
+
+class PendingStep:
+    """A dispatched step: its sampled rows (and prompt logprobs) may still be computing on the device.
+    `feed`: its sampled tokens as the next step's feed (None where a route samples on the host)."""
+
+    def __init__(self, bucket: StepBucket, rows: Rows, sampled: Sampled, prompt: PromptLogprobs | None,
+                 targets: np.ndarray, feed: jax.Array | None):
+        self.bucket, self.rows, self.sampled, self.prompt, self.targets = bucket, rows, sampled, prompt, targets
+        self.feed = feed
+        self.starts = [r.num_scheduled for r, _ in rows]  # read now: the engine commits the rows after dispatch
+        self.dispatched_at = time.monotonic()
+
+    def ready(self) -> bool:
+        """Whether the results are already computed (fetching them would not wait)."""
+        tokens = self.sampled.tokens
+        return not isinstance(tokens, jax.Array) or tokens.is_ready()
+
+    def result(self) -> StepResult:
+        """The results on the host (waits for the device)."""
+        return StepResult(self.rows, self.sampled, self.prompt, self.targets, self.starts)
 
 
 class Runner:
@@ -157,6 +184,8 @@ class Runner:
         self.table_columns = table_width(self.max_blocks_per_seq, self.block_size)
         self.history_len = max_model_len  # penalties see a row's whole prompt and output
         self.adjust_width = adjust_capacity(len(eos_ids))
+        self.feed_rows = max(self.buckets.sampler_rows)  # a TokenFeed holds the largest sampler's rows
+        self._empty_feed: jax.Array | None = None
         self.forwards: dict[StepBucket, Callable] = {}
         # samplers and (IREE routes) prompt-logprob steps: small, one per row or token count
         self.auxiliary: dict[SamplerKey | PromptLogprobsKey, Callable] = {}
@@ -324,7 +353,7 @@ class Runner:
 
     def _wants_targets(self, r: Request, n: int) -> bool:
         """Whether the row's new tokens include prompt positions whose logprobs it asked for."""
-        return r.params.prompt_logprobs is not None and r.num_computed + 1 < len(r.prompt_ids)
+        return r.params.prompt_logprobs is not None and r.num_scheduled + 1 < len(r.prompt_ids)
 
     def _runnable(self, rows: Rows) -> list[StepBucket]:
         """Buckets the rows may run in now: fitting, not refused by a gate, and built, smallest first.
@@ -359,7 +388,7 @@ class Runner:
         if not candidates:
             return math.inf
         b = candidates[0]
-        context = max(r.num_computed + n for r, n in rows)
+        context = max(r.num_scheduled + n for r, n in rows)
         keys = FIRST_KEYS + max(0, math.ceil((context - FIRST_KEYS) / CHUNK_KEYS)) * CHUNK_KEYS
         return ((b.tokens + FIXED_STEP_TOKENS) * self.flops_per_token + b.tiles * keys * self.flops_per_key_read
                 + b.tiles * b.tile_size * keys * self.flops_per_query_key)
@@ -372,22 +401,23 @@ class Runner:
             return None
         return jax.tree.map(_abstract, self.lora_slots.abstract_state())
 
-    def padding_inputs(self, bucket: StepBucket) -> tuple[StepInputs, np.ndarray, np.ndarray]:
+    def padding_inputs(self, bucket: StepBucket) -> tuple[StepInputs, np.ndarray, np.ndarray, TokenFeed]:
         """Inputs of an all-padding batch of this bucket (what a compile sees): step inputs, last
-        index, prompt targets."""
+        index, prompt targets, an empty token feed."""
         T, NT, QT = bucket.tokens, bucket.tiles, bucket.tile_size
         zeros = lambda: np.zeros(T, np.int32)  # noqa: E731
         inputs = StepInputs(zeros(), zeros(), zeros(), zeros(), np.full((NT, QT), T, np.int32),
                             np.zeros((NT, self.table_columns), np.int32))
-        return inputs, np.zeros(bucket.rows, np.int32), np.full(T, -1, np.int32)
+        feed = TokenFeed(np.zeros(self.feed_rows, np.int32), np.full(T, -1, np.int32))
+        return inputs, np.zeros(bucket.rows, np.int32), np.full(T, -1, np.int32), feed
 
     def _compile_forward(self, bucket: StepBucket, abstract=None, gate: bool = True) -> Callable:
         """The forward executable of one bucket (any thread): loaded from disk, else compiled (and kept).
         An IREE module is checked by its correctness gate first (`gate`)."""
         params, kv = abstract or self.abstract
-        inputs, last_index, targets = self.padding_inputs(bucket)
+        inputs, last_index, targets, feed = self.padding_inputs(bucket)
         lora = self._lora_abstract(bucket)
-        args = (params, kv, inputs, last_index, targets, lora)
+        args = (params, kv, inputs, last_index, targets, lora, feed)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
         if self.route.is_iree:
             return self._compile_iree_forward(bucket, args, check=gate)
@@ -398,7 +428,8 @@ class Runner:
         return row_logits, self.sampling_arrays([], rows)
 
     def _compile_sampler(self, key: SamplerKey) -> Callable:
-        return self._compile_xla("sampler", sample_step, self._sampler_args(key.rows), {}, key)
+        return self._compile_xla("sampler", sample_step, self._sampler_args(key.rows), {"feed_rows": self.feed_rows},
+                                 key)
 
     def _compile_xla(self, name: str, fn, args, static: dict, key) -> Callable:
         store_key = executable_key(name, args, (key, sorted(static.items(), key=lambda kv: kv[0])))
@@ -411,7 +442,7 @@ class Runner:
     def _compile_iree_forward(self, bucket: StepBucket, args, check: bool) -> Callable:
         """The bucket's forward pass and basic sampler as one IREE module, its logits, hidden states and
         KV kept on the device; checked against XLA's on a synthetic batch before it may serve (`check`)."""
-        params, kv, inputs, last_index, _, lora = args
+        params, kv, inputs, last_index, _, lora, _ = args
         args = (params, kv, inputs, last_index, lora, self.sampling_arrays([], bucket.rows))
         executable = self.route.compile(forward_sample_step, args, {"cfg": self.cfg}, device_outputs=(0, 2, 3))
         if not check:
@@ -503,7 +534,7 @@ class Runner:
             top_k[i] = max(p.top_k, 0)
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seed[i] = (r.seed & 0xFFFFFFFF, (r.seed >> 32) & 0xFFFFFFFF)
-            step[i] = len(r.output_ids)
+            step[i] = r.num_output_ahead
             prompt_len[i] = len(r.prompt_ids)
             top_logprobs[i] = bool(p.logprobs)
             constrained[i] = r.matcher is not None or bool(r.forced)
@@ -524,34 +555,47 @@ class Runner:
     def _banned(self, r: Request) -> list[int]:
         """Stop tokens are masked until min_tokens have been generated (not in constrained rows:
         their grammar decides when they may end)."""
-        if len(r.output_ids) >= r.params.min_tokens or r.matcher is not None or r.forced:
+        if r.num_output_ahead >= r.params.min_tokens or r.matcher is not None or r.forced:
             return []
         return sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos_ids)))
 
-    def step_inputs(self, rows: Rows, bucket: StepBucket) -> tuple[StepInputs, np.ndarray, np.ndarray]:
-        """The rows laid out in the bucket: step inputs, each row's last token index, prompt targets."""
-        work = [RowWork(r.all_ids[r.num_computed : r.num_computed + n], r.num_computed, r.block_ids, r.adapter_slot)
-                for r, n in rows]
-        inputs = build_step_inputs(work, self.block_size, num_tokens=bucket.tokens, num_tiles=bucket.tiles,
-                                   tile_size=bucket.tile_size, table_columns=self.table_columns)
+    def step_inputs(self, rows: Rows, bucket: StepBucket) -> tuple[StepInputs, np.ndarray, np.ndarray, np.ndarray]:
+        """The rows laid out in the bucket: step inputs, each row's last token index, prompt targets,
+        and the feed's source row of each token (-1: its id is in the inputs). A row's new tokens
+        start after what it has computed or has in flight; its last one, when a dispatched step is
+        still sampling it, comes from that step's feed."""
+        work, source = [], np.full(bucket.tokens, -1, np.int32)
         last_index = np.zeros(bucket.rows, np.int32)
         targets = np.full(bucket.tokens, -1, np.int32)
         t = 0
         for i, (r, n) in enumerate(rows):
+            start = r.num_scheduled
+            tokens = r.all_ids[start : start + n]
+            if len(tokens) < n:  # only ever the last token, pending in the step in flight
+                source[t + n - 1] = r.feed_row
+                tokens.append(0)
+            work.append(RowWork(tokens, start, r.block_ids, r.adapter_slot))
             last_index[i] = t + n - 1
             if r.params.prompt_logprobs is not None:
                 for j in range(n):
-                    pos = r.num_computed + j
-                    if pos + 1 < len(r.prompt_ids):
-                        targets[t + j] = r.prompt_ids[pos + 1]
+                    if start + j + 1 < len(r.prompt_ids):
+                        targets[t + j] = r.prompt_ids[start + j + 1]
             t += n
-        return inputs, last_index, targets
+        inputs = build_step_inputs(work, self.block_size, num_tokens=bucket.tokens, num_tiles=bucket.tiles,
+                                   tile_size=bucket.tile_size, table_columns=self.table_columns)
+        return inputs, last_index, targets, source
 
     # ---- step --------------------------------------------------------------------------------
 
     def execute(self, batch: Batch) -> StepResult | StepFailure:
-        """Runs one planned batch; a failure fails its rows, never the process. Raises DeviceLost
-        when the error says the device is gone."""
+        """Runs one planned batch to its results on the host (`dispatch`, then `fetch`)."""
+        pending = self.dispatch(batch)
+        return pending if isinstance(pending, StepFailure) else self.fetch(pending)
+
+    def dispatch(self, batch: Batch, feed: jax.Array | None = None) -> PendingStep | StepFailure:
+        """Starts one planned batch on the device; `feed` is the previous dispatched step's (rows whose
+        last token it is sampling read it there). A failure fails the batch's rows, never the
+        process. Raises DeviceLost when the error says the device is gone."""
         rows = batch.rows
         try:
             bucket = self.bucket_for(rows)
@@ -561,20 +605,28 @@ class Runner:
             splittable = len(rows) > 1 or rows[0][1] > 1
             return StepFailure(exc, retry=splittable and not self.fits(rows))
         try:
-            result = self._run(rows, bucket, forward)
+            return self._launch(rows, bucket, forward, feed)
         except Exception as exc:
-            if is_device_loss(exc):
-                raise as_device_lost(exc) from exc
-            log.exception("step failed")
-            kv_lost = self.route.is_iree or self.kv.k.is_deleted()  # IREE consumed it in place
-            if self.route.is_iree:
-                self._quarantine_route(exc)
-            if kv_lost:
-                self.reset_kv()
-            return StepFailure(RequestFailed(f"the accelerator step failed: {type(exc).__name__}",
-                                             code="accelerator_error"), kv_lost)
-        self.device_loss.step_succeeded()
-        return result
+            return self._failed(exc, kv_lost=self.route.is_iree or self.kv.k.is_deleted())  # IREE: consumed in place
+
+    def fetch(self, pending: PendingStep) -> StepResult | StepFailure:
+        """A dispatched step's results on the host (waits for the device). A step that failed on the
+        device took the KV state with it: every step dispatched after it ran on that state too."""
+        try:
+            return pending.result()
+        except Exception as exc:
+            return self._failed(exc, kv_lost=True)
+
+    def _failed(self, exc: Exception, kv_lost: bool) -> StepFailure:
+        if is_device_loss(exc):
+            raise as_device_lost(exc) from exc
+        log.exception("step failed")
+        if self.route.is_iree:
+            self._quarantine_route(exc)
+        if kv_lost:
+            self.reset_kv()
+        return StepFailure(RequestFailed(f"the accelerator step failed: {type(exc).__name__}",
+                                         code="accelerator_error"), kv_lost)
 
     def _quarantine_route(self, exc: Exception) -> None:
         """An accelerator failure on an IREE route takes that route out of service for the life of
@@ -601,23 +653,32 @@ class Runner:
         return not any(r.matcher is not None or r.forced or r.params.needs_filtering or r.params.needs_penalties
                        or r.params.logprobs for r, _ in rows)
 
-    def _run(self, rows: Rows, bucket: StepBucket, forward: Callable) -> StepResult:
-        inputs, last_index, targets = self.step_inputs(rows, bucket)
+    def _feed(self, feed: jax.Array | None) -> jax.Array:
+        if feed is not None:
+            return feed
+        if self._empty_feed is None:
+            self._empty_feed = jnp.zeros(self.feed_rows, jnp.int32)
+        return self._empty_feed
+
+    def _launch(self, rows: Rows, bucket: StepBucket, forward: Callable, feed: jax.Array | None) -> PendingStep:
+        inputs, last_index, targets, source = self.step_inputs(rows, bucket)
         rs = self.sampling_arrays(rows, bucket.rows)
         lora = self.lora_slots.ensure_state() if bucket.lora else None
         sampler = self.sampler_for(bucket.rows)
         self.device_loss.before_step()
-        if self.route.is_iree:
+        if self.route.is_iree:  # never fed: the engine plans no step ahead of one on an IREE route
             row_logits, sampled, hidden, self.kv = forward(self.params, self.kv, inputs, last_index, lora, rs)
             prompt = None
             if any(self._wants_targets(r, n) for r, n in rows):
                 hidden = self.route.device.to_host(hidden)
                 prompt = self._auxiliary_for(PromptLogprobsKey(bucket.tokens))(self.params, hidden, targets)
             if self._device_samples(rows):
-                return StepResult(rows, sampled, prompt, targets)
+                return PendingStep(bucket, rows, sampled, prompt, targets, None)
             row_logits = self.route.device.to_host(row_logits)
         else:
-            row_logits, prompt, self.kv = forward(self.params, self.kv, inputs, last_index, targets, lora)
+            row_logits, prompt, self.kv = forward(self.params, self.kv, inputs, last_index, targets, lora,
+                                                  TokenFeed(self._feed(feed), source))
         if rs.constrained.any():  # computed while the forward pass runs (dispatched asynchronously)
             rs = rs._replace(allowed=self._masks(rows, bucket.rows))
-        return StepResult(rows, sampler(row_logits, rs), prompt, targets)
+        sampled, next_feed = sampler(row_logits, rs)
+        return PendingStep(bucket, rows, sampled, prompt, targets, None if self.route.is_iree else next_feed)

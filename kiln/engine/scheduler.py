@@ -10,8 +10,13 @@ The plan says how the step runs: one batch (decode-only, prefill-only or mixed),
 decode rows and the prefill chunks as two batches when the cost model says padding the
 decode rows to the prefill chunk's length costs more than a second step.
 
-After the runner has executed the plan, `update_from_output` advances every row, caches
-newly full blocks, appends sampled tokens, applies stop conditions and finishes requests.
+A dispatched batch is committed (`commit`): its tokens are in flight and, for rows that sample,
+one more token is pending. The next step may be planned before those results reach the host
+(`schedule(ahead=True)`, async scheduling): a row whose last token is pending decodes it from the
+device, a row whose pending token must be its last is left out, and a plan that would need to
+preempt a request in flight is refused (the engine then waits for the results and plans again).
+Once a batch's results are on the host, `update_from_batch` advances every row, caches newly full
+blocks, appends sampled tokens, applies stop conditions and finishes requests.
 """
 
 from __future__ import annotations
@@ -39,9 +44,24 @@ Rows = list[tuple[Request, int]]  # (request, number of new tokens this step)
 
 @dataclasses.dataclass
 class Batch:
-    """Rows that run as one jitted step."""
+    """Rows that run as one jitted step. `samples[i]`: the step samples row i's next token (its new
+    tokens reach the end of what the request knows or has pending), taken when the batch is planned."""
 
     rows: Rows
+    samples: list[bool] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.samples:
+            self.samples = [r.num_scheduled + n == r.num_tokens_ahead for r, n in self.rows]
+
+    def live(self) -> Batch | None:
+        """The batch without rows whose request stopped running since it was planned: it ended (an
+        earlier step's results finished it) or recomputes (an earlier step lost the KV state). None
+        if no row is left."""
+        keep = [i for i, (r, _) in enumerate(self.rows) if r.status is Status.RUNNING]
+        if len(keep) == len(self.rows):
+            return self
+        return Batch([self.rows[i] for i in keep], [self.samples[i] for i in keep]) if keep else None
 
     @property
     def kind(self) -> str:
@@ -128,7 +148,9 @@ class Scheduler:
 
     # ---- schedule ------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, ahead: bool = False) -> StepPlan | None:
+        """The next step's plan. `ahead`: a dispatched step's results are not applied yet; returns
+        None when the plan would have to preempt (the caller applies them and plans again)."""
         budget = self.config.max_num_batched_tokens
         rows: Rows = []
         preempted: list[Request] = []
@@ -137,10 +159,14 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not Status.RUNNING:  # preempted below to make room
                 continue
-            n = min(req.num_tokens - req.num_computed, budget, self._row_cap(req))
+            if self._ends_in_flight(req):
+                continue
+            n = min(req.num_tokens_ahead - req.num_scheduled, budget, self._row_cap(req))
             if n <= 0:
                 continue
-            need = self._blocks_needed(req, req.num_computed + n)
+            need = self._blocks_needed(req, req.num_scheduled + n)
+            if need > self.pool.num_free and ahead:
+                return None
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -186,6 +212,29 @@ class Scheduler:
                 f"the request needs more KV blocks than the pool holds ({self.pool.num_blocks} blocks)")))
         self.stats.preemptions += len(preempted)
         return StepPlan(self._plan(rows), finished, preempted)
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Whether the token a dispatched step samples for the request is its last (its length limit)."""
+        if not req.num_pending:
+            return False
+        limit = req.params.max_tokens
+        return (limit is not None and req.num_output_ahead >= limit) or req.num_tokens_ahead >= self.max_model_len
+
+    def runs_ahead(self, batch: Batch) -> bool:
+        """Whether the next step may be planned before this batch's sampled tokens reach the host: not
+        when a row's next step depends on the host seeing its token first (a grammar's mask, a forced
+        token, penalties over its history, a thinking budget)."""
+        return not any(sampled and (r.matcher is not None or r.forced or r.params.needs_penalties
+                                    or r.params.thinking is not None)
+                       for (r, _), sampled in zip(batch.rows, batch.samples, strict=True))
+
+    def commit(self, batch: Batch) -> None:
+        """The batch was dispatched: its tokens are in flight, and a token is pending for each row it samples."""
+        for i, ((req, n), sampled) in enumerate(zip(batch.rows, batch.samples, strict=True)):
+            req.num_inflight += n
+            if sampled:
+                req.num_pending += 1
+                req.feed_row = i
 
     def _row_cap(self, req: Request) -> int:
         """New tokens a row may take in one step. Resident prefill feeds prompts one token per
@@ -251,6 +300,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.release(req.block_ids)
         req.block_ids, req.block_hashes, req.num_computed = [], [], 0
+        req.num_inflight = req.num_pending = 0  # a step still in flight for it is discarded
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -278,40 +328,38 @@ class Scheduler:
 
     # ---- update --------------------------------------------------------------------------
 
-    def update_from_output(self, plan: StepPlan, results: list[RowOutput | StepFailure | None]) -> list[Delta]:
-        """Applies the executed plan; returns every request's delta of this step (finals included).
-
-        A None result is a batch that did not run because an earlier one lost the KV state."""
-        outputs = list(plan.finished)
+    def update_from_batch(self, batch: Batch, result: RowOutput | StepFailure) -> list[Delta]:
+        """Applies one dispatched batch's results; returns its requests' deltas (finals included).
+        Rows whose request stopped running meanwhile (aborted, or finished by an earlier step) are skipped."""
+        if isinstance(result, StepFailure):
+            if result.retry:  # it did not run: its rows are planned again, with their state unchanged
+                return []
+            outputs = [self.finish(req, "error", result.error) for req, _ in batch.rows if not req.finished]
+            if result.kv_lost:
+                self._recompute_all()
+            return outputs
+        outputs = []
         now = time.monotonic()
-        for batch, result in zip(plan.batches, results, strict=True):
-            if result is None:
+        for i, ((req, n), sampled) in enumerate(zip(batch.rows, batch.samples, strict=True)):
+            if req.status is not Status.RUNNING:
                 continue
-            if isinstance(result, StepFailure) and result.retry:
-                continue
-            if isinstance(result, StepFailure):
-                outputs += [self.finish(req, "error", result.error) for req, _ in batch.rows if not req.finished]
-                if result.kv_lost:
-                    self._recompute_all()
-                continue
-            for i, (req, n) in enumerate(batch.rows):
-                if req.finished:
-                    continue
-                self._advance(req, n)
-                if req.params.prompt_logprobs is not None:
-                    for pos, lp in result.prompt_logprobs(i):
-                        if pos == len(req.prompt_logprobs):  # a recomputed prefill adds nothing twice
-                            req.prompt_logprobs.append(lp)
-                if req.timing.prefill_done is None and not req.in_prefill:
-                    req.timing.prefill_done = now
-                if req.num_computed == req.num_tokens:
-                    outputs.append(self._on_token(req, *result.token(i), now))
+            self._advance(req, n)
+            if req.params.prompt_logprobs is not None:
+                for pos, lp in result.prompt_logprobs(i):
+                    if pos == len(req.prompt_logprobs):  # a recomputed prefill adds nothing twice
+                        req.prompt_logprobs.append(lp)
+            if req.timing.prefill_done is None and not req.in_prefill:
+                req.timing.prefill_done = now
+            if sampled:
+                req.num_pending -= 1
+                outputs.append(self._on_token(req, *result.token(i), now))
         return outputs
 
     def _advance(self, req: Request, n: int) -> None:
         """Marks n more tokens computed and caches the blocks they filled."""
         B = self.block_size
         req.num_computed += n
+        req.num_inflight -= n
         full = req.num_computed // B
         if full > len(req.block_hashes):
             start = len(req.block_hashes)
@@ -351,6 +399,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.block_ids = []
+        req.num_inflight = req.num_pending = 0
         if req.adapter_slot:
             self.lora_slots.release(req.adapter_slot)
             req.adapter_slot = 0

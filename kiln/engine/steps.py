@@ -3,9 +3,14 @@
 `forward_step` runs the decoder over a bucket's padded batch and returns the logits of each
 sampled row (kept on the device), the prompt logprobs where a row asked for them, and the
 updated KV state (donated: XLA updates it in place). `sample_step` turns row logits into
-tokens. They are separate executables so that the host computes grammar masks (and, later,
-the next step's inputs) while the forward pass runs, and so that one sampler per row count
-serves every forward bucket with that many rows.
+tokens. They are separate executables so that the host computes grammar masks while the
+forward pass runs, and so that one sampler per row count serves every forward bucket with that
+many rows.
+
+The sampler also writes its tokens into a feed of fixed size, which the next forward step takes
+as a `TokenFeed`: a row whose last token is still being sampled when the next step is planned
+(async scheduling, see EngineCore.step) reads it from the feed on the device, never waiting for
+the host to see it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,21 @@ from kiln.models.config import ModelConfig
 from kiln.models.decoder import KVCache, StepInputs, forward_hidden, logits
 
 PROMPT_CHUNK = 64  # prompt logprobs take the vocabulary's log-softmax this many tokens at a time
+
+
+class TokenFeed(NamedTuple):
+    """The previous step's sampled tokens, for the tokens of this step that the host does not know yet."""
+
+    tokens: jax.Array  # [P] int32: the previous sampler's tokens, zero-padded to the feed size
+    source: jax.Array  # [T] int32: for each of this step's tokens, its row in `tokens`, or -1 (its own id)
+
+
+def _fed(inputs: StepInputs, feed: TokenFeed | None) -> StepInputs:
+    if feed is None:
+        return inputs
+    source = jnp.asarray(feed.source)
+    tokens = jnp.where(source >= 0, jnp.asarray(feed.tokens)[jnp.maximum(source, 0)], jnp.asarray(inputs.tokens))
+    return inputs._replace(tokens=tokens)
 
 
 class PromptLogprobs(NamedTuple):
@@ -79,11 +99,11 @@ def _prompt_logprobs(params, hidden: jax.Array, targets: jax.Array) -> PromptLog
     return PromptLogprobs(target.reshape(-1)[:T], top_ids.reshape(-1, K)[:T], top_lp.reshape(-1, K)[:T])
 
 
-def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, cfg: ModelConfig,
-             prompt_logprobs: bool):
+def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, feed: TokenFeed | None,
+             cfg: ModelConfig, prompt_logprobs: bool):
     with _trace_lock:
         COUNTER.traces += 1  # runs at trace time only
-    hidden, kv = forward_hidden(params, kv, inputs, cfg, lora)
+    hidden, kv = forward_hidden(params, kv, _fed(inputs, feed), cfg, lora)
     with jax.named_scope("lm_head"):
         row_logits = logits(params, hidden[last_index])
     prompt = None
@@ -97,11 +117,12 @@ def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "prompt_logprobs"), donate_argnames=("kv",))
-def forward_step(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, *, cfg: ModelConfig,
-                 prompt_logprobs: bool):
+def forward_step(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, feed: TokenFeed | None,
+                 *, cfg: ModelConfig, prompt_logprobs: bool):
     """Row logits [R, V] of the tokens at `last_index`, prompt logprobs (prefill steps, computed
-    only when some target is set) and the new KV state."""
-    return _forward(params, kv, inputs, last_index, prompt_targets, lora, cfg, prompt_logprobs)
+    only when some target is set) and the new KV state. `feed`: tokens taken from the previous
+    step's sampler (None: the inputs hold every token)."""
+    return _forward(params, kv, inputs, last_index, prompt_targets, lora, feed, cfg, prompt_logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
@@ -124,7 +145,9 @@ def forward_sample_step(params, kv: KVCache, inputs: StepInputs, last_index, lor
 prompt_logprobs_step = jax.jit(_prompt_logprobs)
 
 
-@jax.jit
-def sample_step(row_logits: jax.Array, rs: RowSampling) -> Sampled:
+@functools.partial(jax.jit, static_argnames=("feed_rows",))
+def sample_step(row_logits: jax.Array, rs: RowSampling, *, feed_rows: int) -> tuple[Sampled, jax.Array]:
+    """The rows' samples, and their tokens as the next step's feed ([feed_rows], zero-padded)."""
     with jax.named_scope("sampling"):
-        return sample(row_logits, rs)
+        sampled = sample(row_logits, rs)
+    return sampled, jnp.zeros(feed_rows, jnp.int32).at[: sampled.tokens.shape[0]].set(sampled.tokens)
