@@ -367,3 +367,28 @@ def test_step_clock_plans_ahead_only_where_the_host_work_is_worth_hiding():
         clock.fetched(decode, dispatched_at=t, waited_from=t, done=t + 0.2, was_ready=False)
     assert not clock.runs_ahead(decode)
     assert StepClock("on").runs_ahead(prefill) and not StepClock("off").runs_ahead(decode)
+
+
+def test_priming_runs_the_first_contact_steps_once_and_changes_no_tokens(tiny_model):
+    """A start primes the 1-row decode step and the prefill steps of up to 64 tokens (each run once on
+    a padding token, its K/V written to padding's block); a step's first real run counts as its
+    priming; requests served afterwards get the tokens a fresh engine gives."""
+    from kiln.engine.warmup import prime_first_contact
+
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    try:
+        runner = eng.core.runner
+        done = eng.at_boundary(lambda: (runner.warm(runner.startup_set(defer_lora=True)),
+                                        prime_first_contact(runner))[1]).result(300)
+        primed = {b.describe() for b in runner.forwards if b not in runner.unprimed}
+        assert done["primed"] == 4 and primed == {"decode rows=1", "prefill tokens=16 tiles=2x16 rows=2",
+                                                  "prefill tokens=32 tiles=2x32 rows=2",
+                                                  "prefill tokens=64 tiles=4x32 rows=4"}
+        prompts = prompts_of(2, seed=50, lo=5, hi=10)  # they decode together: the 2-row step runs
+        outs = run(eng, prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        for p, (ids, _, _) in zip(prompts, outs, strict=True):
+            assert ids == greedy_generate(tiny_model.params, tiny_model.config, [p], 8)[0]
+        assert {b.describe() for b in runner.unprimed} == {"decode rows=4", "decode rows=8"}
+        assert_pool_idle(eng)
+    finally:
+        eng.shutdown()

@@ -71,6 +71,7 @@ log = logging.getLogger("kiln.engine")
 # FLOPs) and the query-key products.
 FIXED_STEP_TOKENS = 48
 KV_BYTE_FLOPS = 32
+FIRST_CONTACT_TOKENS = 64  # a short chat turn's prompt: its prefill steps are primed before ready
 
 
 def _abstract(x):
@@ -180,6 +181,7 @@ class Runner:
         self.kv = init_kv_cache(cfg, self.num_blocks, self.block_size, self.kv_dtype)
         self.buckets = BucketSet(config.decode_row_buckets, config.prefill_token_buckets, config.max_num_seqs,
                                  config.max_num_batched_tokens)
+        self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.table_columns = table_width(self.max_blocks_per_seq, self.block_size)
         self.history_len = max_model_len  # penalties see a row's whole prompt and output
@@ -187,6 +189,7 @@ class Runner:
         self.feed_rows = max(self.buckets.sampler_rows)  # a TokenFeed holds the largest sampler's rows
         self._empty_feed: jax.Array | None = None
         self.forwards: dict[StepBucket, Callable] = {}
+        self.unprimed: set[StepBucket] = set()  # installed forward steps that have not run yet (see `prime`)
         # samplers and (IREE routes) prompt-logprob steps: small, one per row or token count
         self.auxiliary: dict[SamplerKey | PromptLogprobsKey, Callable] = {}
         self.store = ExecutableStore.beside_jax_cache()
@@ -284,6 +287,8 @@ class Runner:
         with self._install_lock:
             if isinstance(key, StepBucket):
                 self.forwards[key] = executable
+                if not self.route.is_iree:
+                    self.unprimed.add(key)
             else:
                 self.auxiliary[key] = executable
 
@@ -339,6 +344,7 @@ class Runner:
         self.num_blocks = num_blocks
         self.abstract = (self.abstract[0], jax.tree.map(_abstract, self.kv))
         self.forwards.clear()
+        self.unprimed.clear()
         jax.clear_caches()  # JAX's own caches hold the old pool's executables too
         for bucket, executable in executables.items():
             self._install(bucket, executable)
@@ -394,6 +400,43 @@ class Runner:
                 + b.tiles * b.tile_size * keys * self.flops_per_query_key)
 
     # ---- compiling ---------------------------------------------------------------------------
+
+    # ---- priming ------------------------------------------------------------------------------
+
+    def prime(self, bucket: StepBucket) -> float:
+        """Runs an installed forward step and its sampler once on a batch of one padding token, whose
+        K/V go to block 0 (padding's block, never read); returns the seconds it took (engine thread).
+        XLA:CPU prepares a loaded step's kernels (YNNPACK's) the first time the step runs, 0.1-0.6 s a
+        step: a primed step's first request does not pay it (a server primes the steps a short chat
+        turn runs before it is ready: `first_contact_steps`; the others pay it on their first use).
+        The token sits past the first chunk of keys, so attention's loop over key chunks runs too."""
+        t0 = time.perf_counter()
+        inputs, last_index, targets, feed = self.padding_inputs(bucket)
+        inputs.positions[0] = min(FIRST_KEYS + CHUNK_KEYS, self.max_model_len) - 1
+        inputs.tile_tokens[0, 0] = 0
+        lora = self.lora_slots.ensure_state() if bucket.lora else None
+        self.unprimed.discard(bucket)
+        try:
+            row_logits, _, self.kv = self.forwards[bucket](self.params, self.kv, inputs, last_index, targets, lora,
+                                                           feed)
+            sampled, _ = self.sampler_for(bucket.rows)(row_logits, self.sampling_arrays([], bucket.rows))
+            np.asarray(sampled.tokens)
+        except Exception as exc:
+            if is_device_loss(exc):
+                raise as_device_lost(exc) from exc
+            log.warning("priming step bucket %s failed (%s); its first request runs it first", bucket.describe(),
+                        first_line(exc))
+            if self.kv.k.is_deleted():
+                self.reset_kv()
+        return time.perf_counter() - t0
+
+    def first_contact_steps(self) -> list[StepBucket]:
+        """The steps a lone short chat request runs: the smallest decode step and the prefill steps of
+        up to FIRST_CONTACT_TOKENS tokens (the smallest at least)."""
+        base = sorted(b for b in self.forwards if not b.lora)
+        decode = [b for b in base if b.kind == "decode"][:1]
+        prefill = [b for b in base if b.kind == "prefill"]
+        return decode + [b for i, b in enumerate(prefill) if i == 0 or b.tokens <= FIRST_CONTACT_TOKENS]
 
     def _lora_abstract(self, bucket: StepBucket) -> dict | None:
         """The LoRA argument as a compile sees it (the slot state's shapes are fixed by the settings)."""
@@ -638,6 +681,7 @@ class Runner:
         log.error("route %s quarantined after an accelerator failure (%s); serving goes on with XLA on %s until "
                   "a restart", failed.name, why, jax.default_backend())
         self.forwards.clear()
+        self.unprimed.clear()
         self.gate_failed.clear()
         self._idle.clear()
         if failed.resident is not None:
@@ -678,6 +722,7 @@ class Runner:
         else:
             row_logits, prompt, self.kv = forward(self.params, self.kv, inputs, last_index, targets, lora,
                                                   TokenFeed(self._feed(feed), source))
+            self.unprimed.discard(bucket)  # its first run
         if rs.constrained.any():  # computed while the forward pass runs (dispatched asynchronously)
             rs = rs._replace(allowed=self._masks(rows, bucket.rows))
         sampled, next_feed = sampler(row_logits, rs)
