@@ -140,9 +140,9 @@ def engine_step_times(core: EngineCore, blocks: int = 5, steps: int = 8) -> dict
     """Seconds per decode step of the core's running rows: the bare step (device time only), the
     engine's step (`EngineCore.step` in a row, flushed at the end: with async scheduling each step's
     host work overlaps the one before on the device), what the engine adds to the bare step (the
-    median of block-by-block differences: blocks of each alternate, so noise hits both alike), and
-    the host's work per engine step (its wall time less the wait for the device's results)."""
-    run, _ = bare_step(core)
+    median of block-by-block differences: blocks of each alternate, so noise hits both alike, and each
+    block's bare step runs at the rows' context then), and the host's work per engine step (its wall
+    time less the wait for the device's results)."""
     fetch, waits = core.runner.fetch, []
 
     def timed_fetch(pending):
@@ -153,9 +153,11 @@ def engine_step_times(core: EngineCore, blocks: int = 5, steps: int = 8) -> dict
             waits.append(time.perf_counter() - t0)
 
     core.runner.fetch = timed_fetch
-    run(), core.step(), core.flush()  # untimed first calls
+    core.step(), core.flush()  # an untimed first call
     bare, engine, host = [], [], []
     for _ in range(blocks):
+        run, _ = bare_step(core)  # the rows' decode step at their context now (which the engine grows)
+        run()
         t0 = time.perf_counter()
         for _ in range(steps):
             run()
