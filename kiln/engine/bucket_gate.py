@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kiln.engine.faults import as_device_lost, first_line, is_device_loss
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import KVCache
 
@@ -60,8 +61,15 @@ def gate_batch(runner: Runner, bucket: StepBucket) -> list[RowWork]:
 
 
 def check_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> str | None:
-    """None if the bucket's executable agrees with XLA on a synthetic batch; else what differed."""
-    return measure_bucket(runner, bucket, executable, lora)["why"]
+    """None if the bucket's executable agrees with XLA on a synthetic batch; else what differed. A
+    module that fails on the device fails its gate (IREE 3.13 on lavapipe refuses some of the default
+    settings' modules: "transient buffer has no staged Vulkan backing"); a lost device is raised."""
+    try:
+        return measure_bucket(runner, bucket, executable, lora)["why"]
+    except Exception as exc:
+        if is_device_loss(exc):
+            raise as_device_lost(exc) from exc
+        return f"the module failed on the device: {first_line(exc)}"
 
 
 def _layout(runner: Runner, bucket: StepBucket, rows: list[RowWork]):

@@ -202,6 +202,7 @@ class Runner:
         self.device_loss = DeviceLossInjector(config.inject_device_loss_after_steps)  # [debug] fault injection
         self._idle: dict[int, dict[str, jax.Array]] = {}  # per row count: the unused extras, on the device
         self._install_lock = threading.Lock()
+        self._gate_lock = threading.Lock()
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
         self.flops_per_token = 2 * cfg.num_layers * layer_params
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
@@ -494,7 +495,8 @@ class Runner:
         cache, device = self.route.cache, f"{self.route.device_id}-{gate_signature()}"
         verdict = cache.verdict(executable.module_key, device)
         if verdict is None:
-            verdict = {"why": check_bucket(self, bucket, executable, lora)}
+            with self._gate_lock:  # modules compile side by side; the device runs one gate at a time
+                verdict = {"why": check_bucket(self, bucket, executable, lora)}
             cache.record_verdict(executable.module_key, device, verdict["why"])
         if why := verdict["why"]:
             raise BucketFailedGate(bucket, why)
