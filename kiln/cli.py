@@ -17,13 +17,19 @@ from kiln.config import COMMAND_LINE_OPTIONS, KEYS, SCHEMA, Settings, resolve_se
 from kiln.errors import ConfigError
 
 EXIT_CONFIG_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """The flags every settings-consuming command accepts (but `exclude`, flags it uses otherwise)."""
+SERVER_FLAGS = ("--host", "--port")  # only for the commands that serve HTTP (and `config`, which shows them)
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (), server: bool = False
+                           ) -> None:
+    """The flags every settings-consuming command accepts (but `exclude`, flags it uses otherwise, and
+    the server's address unless it serves: `server`)."""
     parser.add_argument("--config", metavar="FILE", help="TOML configuration file")
     for dotted, flag in COMMAND_LINE_OPTIONS.items():
-        if flag in exclude:
+        if flag in exclude or (flag in SERVER_FLAGS and not server):
             continue
         key = KEYS[dotted]
         parser.add_argument(
@@ -47,7 +53,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 def settings_from_argv(argv: Sequence[str] | None = None) -> Settings:
     """Resolve settings from argv holding only the shared flags (e.g. for `python -m kiln.server`)."""
     parser = argparse.ArgumentParser()
-    add_settings_arguments(parser)
+    add_settings_arguments(parser, server=True)
     return settings_from_args(parser.parse_args(argv))
 
 
@@ -110,9 +116,32 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _apply_log_level(settings)
+    try:  # the port accepts connections before JAX, the model or the HTTP stack is loaded
+        sock = _listen(settings)
+    except OSError as exc:
+        print(f"kiln: error: cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     from kiln.server.lifecycle import serve  # lazy: pulls in JAX and the HTTP stack
 
-    return serve(settings) or 0
+    return serve(settings, sock) or 0
+
+
+def _listen(settings: Settings):
+    """The server's listening socket, bound first: from the first moment a connection is accepted (it
+    waits in the backlog until the HTTP server answers it, with 503 `starting` until ready)."""
+    import socket
+
+    host, port = settings.server.host, settings.server.port
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    return sock
 
 
 def _cmd_warmup(args: argparse.Namespace) -> int:
@@ -164,12 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("config", help="print the resolved configuration and each value's source")
-    add_settings_arguments(p)
+    add_settings_arguments(p, server=True)
     p.add_argument("--json", action="store_true", help="print JSON (as /v1/config) instead of text")
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_settings_arguments(p)
+    add_settings_arguments(p, server=True)
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("warmup", help="build the engine's step executables into the cache (the next start loads them)")
@@ -215,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = " ".join(str(e).split("\n"))
         print(f"kiln: error: {message}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:  # Ctrl-C in a command that does not handle it (`kiln serve` drains)
+        print(f"kiln: {args.command} interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -125,6 +125,8 @@ SCHEMA: tuple[Key, ...] = (
         "format of tool calls in model output (tool_choice auto); auto = from the chat template"),
     Key("server", "reasoning_parser", "str", "auto", one_of("auto", "think", "none"),
         "split <think> reasoning into reasoning_content; auto = when the chat template thinks"),
+    Key("server", "drain_timeout_s", "float", 30.0, non_negative,
+        "on SIGTERM, how long running requests may finish before they are ended"),
     Key("server", "grammar_compile_timeout_s", "float", 10.0, positive,
         "a structured-output grammar that takes longer to compile gets 400"),
     Key("model", "path", "str", "", None, "HF directory or GGUF file; empty = the embedded default model"),

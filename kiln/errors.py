@@ -30,11 +30,18 @@ class KilnError(Exception):
     default_code: ClassVar[str | None] = None
     default_param: ClassVar[str | None] = None
 
-    def __init__(self, message: str, *, code: str | None = None, param: str | None = None):
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.code = code if code is not None else self.default_code
         self.param = param if param is not None else self.default_param
+        self.headers = headers  # sent with the error response (e.g. Retry-After)
+
+    def with_param(self, param: str) -> KilnError:
+        """This error naming another parameter (what a request calls it, where layers name it apart)."""
+        self.param = param
+        return self
 
     def body(self) -> dict[str, dict[str, Any]]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}

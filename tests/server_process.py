@@ -42,7 +42,10 @@ def suite_env(model_path: str, cache_dir: str, **overrides: str) -> dict[str, st
 
 
 class ServerProcess:
-    def __init__(self, model_path: str, cache_dir: str, **env_overrides: str):
+    """`health`: each /health poll of the start, from the moment the process was spawned: (seconds,
+    status code or "refused", body); `while_starting(server, body)` runs at each poll that says starting."""
+
+    def __init__(self, model_path: str, cache_dir: str, while_starting=None, **env_overrides: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = suite_env(model_path, cache_dir, PYTHONFAULTHANDLER="1",  # a hung server dumps its stacks on SIGABRT
@@ -53,7 +56,9 @@ class ServerProcess:
         # drain the pipe all along: a full pipe would block the server's logging
         self._reader = threading.Thread(target=lambda: self._output.extend(self.proc.stdout), daemon=True)
         self._reader.start()
-        deadline = time.monotonic() + 600  # a first start builds its step set
+        self.health: list[tuple[float, int | str, dict | None]] = []
+        spawned = time.monotonic()
+        deadline = spawned + 600  # a first start builds its step set
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._reader.join(5)
@@ -61,11 +66,18 @@ class ServerProcess:
                 said = "".join(line for line in self._output
                                if not line.lstrip(" -").startswith(("leaked", "nanobind")))
                 raise RuntimeError(f"server exited early:\n{said[-4000:]}")
-            try:
-                httpx.get(self.url + "/health", timeout=2)  # any answer: up (maintenance answers 503)
-                return
-            except httpx.HTTPError:
-                time.sleep(0.3)
+            try:  # up once its start is over: ready, or another state it stays in (maintenance answers 503)
+                r = httpx.get(self.url + "/health", timeout=30)
+                self.health.append((time.monotonic() - spawned, r.status_code, r.json()))
+                if r.json()["status"] != "starting":
+                    return
+                if while_starting is not None:
+                    while_starting(self, r.json())
+            except httpx.ConnectError:
+                self.health.append((time.monotonic() - spawned, "refused", None))
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
         self.stop()
         raise RuntimeError("server did not start in time")
 

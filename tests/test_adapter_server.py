@@ -86,7 +86,7 @@ def test_load_select_list_unload_and_reload_from_the_store(server, client, adapt
     assert [(a["name"], a["loaded"]) for a in listed["data"]] == [("sql", True)] and listed["max_loras"] == 2
     r = httpx.delete(server.url + "/v1/adapters/sql")
     assert r.status_code == 200 and r.json()["unloaded"] is True
-    with pytest.raises(openai.NotFoundError) as err:
+    with pytest.raises(openai.NotFoundError) as err:  # unloaded here: not served by name until loaded again
         greedy(client, "sql")
     assert err.value.body["code"] == "model_not_found"
     # the import left a Kiln artifact in the store: load it back by name
@@ -136,6 +136,14 @@ def test_adapter_refusals(server, client, method, path, body, status, code):
     error = r.json()["error"]
     assert error["code"] == code and "Traceback" not in error["message"]
     assert greedy(client, MODEL, n=2).choices[0].finish_reason == "length"  # the server is unharmed
+
+
+def test_a_second_load_of_a_loaded_name_is_refused(server, adapters):
+    body = {"name": "twice", "path": str(adapters["math"][0])}
+    assert httpx.post(server.url + "/v1/adapters", json=body, timeout=60).status_code == 200
+    r = httpx.post(server.url + "/v1/adapters", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_already_loaded"
+    assert httpx.delete(server.url + "/v1/adapters/twice", timeout=60).status_code == 200
 
 
 def test_rank_above_the_slots_is_refused(server, adapters):

@@ -18,6 +18,7 @@ from kiln.adapters.registry import AdapterRegistry
 from kiln.adapters.store import AdapterStore, load_weights, read_artifact
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
+from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.ownership import Ownership
 from kiln.engine.sampling import SamplingParams
 from kiln.errors import InvalidAdapter, InvalidRequest, KilnError
@@ -276,6 +277,26 @@ def test_more_adapters_than_slots_rotate_lru(tiny_model, peft_dirs, tmp_path):
         assert reg.activate(idle) in (1, 2) and idle in {r["adapter"] for r in eng.snapshot["resident_adapters"]}
     finally:
         eng.shutdown()
+
+
+def test_a_store_that_cannot_be_written_and_weights_that_cannot_be_placed_fail_their_request_only(
+        tiny_model, engine, peft_dirs, tmp_path):
+    """adapter_store_error: importing a PEFT directory into a store that cannot be written (a file);
+    adapter_transition_failed: a request on weights its slot cannot take (another model's shapes)
+    fails alone, and the next request is served."""
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the store should be")
+    with pytest.raises(KilnError) as err:
+        AdapterRegistry(engine, AdapterStore(blocked)).load("a0", str(peft_dirs["a0"][0]))
+    assert (err.value.status, err.value.code) == (500, "adapter_store_error")
+    other = make_hf_model("llama", vocab_size=260, seed=3, hidden_size=32, intermediate_size=64)
+    wrong = {"q_proj": {"a": np.zeros((other.config.num_hidden_layers, 32, 4), np.float32),
+                        "b": np.zeros((other.config.num_hidden_layers, 4, 32), np.float32)}}
+    with pytest.raises(KilnError) as err:
+        engine.complete([[5, 6, 7]], GREEDY, adapter=AdapterWeights("wrong", "v1", wrong, 1.0, 4), timeout=60)
+    assert (err.value.status, err.value.code) == (500, "adapter_transition_failed")
+    [[ok]] = engine.complete([[5, 6, 7]], GREEDY, timeout=60)
+    assert ok.finish_reason == "length"
 
 
 def test_replace_and_unload_never_mix_versions_in_one_request(registry, engine, peft_dirs):

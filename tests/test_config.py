@@ -227,6 +227,8 @@ def test_invalid_environment_values_are_fatal(kiln, env, needle):
         ("[server]\nport = 70000\n", "invalid value 70000 for server.port"),
         ('[engine]\nenable_prefix_caching = "yes"\n', "invalid value 'yes' for engine.enable_prefix_caching"),
         ("[engine]\nmax_num_seqs = true\n", "invalid value True for engine.max_num_seqs"),
+        ("[server]\ndrain_timeout_s = -1\n", "invalid value -1 for server.drain_timeout_s: expected a number >= 0"),
+        ('[engine]\nasync_scheduling = "sometimes"\n', "invalid value 'sometimes' for engine.async_scheduling"),
     ],
 )
 def test_invalid_file_values_are_fatal(kiln, tmp_path, text, needle):
@@ -300,3 +302,14 @@ def test_config_shows_the_backend_route_and_why(kiln, tmp_path):
     assert doc["backend"]["route"] == "vulkan" and doc["backend"]["available"] is False
     assert "route vulkan" in doc["backend"]["reason"]
     assert "backend route: vulkan (unavailable: route vulkan" in kiln(env=env).stdout
+
+
+def test_only_the_commands_that_serve_take_the_server_address():
+    def help_of(*command: str) -> str:
+        return subprocess.run([sys.executable, "-m", "kiln", *command, "--help"], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT).stdout
+
+    assert "--port" in help_of("serve") and "--host" in help_of("config")
+    for command in (("warmup",), ("train", "sft"), ("eval", "run"), ("adapters", "list")):
+        text = help_of(*command)
+        assert "--config" in text and "--port" not in text and "--host" not in text, command

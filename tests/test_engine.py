@@ -220,6 +220,7 @@ def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         (_, _, last), = run(eng, [prompt], greedy)
         assert last.finish_reason == "error" and isinstance(last.error, GraphCaptureDisabled)
+        assert last.error.status == 503 and last.error.code == "graph_capture_disabled"
         runner = eng.core.runner
         # what a server start builds: the plain steps and samplers (the LoRA steps wait for an adapter)
         eng.at_boundary(lambda: runner.warm(runner.startup_set(defer_lora=True), workers=os.cpu_count() or 1)).result()

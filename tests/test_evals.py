@@ -469,6 +469,15 @@ def test_cancel_keeps_the_finished_outcomes(client):
     assert after.status == "canceled" and 1 <= after.result_counts.total < 16
     assert [i.id for i in client.evals.runs.output_items.list(run.id, eval_id=ev.id, limit=100)] == kept
     assert after.result_counts.total == len(kept)
+    with pytest.raises(openai.BadRequestError) as err:  # a finished run cannot be canceled again
+        client.evals.runs.cancel(run.id, eval_id=ev.id)
+    assert err.value.body["code"] == "invalid_run_state"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.evals.runs.retrieve("evalrun_nothing", eval_id=ev.id)
+    assert err.value.body["code"] == "run_not_found"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.evals.runs.output_items.retrieve("outputitem_nothing", eval_id=ev.id, run_id=run.id)
+    assert err.value.body["code"] == "output_item_not_found"
 
 
 # ---- restarts -----------------------------------------------------------------------------------------

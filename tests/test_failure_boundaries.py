@@ -320,6 +320,20 @@ def test_failed_step_fails_only_its_request(live, take_kv):
     assert _metric(url, "kiln:device_lost") == 0
 
 
+def test_a_stopped_engine_refuses_inference_with_engine_unavailable(tiny_model, tmp_path):
+    engine = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4,
+                                                  max_num_batched_tokens=32, decode_row_buckets=(4,),
+                                                  prefill_token_buckets=(32,)), EngineMetrics(MODEL))
+    with in_process_server(engine, tmp_path) as url:
+        engine.shutdown()
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503
+        _assert_error(r.json(), "engine_unavailable")
+        h = httpx.get(url + "/health", timeout=30)
+        assert h.status_code == 503 and h.json()["status"] == "unhealthy"
+        assert h.json()["backend_runtime"]["reason"].startswith("engine_stopped")
+
+
 MALFORMED = [
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", b'{"model": "tiny-llama"}', 400),

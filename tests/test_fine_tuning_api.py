@@ -109,15 +109,22 @@ def test_a_job_trains_an_adapter_that_serves_at_once(server, client, expressive_
     assert runtime["memory"]["weights_bytes"] > 0 and runtime["memory"]["kv_pool_bytes"] > 0
     assert runtime["jobs"] == {"running": None, "queued": []} and "active_writer" in runtime["ownership"]
 
-    # a second Kiln on the same store loads the adapter by name
+    # a second Kiln on the same store (as after a restart) serves the job's model by name: it is listed,
+    # and its first request loads it from the store
     other = start(expressive_model, kiln_cache, tmp_path / "other-data", store_dir)
     try:
-        r = httpx.post(other.url + "/v1/adapters", json={"name": done.fine_tuned_model}, timeout=60)
-        assert r.status_code == 200, r.text
         other_client = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0)
+        listed = {m.id: m.model_extra["loaded"] for m in other_client.models.list().data}
+        assert listed[MODEL] is True and listed[done.fine_tuned_model] is False
         reply = other_client.chat.completions.create(model=done.fine_tuned_model, max_tokens=20, temperature=0,
                                                      messages=[{"role": "user", "content": "ping"}])
         assert reply.choices[0].message.content == REPLY
+        listed = {m.id: m.model_extra["loaded"] for m in other_client.models.list().data}
+        assert listed[done.fine_tuned_model] is True
+        with pytest.raises(openai.NotFoundError) as err:
+            other_client.chat.completions.create(model="ft:nothing", max_tokens=2,
+                                                 messages=[{"role": "user", "content": "ping"}])
+        assert err.value.body["code"] == "model_not_found"
     finally:
         other.stop_cleanly()
 
@@ -260,8 +267,9 @@ def test_pause_resume_and_cancel(server, client):
                                             extra_body={"kiln": KILN})
     wait_for(client, long_job.id, ("running",))
     assert client.fine_tuning.jobs.retrieve(queued.id).status == "queued"  # one job trains at a time
-    with pytest.raises(openai.BadRequestError, match="used by fine-tuning job"):
+    with pytest.raises(openai.BadRequestError, match="used by fine-tuning job") as err:
         client.files.delete(train.id)
+    assert err.value.body["code"] == "file_in_use"
     assert client.fine_tuning.jobs.cancel(queued.id).status == "cancelled"
 
     client.fine_tuning.jobs.pause(long_job.id)
@@ -274,10 +282,18 @@ def test_pause_resume_and_cancel(server, client):
     client.fine_tuning.jobs.cancel(long_job.id)
     cancelled = wait_for(client, long_job.id, ("cancelled",), timeout=120)
     assert cancelled.finished_at is not None and cancelled.fine_tuned_model is None
-    messages = [e.message for e in client.fine_tuning.jobs.list_events(long_job.id, limit=100).data]
-    assert any(m.startswith("Resumed from the checkpoint at step") for m in messages)
-    with pytest.raises(openai.BadRequestError, match="is cancelled, not paused"):
+    events = client.fine_tuning.jobs.list_events(long_job.id, limit=1000)  # no maximum: at most what exists
+    messages = [e.message for e in events.data]
+    assert any(m.startswith("Resumed from the checkpoint at step") for m in messages) and not events.has_more
+    with pytest.raises(openai.BadRequestError, match="is cancelled, not paused") as err:
         client.fine_tuning.jobs.resume(long_job.id)
+    assert err.value.body["code"] == "invalid_job_state"
+    with pytest.raises(openai.BadRequestError, match="has already cancelled") as err:
+        client.fine_tuning.jobs.cancel(long_job.id)
+    assert err.value.body["code"] == "invalid_job_state"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.fine_tuning.jobs.retrieve("ftjob-nothing")
+    assert err.value.body["code"] == "job_not_found" and err.value.body["type"] == "not_found_error"
 
 
 @pytest.mark.parametrize("content, code, message", [

@@ -8,7 +8,7 @@ import sys
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, free_port
 from test_iree_route import VULKAN
 
 pytest.importorskip("iree.runtime")
@@ -72,7 +72,8 @@ def test_unavailable_route_stops_startup(tiny_model, kiln_cache, tmp_path):
     nowhere = str(tmp_path / "none.json")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env.update(JAX_PLATFORMS="cpu", KILN_MODEL_PATH=tiny_model.source, KILN_CACHE_DIR=str(kiln_cache),
-               KILN_BACKEND_ROUTE="vulkan", VK_ICD_FILENAMES=nowhere, VK_DRIVER_FILES=nowhere)
+               KILN_BACKEND_ROUTE="vulkan", VK_ICD_FILENAMES=nowhere, VK_DRIVER_FILES=nowhere,
+               KILN_SERVER_PORT=str(free_port()))
     out = subprocess.run([sys.executable, "-m", "kiln.server"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 1
     assert "kiln: error: backend: route vulkan" in out.stderr, out.stderr[-3000:]

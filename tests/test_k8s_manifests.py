@@ -33,7 +33,9 @@ K8S = ROOT / "server" / "k8s"
 MIN_VERSION = "1.31"  # the oldest Kubernetes the manifests are validated against
 VERSIONS = sorted({MIN_VERSION, kubernetes_validate.latest_version().rsplit(".", 1)[0]})
 CRD_GROUP = "kinference.buoyant.io"
-UVICORN_DRAIN_S = 30  # kiln/server/lifecycle.py: timeout_graceful_shutdown
+# Kiln's drain: [server] drain_timeout_s, then the ended streams' grace and the connections' close
+# (kiln/server/lifecycle.py: ABORT_GRACE_S, CLOSE_TIMEOUT_S)
+DRAIN_S = next(k.default for k in SCHEMA if k.dotted == "server.drain_timeout_s") + 5 + 5
 
 
 def load_docs(path: Path) -> list[dict[str, Any]]:
@@ -372,7 +374,9 @@ def test_worker_probes():
     # /health is 503 under maintenance: liveness must not use it
     assert "httpGet" not in worker["livenessProbe"]
     assert worker["livenessProbe"]["tcpSocket"] == {"port": "http"}
+    # the start answers /health with 503 `starting` until ready: the startup probe waits for its 200
     startup = worker["startupProbe"]
+    assert startup["httpGet"] == {"path": "/health", "port": "http"}
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # model load and compile
 
 
@@ -382,7 +386,7 @@ def test_worker_drains_before_it_stops():
     assert command[0] == "sleep"
     pre_stop_s = int(command[1])
     assert pre_stop_s >= 5
-    assert pod["terminationGracePeriodSeconds"] > pre_stop_s + UVICORN_DRAIN_S
+    assert pod["terminationGracePeriodSeconds"] > pre_stop_s + DRAIN_S
 
 
 def test_worker_resources_and_cache_volume():

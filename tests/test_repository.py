@@ -46,3 +46,16 @@ def test_every_benchmark_imports():
             "    importlib.import_module(path.stem)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_every_documented_error_code_is_asserted_by_a_test():
+    """docs/http-api.md's error table and the suite agree: each code it names is one some test's
+    request gets (the test spells it out as a string)."""
+    doc = (ROOT / "docs" / "http-api.md").read_text()
+    table = doc[doc.index("## Errors"):doc.index("## Starting and shutting down")]
+    codes = {code for line in table.splitlines() if re.match(r"\| \d{3} \|", line)
+             for code in re.findall(r"`([a-z_]+)`", line.split("|")[3])} - {"null"}
+    assert len(codes) > 30
+    here = Path(__file__).name
+    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("*.py") if p.name != here)
+    assert not {c for c in codes if f'"{c}"' not in tests}, "documented error codes no test asserts"

@@ -100,10 +100,30 @@ def test_malformed_bodies_get_openai_errors(server):
         r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request_error" and "Traceback" not in r.text
-    r = httpx.get(server.url + "/v1/nothing-here")
-    assert r.status_code == 404 and "error" in r.json()
-    r = httpx.get(server.url + "/v1/chat/completions")
-    assert r.status_code == 405 and "error" in r.json()
+        assert set(r.json()["error"]) == {"message", "type", "code", "param"}
+    for method, path, status, type_, code in (
+            ("GET", "/v1/nothing-here", 404, "not_found_error", "route_not_found"),
+            ("POST", "/v1/responses", 404, "not_found_error", "route_not_found"),
+            ("GET", "/v1/chat/completions", 405, "invalid_request_error", "method_not_allowed")):
+        r = httpx.request(method, server.url + path, json={})
+        assert r.status_code == status
+        assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": type_, "code": code,
+                                     "param": None}
+        assert path in r.json()["error"]["message"]
+
+
+def test_a_prompt_too_long_names_the_prompt_and_bad_temperature_says_what_kiln_takes(server):
+    long = "word " * 400  # the tiny model holds 256 positions
+    for path, body, param in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": long}]}, "messages"),
+            ("/v1/completions", {"prompt": long}, "prompt"),
+            ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1000}, "max_tokens")):
+        r = httpx.post(server.url + path, json={"model": MODEL, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "maximum context length" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "temperature": -1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert "from 0 (greedy) to 100" in r.json()["error"]["message"] and "0 to 2" in r.json()["error"]["message"]
 
 
 def test_bad_requests_do_not_disturb_a_running_stream(client, server):
@@ -143,7 +163,9 @@ def test_client_disconnect_aborts_the_request(server):
 
 
 def test_models_tokenize_render_detokenize(server, client):
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    models = client.models.list().data  # the base model, then what the (session's shared) store holds, not loaded
+    assert models[0].id == MODEL and models[0].model_extra["loaded"] is True
+    assert all(m.model_extra["loaded"] is False and m.model_extra["parent"] == MODEL for m in models[1:])
     body = {"model": MODEL, "messages": CHAT}
     rendered = httpx.post(server.url + "/render", json=body).json()
     tokenized = httpx.post(server.url + "/tokenize", json=body).json()
@@ -203,7 +225,10 @@ def test_api_keys_body_cap_and_queue_limit(tiny_model, kiln_cache):
         auth = {"Authorization": "Bearer k1"}
         big = {"messages": [{"role": "user", "content": "x" * 5000}]}
         r = httpx.post(srv.url + "/v1/chat/completions", json=big, headers=auth)
-        assert r.status_code == 413 and "error" in r.json()
+        assert r.status_code == 413 and r.json()["error"] == {
+            "message": r.json()["error"]["message"], "type": "invalid_request_error", "code": "payload_too_large",
+            "param": None}
+        assert "max_request_body_bytes" in r.json()["error"]["message"]
 
         async def burst():
             async with httpx.AsyncClient(base_url=srv.url, headers=auth, timeout=120) as c:

@@ -3,8 +3,10 @@ engine publishes its prefix-cache blocks as vLLM-format KV events over ZMQ."""
 
 import asyncio
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import msgpack
 import zmq
@@ -30,6 +32,21 @@ def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
     assert built1 == executables
     assert built2 == 0 and loaded2 == executables
     assert any((tmp_path / "cache" / "jax").iterdir())
+
+
+def test_warmup_interrupted_with_ctrl_c_exits_quietly(tmp_path, tiny_model):
+    env = suite_env(str(tiny_model.source), str(tmp_path / "cache"))  # an empty cache: it has steps to build
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", "warmup"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "cache" / "jax").exists():  # the model is loaded, the compilation cache set up
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    assert "kiln: warmup interrupted" in err and "Traceback" not in err
 
 
 def test_engine_publishes_kv_events(tiny_model):

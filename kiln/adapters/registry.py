@@ -3,8 +3,11 @@
 Loading reads an artifact (or a PEFT directory, which becomes an artifact in the store),
 checks it against the served base model and the slot limits (`check_fits`, the one place
 those rules live), registers it under its name and places it in an accelerator slot at
-the next iteration boundary. Slots are recycled least recently used first, so more
-adapters can be registered than there are slots. Unloading or replacing takes effect for
+the next iteration boundary. Slots are recycled least recently used first, so more adapters
+can be registered than there are slots. Every adapter in the store is served by name: one not
+loaded yet (a fine-tuning job's model after a restart, an imported one) loads on its first
+request (`ensure_loaded`), unless this process unloaded it (until it is loaded again) or it
+failed its promotion gate. Unloading or replacing takes effect for
 new requests at once; requests already running on the old version finish with it.
 """
 
@@ -115,6 +118,8 @@ class AdapterRegistry:
         self.max_rank = engine.config.max_lora_rank
         self._loaded: dict[str, LoadedAdapter] = {}
         self._admin = threading.Lock()  # loads and unloads run one at a time
+        self._on_demand = threading.Lock()  # a name's first requests wait for one load
+        self._unloaded: set[str] = set()  # names unloaded here: no longer served by name until loaded again
 
     # ---- lookups (any thread) -------------------------------------------------------------
 
@@ -123,6 +128,39 @@ class AdapterRegistry:
 
     def loaded(self) -> list[LoadedAdapter]:
         return sorted(self._loaded.values(), key=lambda a: a.name)
+
+    def _serves_by_name(self, artifact: Artifact) -> bool:
+        """Made for the served base model, and not held back by a promotion gate it failed (only an
+        explicit load serves that one)."""
+        gate = (artifact.manifest.eval_results or {}).get("gate") or {}
+        same_base = artifact.manifest.base_model.weights_digest == self.model.weights_digest
+        return same_base and gate.get("passed") is not False
+
+    def stored(self, name: str) -> Artifact | None:
+        """The store's latest version of `name`, if a request may load it by name."""
+        try:
+            artifact = self.store.latest(validate_name(name))
+        except (InvalidRequest, InvalidAdapter):
+            return None
+        return artifact if artifact is not None and self._serves_by_name(artifact) else None
+
+    def loadable(self) -> list[Artifact]:
+        """The store's adapters a request may load by name that are not loaded (nor unloaded here)."""
+        return [a for a in self.store.list()
+                if a.name not in self._loaded and a.name not in self._unloaded and self._serves_by_name(a)]
+
+    def ensure_loaded(self, name: str) -> LoadedAdapter | None:
+        """The adapter `name`: loaded, or loaded now from the store (blocking; call from a worker
+        thread); None when the store has no adapter of that name for this base model."""
+        entry = self._loaded.get(name)
+        if entry is not None or name in self._unloaded or self.stored(name) is None:
+            return entry
+        with self._on_demand:
+            entry = self._loaded.get(name)
+            if entry is None:
+                log.info("adapter %s requested by name: loading it from the store", name)
+                entry = self.load(name)
+            return entry
 
     def describe_all(self) -> list[dict[str, Any]]:
         """Loaded adapters (with their slot) and artifacts in the store that are not loaded."""
@@ -153,6 +191,7 @@ class AdapterRegistry:
             artifact, source = self._resolve(name, path)
             entry = LoadedAdapter(artifact, artifact_weights(artifact, name), source, time.time())
             self._loaded[name] = entry  # new requests select the new version from here on
+            self._unloaded.discard(name)
             if old is not None:
                 self._at_boundary(self.engine.retire_adapter(old.weights))
             try:
@@ -178,6 +217,7 @@ class AdapterRegistry:
             entry = self._loaded.pop(name, None)
             if entry is None:
                 raise AdapterNotFound(f"The lora adapter '{name}' cannot be found.")
+            self._unloaded.add(name)
             self._at_boundary(self.engine.retire_adapter(entry.weights))
             log.info("adapter %s unloaded", name)
             return entry

@@ -33,7 +33,7 @@ from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
 from kiln.engine.routes import StepRoute
 from kiln.engine.sampling import SamplingParams
-from kiln.errors import DeviceLost
+from kiln.errors import DeviceLost, KilnError
 from kiln.models.loader import LoadedModel
 
 log = logging.getLogger("kiln.engine")
@@ -209,6 +209,11 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self, error: KilnError) -> None:
+        """Ends every request now with `error` (finish reason abort): a server's drain deadline."""
+        self._inbox.put(("abort_all", error))
+        self._wake.set()
+
     def at_boundary(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Runs fn in the engine thread between two steps (weight transitions, resets);
         the future carries its result or exception."""
@@ -253,6 +258,10 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests not yet running: queued in the scheduler or not yet picked up."""
         return self.snapshot["waiting"] + self._pending_adds
+
+    def num_requests(self) -> int:
+        """Requests not finished: running, queued, or not yet picked up."""
+        return self.snapshot["running"] + self.num_waiting()
 
     def alive(self) -> bool:
         """The engine thread runs (it stays up after device loss; see `device_lost`)."""
@@ -325,6 +334,8 @@ class AsyncEngine:
                     self._pending_adds -= len(requests)
             elif kind == "abort":
                 self._dispatch(self.core.abort(item[1]))
+            elif kind == "abort_all":
+                self._dispatch(self.core.abort_all(item[1]))
             elif kind == "call":
                 _, fn, future = item
                 self._dispatch(self.core.flush())  # a boundary: no step is in flight while fn runs

@@ -40,7 +40,7 @@ from kiln.engine.routes import XLA, StepRoute
 from kiln.engine.runner import PendingStep, Runner
 from kiln.engine.sampling import SamplingParams
 from kiln.engine.scheduler import Batch, Scheduler, StepFailure
-from kiln.errors import DeviceLost, InvalidRequest
+from kiln.errors import DeviceLost, InvalidRequest, KilnError
 from kiln.models.loader import LoadedModel
 
 log = logging.getLogger("kiln.engine")
@@ -110,7 +110,12 @@ class EngineCore:
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequest("prompt token ids must be within the vocabulary", param="prompt")
         budget = self.max_model_len - len(prompt_ids)
-        if budget < 1 or (params.max_tokens is not None and params.max_tokens > budget):
+        if budget < 1:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(prompt_ids)} tokens, which leaves no room for a completion. Please reduce the length of the "
+                "prompt.", param="prompt")
+        if params.max_tokens is not None and params.max_tokens > budget:
             raise InvalidRequest(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(prompt_ids) + (params.max_tokens or 0)} tokens ({len(prompt_ids)} in the prompt, "
@@ -143,6 +148,10 @@ class EngineCore:
     def abort(self, request_id: str) -> list[Delta]:
         """Ends a request (and its siblings) now; returns their final deltas."""
         return self.scheduler.abort(request_id)
+
+    def abort_all(self, error: KilnError) -> list[Delta]:
+        """Ends every request now with `error`; returns their final deltas (finish reason abort)."""
+        return [self.scheduler.finish(req, "abort", error) for req in list(self.scheduler.requests.values())]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None or bool(self._carried)

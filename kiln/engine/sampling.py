@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kiln.engine.grammar import Grammar
 
 MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0  # beyond OpenAI's 2 (vLLM has no upper bound); near 100 every token is about as likely
 MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
 MAX_STOP_TOKEN_IDS = 128  # entries of stop_token_ids; each is banned until min_tokens
 
@@ -73,8 +74,9 @@ class SamplingParams:
             bad("n must be between 1 and 128", "n")
         if self.max_tokens is not None and self.max_tokens < 1:
             bad("max_tokens must be at least 1", "max_tokens")
-        if not 0.0 <= self.temperature <= 100.0:
-            bad("temperature must be between 0 and 100", "temperature")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            bad(f"temperature must be from 0 (greedy) to {MAX_TEMPERATURE:g}: OpenAI's clients send 0 to 2, and Kiln "
+                "also takes higher values, as vLLM does", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p must be in (0, 1]", "top_p")
         if self.top_k < -1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from tqdm import tqdm
 
@@ -19,10 +20,11 @@ from kiln.engine.buckets import BucketSet
 from kiln.engine.config import EngineConfig
 
 
-def build_step_set(runner, show_progress: bool = True, defer_lora: bool = False) -> dict:
+def build_step_set(runner, show_progress: bool = True, defer_lora: bool = False,
+                   on_progress: Callable[[int, int], None] | None = None) -> dict:
     """Builds or loads the runner's whole step set, or all but its LoRA steps (`defer_lora`: the first
     adapter builds those), on the thread that owns the runner; returns what it did: executables,
-    built, loaded, deferred, seconds, memory mappings after."""
+    built, loaded, deferred, seconds, memory mappings after. `on_progress(done, total)` after each."""
     start = time.monotonic()
     store = runner.store
     loads, saves = store.loads, store.saves
@@ -31,7 +33,15 @@ def build_step_set(runner, show_progress: bool = True, defer_lora: bool = False)
     todo = [k for k in runner.startup_set(defer_lora) if k not in runner.executables]
     with tqdm(total=len(todo), desc="building step executables", unit="executable", file=sys.stderr,
               disable=not show_progress or not todo) as bar:
-        runner.warm(todo, workers=os.cpu_count() or 1, progress=lambda key: bar.update())
+
+        def progress(key) -> None:
+            bar.update()
+            if on_progress is not None:
+                on_progress(bar.n, len(todo))
+
+        if on_progress is not None:
+            on_progress(0, len(todo))
+        runner.warm(todo, workers=os.cpu_count() or 1, progress=progress)
     built, loaded = store.saves - saves, store.loads - loads
     if cache is not None:
         built += cache.compiles - iree_before[0]

@@ -10,14 +10,35 @@ from litestar import Request, Response, delete, get, post
 from kiln import __version__
 from kiln.profiles import ServingProfile
 from kiln.server.schemas import AdapterLoadRequest, LoadLoraAdapterRequest, UnloadLoraAdapterRequest
-from kiln.server.state import server_state
+from kiln.server.state import server_settings, server_state
 
 OPEN_ROUTES = {"/health", "/v1/health", "/metrics"}  # answered without an API key
 
 
+def _starting(request: Request) -> Response:
+    """503 `starting`, with the start's progress: the process answers long before it can serve."""
+    settings, progress = server_settings(request), request.app.state.progress
+    profile = settings.serving_profile
+    body = {
+        "status": "starting",
+        "model": settings.model.served_model_name or None,
+        "serving_profile": profile.to_json(),
+        "backend_runtime": {"healthy": True, "reason": None, "restart_required": False, "platform": None,
+                            "devices": [], "route": None, "route_reason": None},
+        "checks": {"inference_admission": profile.policy.inference_admission, "engine_loop": False,
+                   "model_loaded": progress.phase not in ("starting the engine", "loading the model"),
+                   "prewarm": "pending"},
+        "startup": progress.to_json(),
+    }
+    return Response(body, status_code=503)
+
+
 def _health(request: Request) -> Response:
     """200 only when serving. Device loss (unhealthy) and a quarantined route (degraded: requests are
-    still served, on XLA) report backend_runtime.healthy false until a restart."""
+    still served, on XLA) report backend_runtime.healthy false until a restart; a starting server says
+    how far its start got, a draining one that it is leaving."""
+    if request.app.state.kiln is None:
+        return _starting(request)
     st = server_state(request)
     admission = st.profile.policy.inference_admission
     engine_ok = st.engine.alive()
@@ -40,6 +61,8 @@ def _health(request: Request) -> Response:
         status = "maintenance"
     elif st.prewarm == "pending":
         status = "starting"
+    elif st.draining:
+        status = "draining"
     else:
         status = "ok"
     restart = lost is not None or quarantined is not None

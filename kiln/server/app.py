@@ -9,19 +9,20 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import OpenAPIConfig
 
 from kiln import __version__
-from kiln.errors import InvalidRequest, KilnError, Unauthorized
+from kiln.config import Settings
+from kiln.errors import InvalidRequest, KilnError, NotFound, PayloadTooLarge, Unauthorized
 from kiln.server import admin_routes, eval_routes, grader_routes, openai_routes, training_routes
-from kiln.server.state import ServerState, server_state
+from kiln.server.state import ServerState, server_settings
 
 log = logging.getLogger("kiln.server")
 
 
-def _error(status: int, message: str, type_: str, param: str | None = None) -> Response:
-    return Response({"error": {"message": message, "type": type_, "code": None, "param": param}}, status_code=status)
+def _error(status: int, message: str, type_: str, code: str | None = None) -> Response:
+    return Response({"error": {"message": message, "type": type_, "code": code, "param": None}}, status_code=status)
 
 
 def _kiln_error(_: Request, exc: KilnError) -> Response:
-    return Response(exc.body(), status_code=exc.status)
+    return Response(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 def _validation_error(_: Request, exc: ValidationException) -> Response:
@@ -31,9 +32,18 @@ def _validation_error(_: Request, exc: ValidationException) -> Response:
     return _kiln_error(_, InvalidRequest(f"invalid request body: {message}", param=param))
 
 
-def _http_error(_: Request, exc: HTTPException) -> Response:
-    type_ = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    return _error(exc.status_code, str(exc.detail), type_)
+def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Litestar's own refusals, in Kiln's taxonomy: no such route, a method the route lacks, a body over the limit."""
+    status = exc.status_code
+    if status == 404:
+        return _kiln_error(request, NotFound(f"no route {request.method} {request.url.path}", code="route_not_found"))
+    if status == 405:
+        return _error(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error",
+                      "method_not_allowed")
+    if status == 413:
+        limit = server_settings(request).server.max_request_body_bytes
+        return _kiln_error(request, PayloadTooLarge(f"the request body is over {limit} bytes (max_request_body_bytes)"))
+    return _error(status, str(exc.detail), "invalid_request_error" if status < 500 else "internal_error")
 
 
 def _unexpected_error(_: Request, exc: Exception) -> Response:
@@ -42,7 +52,7 @@ def _unexpected_error(_: Request, exc: Exception) -> Response:
 
 
 async def _authorize(request: Request) -> None:
-    keys = server_state(request).settings.server.api_keys
+    keys = server_settings(request).server.api_keys
     if not keys or request.url.path in admin_routes.OPEN_ROUTES:
         return
     header = request.headers.get("authorization", "")
@@ -50,17 +60,22 @@ async def _authorize(request: Request) -> None:
         raise Unauthorized("missing or invalid API key")
 
 
-def create_app(state: ServerState) -> Litestar:
+def create_app(state: ServerState | None, *, settings: Settings | None = None, progress=None) -> Litestar:
+    """The app over a ready server's `state`, or (None) over one still starting: its state is set on
+    `app.state.kiln` when ready, and `progress` (lifecycle.StartProgress) says how far it got."""
+    settings = settings or state.settings
     app = Litestar(
         route_handlers=[*openai_routes.ROUTES, *admin_routes.ROUTES, *training_routes.ROUTES, *grader_routes.ROUTES,
                         *eval_routes.ROUTES],
         exception_handlers={KilnError: _kiln_error, ValidationException: _validation_error,
                             HTTPException: _http_error, Exception: _unexpected_error},
         before_request=_authorize,
-        request_max_body_size=state.settings.server.max_request_body_bytes,
+        request_max_body_size=settings.server.max_request_body_bytes,
         openapi_config=OpenAPIConfig(title="Kiln", version=__version__, path="/schema"),
         logging_config=None,  # logging is configured once, from [server] log_level
         debug=False,
     )
     app.state.kiln = state
+    app.state.settings = settings
+    app.state.progress = progress
     return app

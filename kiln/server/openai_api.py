@@ -127,6 +127,7 @@ class ChatFormat:
     object: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
     id_prefix: ClassVar[str] = "chatcmpl"
+    prompt_param: ClassVar[str] = "messages"  # what an error about the prompt names
 
     def __init__(self, tok: KilnTokenizer, logprobs: bool, reader: OutputReader | None = None):
         self.tok, self.with_logprobs = tok, logprobs
@@ -167,6 +168,7 @@ class CompletionFormat:
     object: ClassVar[str] = "text_completion"
     chunk_object: ClassVar[str] = "text_completion"
     id_prefix: ClassVar[str] = "cmpl"
+    prompt_param: ClassVar[str] = "prompt"
 
     def __init__(self, tok: KilnTokenizer, logprobs: bool, echo_prompts: list[list[int]] | None = None, n: int = 1):
         self.tok, self.with_logprobs = tok, logprobs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 from litestar import Request, Response, get, post
@@ -27,7 +28,7 @@ from kiln.server.state import ServerState, server_state
 async def chat_completions(request: Request, data: ChatCompletionRequest) -> Response | Stream:
     st = server_state(request)
     st.admit_inference()
-    adapter = st.select_model(data.model)
+    adapter = await st.select_model_async(data.model)
     if not data.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     tools = structured.tool_parameters(data.tools)
@@ -57,7 +58,7 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
 async def completions(request: Request, data: CompletionRequest) -> Response | Stream:
     st = server_state(request)
     st.admit_inference()
-    adapter = st.select_model(data.model)
+    adapter = await st.select_model_async(data.model)
     oa.completion_checks(data)
     prompts = oa.completion_prompts(st.tokenizer, data.prompt)
     params = oa.sampling_params(data, data.max_tokens, data.logprobs)
@@ -71,20 +72,35 @@ async def completions(request: Request, data: CompletionRequest) -> Response | S
 
 async def _generate(st: ServerState, fmt, data, prompts, params, adapter) -> Response | Stream:
     rid = oa.new_id(fmt.id_prefix)
-    streams = submit_all(st, rid, prompts, params, adapter and adapter.weights, data.cache_salt)
+    try:
+        streams = submit_all(st, rid, prompts, params, adapter and adapter.weights, data.cache_salt)
+    except InvalidRequest as exc:  # the engine names the prompt "prompt"; a chat request calls it "messages"
+        raise exc.with_param(fmt.prompt_param) if exc.param == "prompt" else exc from None
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     return await respond(fmt, rid, adapter.name if adapter else st.model_id, streams, params.n, data.stream,
                          include_usage, st.lineage(adapter))
 
 
-@get("/v1/models", sync_to_thread=False)
+@get("/v1/models", sync_to_thread=True)
 def models(request: Request) -> dict[str, Any]:
     st = server_state(request)
     card = {"id": st.model_id, "object": "model", "created": 0, "owned_by": "kiln", "root": st.model_id,
             "parent": None, "max_model_len": st.engine.max_model_len}
     adapters = [{"id": a.name, "object": "model", "created": int(a.loaded_at), "owned_by": "kiln", "root": a.source,
-                 "parent": st.model_id, "max_model_len": st.engine.max_model_len} for a in st.adapters.loaded()]
-    return {"object": "list", "data": [card, *adapters]}
+                 "parent": st.model_id, "max_model_len": st.engine.max_model_len, "loaded": True}
+                for a in st.adapters.loaded()]
+    # what the store holds for this base model also serves by name: its first request loads it
+    stored = [{"id": a.name, "object": "model", "created": _epoch(a.manifest.provenance.created_at), "owned_by": "kiln",
+               "root": str(a.path), "parent": st.model_id, "max_model_len": st.engine.max_model_len, "loaded": False}
+              for a in st.adapters.loadable()]
+    return {"object": "list", "data": [{**card, "loaded": True}, *adapters, *stored]}
+
+
+def _epoch(iso: str) -> int:
+    try:
+        return int(datetime.datetime.fromisoformat(iso).timestamp())
+    except ValueError:
+        return 0
 
 
 def _prompt_ids(st: ServerState, body) -> list[int]:
@@ -100,7 +116,7 @@ def _prompt_ids(st: ServerState, body) -> list[int]:
 @post("/tokenize", status_code=200, sync_to_thread=False)
 def tokenize(request: Request, data: TokenizeRequest) -> dict[str, Any]:
     st = server_state(request)
-    st.select_model(data.model)
+    st.check_model(data.model)
     ids = _prompt_ids(st, data)
     return {"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len}
 
@@ -108,7 +124,7 @@ def tokenize(request: Request, data: TokenizeRequest) -> dict[str, Any]:
 @post("/detokenize", status_code=200, sync_to_thread=False)
 def detokenize(request: Request, data: DetokenizeRequest) -> dict[str, Any]:
     st = server_state(request)
-    st.select_model(data.model)
+    st.check_model(data.model)
     if any(not 0 <= t < st.tokenizer.vocab_size for t in data.tokens):
         raise InvalidRequest("token ids must be within the vocabulary", param="tokens")
     return {"prompt": st.tokenizer.decode(data.tokens)}
@@ -118,7 +134,7 @@ def detokenize(request: Request, data: DetokenizeRequest) -> dict[str, Any]:
 def render(request: Request, data: RenderRequest) -> dict[str, Any]:
     """The exact prompt token ids Kiln would compute for a chat or completion body."""
     st = server_state(request)
-    st.select_model(data.model)
+    st.check_model(data.model)
     ids = _prompt_ids(st, data)
     return {"model": st.model_id, "prompt_token_ids": ids, "count": len(ids)}
 

@@ -13,8 +13,10 @@ def page(items: list[dict], has_more: bool) -> dict[str, Any]:
 
 
 def page_limit(limit: int | None, default: int = 20) -> int:
+    """How many items a page holds: `limit`, at least 1 and with no maximum (a page holds at most
+    what exists, and `has_more` says whether more does), or `default`."""
     if limit is None:
         return default
-    if not 1 <= limit <= 100:
-        raise InvalidRequest("limit must be from 1 to 100", param="limit")
-    return limit
+    if limit < 1:
+        raise InvalidRequest("limit must be at least 1", param="limit")
+    return min(limit, 2**31 - 1)  # a database limit, whatever number a client sends

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import Any
 
@@ -17,6 +18,7 @@ from kiln.errors import AdmissionRejected, DeviceLost, NotFound, QueueFull
 from kiln.profiles import ResolvedProfile
 
 Lineage = dict[str, Any]
+RETRY_AFTER_S = 5  # what a 503 while starting or shutting down tells a client to wait
 
 
 @dataclasses.dataclass
@@ -29,6 +31,7 @@ class ServerState:
     evals: Any = None  # kiln.eval.service.EvalService
     prewarm: str = "pending"  # pending | done | skipped
     step_set: dict | None = None  # what prewarm built: executables, built, loaded, seconds
+    draining: bool = False  # SIGTERM came: inference is refused while running requests finish
 
     def __post_init__(self):
         self.grammars.timeout_s = self.settings.server.grammar_compile_timeout_s
@@ -58,6 +61,9 @@ class ServerState:
         """Request policy before anything is submitted: device, profile, engine health, queue length."""
         if self.engine.device_lost is not None:
             raise DeviceLost(self.engine.device_lost.message)
+        if self.draining:
+            raise AdmissionRejected("the server is shutting down; send the request to another instance",
+                                    code="server_shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
         if not self.profile.policy.inference_admission:
             raise AdmissionRejected("inference is disabled by the maintenance serving profile",
                                     code="inference_disabled_by_profile")
@@ -67,13 +73,26 @@ class ServerState:
             raise QueueFull("too many requests are waiting; retry later")
 
     def select_model(self, model: str | None) -> LoadedAdapter | None:
-        """The adapter a request's `model` selects (None: the base model)."""
+        """The adapter a request's `model` selects (None: the base model), loaded from the store on its
+        first request (blocking: from a worker thread, or `await select_model_async`)."""
         if model in (None, "", self.model_id):
             return None
-        adapter = self.adapters.get(model)
+        adapter = self.adapters.ensure_loaded(model)
         if adapter is None:
             raise NotFound(f"The model `{model}` does not exist.", code="model_not_found", param="model")
         return adapter
+
+    async def select_model_async(self, model: str | None) -> LoadedAdapter | None:
+        """select_model for the event loop: a load from the store runs on a worker thread."""
+        if model in (None, "", self.model_id):
+            return None
+        return self.adapters.get(model) or await asyncio.to_thread(self.select_model, model)
+
+    def check_model(self, model: str | None) -> None:
+        """Raises NotFound unless `model` is the base model or an adapter served by name (loaded or not)."""
+        if model not in (None, "", self.model_id) and self.adapters.get(model) is None \
+                and self.adapters.stored(model) is None:
+            raise NotFound(f"The model `{model}` does not exist.", code="model_not_found", param="model")
 
     def lineage(self, adapter: LoadedAdapter | None = None) -> Lineage:
         return {"model": self.model_id, "weights_digest": self.engine.model.weights_digest,
@@ -83,4 +102,15 @@ class ServerState:
 
 
 def server_state(request: Request) -> ServerState:
-    return request.app.state.kiln
+    """The server's state; while it starts, every route but health's answers 503 `starting`."""
+    state = request.app.state.kiln
+    if state is None:
+        progress = request.app.state.progress
+        raise AdmissionRejected(f"the server is starting ({progress.phase}); /health says when it is ready",
+                                code="starting", headers={"Retry-After": str(RETRY_AFTER_S)})
+    return state
+
+
+def server_settings(request: Request) -> Settings:
+    """The settings, from the first moment (the state comes when the server is ready)."""
+    return request.app.state.settings
