@@ -42,8 +42,8 @@ from common import chat_prompts
 import kiln.engine.runner as runner_module
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
+from kiln.engine.params import SamplingParams
 from kiln.engine.routes import select_route
-from kiln.engine.sampling import SamplingParams
 from kiln.models.loader import load_model
 
 ROUTES = ("xla", "iree-cpu", "vulkan")
@@ -62,8 +62,8 @@ class Recorder:
     and the time spent compiling buckets (gates included) and in the gates alone."""
 
     def __init__(self, engine: AsyncEngine):
-        self.route = engine.core.route
-        self.runner = engine.core.runner
+        self.route = engine._core.route
+        self.runner = engine._core.runner
         self.steps: list[tuple[str, int, float, int, int]] = []
         self.compile_s = 0.0
         self.compiles = 0
@@ -153,7 +153,7 @@ def run_route(name: str, model, prompts: dict[int, list[list[int]]], tokens: int
     setup_s = time.perf_counter() - t0
     try:
         rec = Recorder(engine)
-        kv_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in engine.core.runner.abstract[1])
+        kv_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in engine._core.runner.abstract[1])
         out = {"open_s": open_s, "setup_s": setup_s, "kv_bytes": kv_bytes, "gates": route.choice.gates,
                "device": route.choice.capabilities.get("name", ""), "batches": {}}
         for batch in BATCHES:
@@ -162,7 +162,7 @@ def run_route(name: str, model, prompts: dict[int, list[list[int]]], tokens: int
             except Exception as exc:  # e.g. 503 route_unsupported: no bucket passed its gate
                 out["batches"][batch] = {"error": f"{type(exc).__name__}: {exc}"}
             print(f"  {name} batch {batch}: {fmt_brief(out['batches'][batch])}", flush=True)
-        out["gate_failed"] = {b.describe(): why for b, why in engine.core.runner.gate_failed.items()}
+        out["gate_failed"] = {b.describe(): why for b, why in engine._core.runner.gate_failed.items()}
         return out
     finally:
         engine.shutdown()

@@ -19,7 +19,8 @@ import numpy as np
 from kiln.engine.buckets import StepBucket
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
-from kiln.engine.sampling import RowSampling, SamplingParams
+from kiln.engine.params import SamplingParams
+from kiln.engine.sampling import RowSampling
 from kiln.engine.steps import TokenFeed
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig

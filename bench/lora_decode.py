@@ -24,10 +24,10 @@ from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import EngineConfig
 from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.ownership import Ownership
+from kiln.engine.params import SamplingParams
 from kiln.engine.request import Request
 from kiln.engine.runner import Runner
-from kiln.engine.sampling import SamplingParams
-from kiln.engine.scheduler import Batch
+from kiln.engine.step_types import Batch
 from kiln.models.loader import default_model_path, load_model
 from kiln.models.lora import TARGET_MODULES, module_shapes
 

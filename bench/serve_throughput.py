@@ -54,7 +54,7 @@ from common import (
 
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.params import SamplingParams
 from kiln.models.loader import DEFAULT_MODEL_ID, load_model
 
 TOPICS = ["the sea", "copper", "bicycles", "the moon", "bread", "rivers", "glass", "owls", "volcanoes", "tea",

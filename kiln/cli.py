@@ -91,7 +91,7 @@ def format_settings(settings: Settings) -> str:
 def backend_choice(settings: Settings) -> dict:
     """The backend route `kiln serve` would take, and why (probes the devices; loads no model)."""
     from kiln.engine.routes import select_route
-    from kiln.iree.device import RouteUnavailable
+    from kiln.errors import RouteUnavailable
     from kiln.models.loader import resolve_dtype
 
     try:

@@ -13,7 +13,7 @@ renders it unchanged as `{"error": {"message", "type", "code", "param"}}`:
 | one request failed inside the engine     | RequestFailed                   | 500    |
 | the accelerator is gone                  | DeviceLost                      | 503    |
 
-Startup failures (`ConfigError`, `ModelLoadError`) are KilnErrors too; they end the
+Startup failures (`ConfigError`, `ModelLoadError`, `RouteUnavailable`) are KilnErrors too; they end the
 process with a message instead of becoming a response.
 """
 
@@ -70,6 +70,21 @@ class TemplateError(InvalidRequest):
     default_param = "messages"
 
 
+class DataError(InvalidRequest):
+    """A training or prompt file Kiln cannot train on (the message names the line)."""
+
+    default_code = "invalid_training_file"
+    default_param = "training_file"
+
+
+class InsufficientMemory(KilnError):
+    """A training job that does not fit beside serving, even with the KV pool shrunk."""
+
+    status = 400
+    type = "invalid_request_error"
+    default_code = "insufficient_memory"
+
+
 class InvalidAdapter(InvalidRequest):
     """An adapter directory or artifact that Kiln cannot read or serve."""
 
@@ -118,6 +133,12 @@ class AdmissionRejected(KilnError):
     type = "service_unavailable"
 
 
+class RouteCannotRun(AdmissionRejected):
+    """The chosen backend route cannot run this request's step correctly."""
+
+    default_code = "route_unsupported"
+
+
 class GraphCaptureDisabled(AdmissionRejected):
     """No compiled step bucket fits the batch and the serving profile forbids compiling one."""
 
@@ -149,6 +170,12 @@ class ConfigError(KilnError):
     """A fatal configuration error; the message names the source and the value."""
 
     type = "configuration_error"
+
+
+class RouteUnavailable(KilnError):
+    """A backend route cannot run here: what is missing and how to get it."""
+
+    type = "route_unavailable"
 
 
 class ModelLoadError(KilnError):

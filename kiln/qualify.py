@@ -102,7 +102,7 @@ def _compare_tokens(got: list[list[int]], want: list[list[int]]) -> list[dict]:
 
 def _run_suite(engine, prompts, max_tokens: int) -> dict[str, Any]:
     """Greedy and seeded sampling outputs of one engine; an error (a refused step) is recorded."""
-    from kiln.engine.sampling import SamplingParams
+    from kiln.engine.params import SamplingParams
 
     out: dict[str, Any] = {}
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -122,23 +122,9 @@ def _run_suite(engine, prompts, max_tokens: int) -> dict[str, Any]:
 
 def _measure_buckets(engine) -> dict[str, Any]:
     """Every bucket the route compiled (engine thread, between steps)."""
-    from kiln.engine.bucket_gate import KV_RTOL, LOGPROB_TOL, TIE_TOL, measure_bucket
+    from kiln.engine.bucket_gate import KV_RTOL, LOGPROB_TOL, TIE_TOL
 
-    runner = engine.core.runner
-
-    def measure():
-        buckets = []
-        for bucket, executable in list(runner.forwards.items()):
-            entry = {"shape": bucket.to_json()}
-            try:
-                entry.update(measure_bucket(runner, bucket, executable, runner._lora_abstract(bucket)))
-            except Exception as exc:
-                entry.update(passed=False, error=f"{type(exc).__name__}: {exc}")
-            buckets.append(entry)
-        refused = [{"shape": b.to_json(), "why": why} for b, why in runner.gate_failed.items()]
-        return buckets, refused
-
-    buckets, refused = engine.at_boundary(measure).result()
+    buckets, refused = engine.measure_buckets()
     measured = [b for b in buckets if "error" not in b]
     return {
         "name": "step_buckets", "passed": bool(buckets) and all(b["passed"] for b in buckets),
@@ -212,7 +198,7 @@ def qualify(settings: Settings, route_name: str, max_tokens: int = 16, n_prompts
                    "decode_row_buckets": list(config.decode_row_buckets),
                    "prefill_token_buckets": list(config.prefill_token_buckets),
                    "max_num_batched_tokens": config.max_num_batched_tokens,
-                   "resident_prefill": engine.core.resident_prefill},
+                   "resident_prefill": engine.route_info()["resident_prefill"]},
         "suite": {"prompts": len(prompts), "prompt_tokens": [len(p) for p in prompts], "max_tokens": max_tokens},
         "bytes_moved": {"host_to_device": moved[0], "device_to_host": moved[1]},
         "host": {"platform": platform.platform(), "machine": platform.machine()},
@@ -259,7 +245,7 @@ def summary(receipt: dict[str, Any], path: Path | None = None) -> str:
 
 def run(args, settings: Settings) -> int:
     """The `kiln qualify` command."""
-    from kiln.iree.device import RouteUnavailable
+    from kiln.errors import RouteUnavailable
 
     try:
         receipt = qualify(settings, args.route, max_tokens=args.tokens, n_prompts=args.prompts)

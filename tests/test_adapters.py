@@ -20,7 +20,7 @@ from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.ownership import Ownership
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.params import SamplingParams
 from kiln.errors import InvalidAdapter, InvalidRequest, KilnError
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
@@ -340,15 +340,15 @@ def test_waiting_writer_gets_the_next_boundary_and_inference_resumes(engine, reg
     deadline = time.monotonic() + 60
     while engine.snapshot["steps"] < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
-    with engine.core.ownership.write("test writer"):
+    with engine.ownership.write("test writer"):
         time.sleep(0.05)  # the step that ended as the writer took over publishes its snapshot
         frozen = engine.snapshot["steps"]
         time.sleep(0.3)
         assert engine.snapshot["steps"] == frozen  # no inference step while the writer holds it
-        assert engine.core.ownership.snapshot()["active_writer"] == "test writer"
+        assert engine.ownership.snapshot()["active_writer"] == "test writer"
     t.join(timeout=60)
     assert len(results["out"][0][0]) == 60
-    assert engine.core.ownership.writes >= 1
+    assert engine.ownership.writes >= 1
 
 
 def test_ownership_is_writer_priority():

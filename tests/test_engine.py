@@ -10,7 +10,7 @@ from conftest import jit_forward
 
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.params import SamplingParams
 from kiln.errors import GraphCaptureDisabled, InvalidRequest
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
@@ -52,7 +52,7 @@ def prompts_of(n, seed=0, lo=5, hi=60):
 
 def pool_state(eng):
     """(has work, free blocks, usable blocks, referenced blocks), read in the engine thread."""
-    core = eng.core
+    core = eng._core
     return eng.at_boundary(lambda: (core.has_work(), core.pool.num_free, core.pool.num_blocks,
                                     sum(b.ref_count > 0 for b in core.pool.blocks))).result(10)
 
@@ -206,11 +206,11 @@ def test_abort_frees_blocks(engine):
 
 def test_validation_errors(engine):
     with pytest.raises(InvalidRequest, match="maximum context length"):
-        engine.core.validate([5] * 10, SamplingParams(max_tokens=engine.max_model_len))
+        engine._core.validate([5] * 10, SamplingParams(max_tokens=engine.max_model_len))
     with pytest.raises(InvalidRequest):
-        engine.core.validate([], SamplingParams())
+        engine._core.validate([], SamplingParams())
     with pytest.raises(InvalidRequest):
-        engine.core.validate([999999], SamplingParams())
+        engine._core.validate([999999], SamplingParams())
 
 
 def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
@@ -221,7 +221,7 @@ def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
         (_, _, last), = run(eng, [prompt], greedy)
         assert last.finish_reason == "error" and isinstance(last.error, GraphCaptureDisabled)
         assert last.error.status == 503 and last.error.code == "graph_capture_disabled"
-        runner = eng.core.runner
+        runner = eng._core.runner
         # what a server start builds: the plain steps and samplers (the LoRA steps wait for an adapter)
         eng.at_boundary(lambda: runner.warm(runner.startup_set(defer_lora=True), workers=os.cpu_count() or 1)).result()
         compiled = set(runner.compiled)
@@ -378,7 +378,7 @@ def test_priming_runs_the_first_contact_steps_once_and_changes_no_tokens(tiny_mo
 
     eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
     try:
-        runner = eng.core.runner
+        runner = eng._core.runner
         done = eng.at_boundary(lambda: (runner.warm(runner.startup_set(defer_lora=True)),
                                         prime_first_contact(runner))[1]).result(300)
         primed = {b.describe() for b in runner.forwards if b not in runner.unprimed}

@@ -53,11 +53,11 @@ def engine(tiny_model):
 
 
 def test_run_in_process_batches_the_items_and_grades_each(engine):
-    steps = engine.core.steps
+    steps = engine._core.steps
     result = kiln.eval.run(ITEMS, [EVEN, lambda sample, item: float(len(sample["output_text"]) >= 0)], TEMPLATE,
                            engine=engine, temperature=0, max_completion_tokens=6, progress=False)
     generated = sum(o["sample"]["usage"]["completion_tokens"] for o in result.outcomes)
-    assert engine.core.steps - steps < generated  # the items shared steps: they ran as one batch
+    assert engine._core.steps - steps < generated  # the items shared steps: they ran as one batch
     assert [o["datasource_item_id"] for o in result.outcomes] == list(range(6))
     assert result.result_counts == {"total": 6, "passed": 3, "failed": 3, "errored": 0}
     assert result.per_testing_criteria_results == [{"testing_criteria": "even", "passed": 3, "failed": 3},

@@ -78,18 +78,18 @@ def test_injector_raises_after_n_dispatched_steps():
 
 def test_device_loss_in_the_engine_fails_every_caller(tiny_model):
     """Callers without HTTP (evals, rollouts) see the same: DeviceLost, blocks freed, nothing runs again."""
-    from kiln.engine.sampling import SamplingParams
+    from kiln.engine.params import SamplingParams
 
     engine = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4,
                                                   max_num_batched_tokens=32, decode_row_buckets=(4,),
                                                   prefill_token_buckets=(32,), inject_device_loss_after_steps=3))
     try:
-        free = engine.at_boundary(lambda: engine.core.pool.num_free).result(30)
+        free = engine.at_boundary(lambda: engine._core.pool.num_free).result(30)
         params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         with pytest.raises(DeviceLost):
             engine.complete([[5, 6, 7], [8, 9]], params, timeout=120)
         assert engine.device_lost is not None and engine.alive()
-        assert engine.core.pool.num_free == free and not engine.core.scheduler.requests
+        assert engine._core.pool.num_free == free and not engine._core.scheduler.requests
         with pytest.raises(DeviceLost):
             engine.complete([[5, 6, 7]], params, timeout=30)
         with pytest.raises(DeviceLost):
@@ -102,7 +102,7 @@ def test_device_loss_in_the_engine_fails_every_caller(tiny_model):
 def test_a_device_loss_outside_the_steps_ends_serving_too(tiny_model):
     """A training job's own accelerator work reports a lost device: the running request fails
     with it and nothing runs again, as when a step loses it."""
-    from kiln.engine.sampling import SamplingParams
+    from kiln.engine.params import SamplingParams
 
     engine = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, block_size=16, max_num_seqs=4,
                                                   max_num_batched_tokens=32, decode_row_buckets=(4,),
@@ -242,7 +242,7 @@ def in_process_server(engine, tmp):
     from kiln.server.state import ServerState
 
     settings = resolve_settings(env={"XDG_CACHE_HOME": str(tmp), "KILN_MODEL_SERVED_MODEL_NAME": MODEL})
-    state = ServerState(settings, engine, engine.core.metrics, AdapterRegistry(engine, AdapterStore(tmp / "adapters")))
+    state = ServerState(settings, engine, engine._core.metrics, AdapterRegistry(engine, AdapterStore(tmp / "adapters")))
     state.prewarm = "done"
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
@@ -266,12 +266,12 @@ def live(tiny_model, tmp_path_factory):
                                                   max_num_batched_tokens=64, decode_row_buckets=(1, 2, 4),
                                                   prefill_token_buckets=(16, 32, 64)), EngineMetrics(MODEL))
     with in_process_server(engine, tmp_path_factory.mktemp("live")) as url:
-        yield url, engine, StepFault(engine.core.runner)
+        yield url, engine, StepFault(engine._core.runner)
 
 
 def _engine_state(engine) -> dict:
     """The scheduler and block pool as the engine thread sees them, between two steps."""
-    core = engine.core
+    core = engine._core
     return engine.at_boundary(lambda: {
         "free": core.pool.num_free, "requests": len(core.scheduler.requests),
         "running": len(core.scheduler.running), "waiting": len(core.scheduler.waiting)}).result(30)
@@ -381,7 +381,7 @@ def test_a_failed_step_on_an_iree_route_quarantines_it_and_xla_serves_on(tiny_mo
     xla_url = live[0]
     route = select_route("iree-cpu", kiln_cache / "iree")
     engine = AsyncEngine(tiny_model, EngineConfig(**SMALL), EngineMetrics(MODEL), route=route)
-    fault = StepFault(engine.core.runner)
+    fault = StepFault(engine._core.runner)
     prompt = {"model": MODEL, "prompt": [40, 41, 42, 43], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     with in_process_server(engine, tmp_path) as url:
         expected = httpx.post(xla_url + "/v1/completions", json=prompt, timeout=120).json()["choices"][0]["text"]
@@ -411,5 +411,5 @@ def test_a_failed_step_on_an_iree_route_quarantines_it_and_xla_serves_on(tiny_mo
         for _ in range(2):  # requests go on, on XLA, with XLA's tokens
             r = httpx.post(url + "/v1/completions", json=prompt, timeout=120)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
-        assert not engine.core.runner.route.is_iree and len(route.resident) == 0
+        assert not engine._core.runner.route.is_iree and len(route.resident) == 0
         assert _idle(engine)["requests"] == 0

@@ -72,9 +72,9 @@ def test_each_step_publishes_a_new_policy_version(policy_engine):
     run = GRPORun(policy_engine, random_prompts(2, seed=2), [None] * 2,
                   lambda texts, items: [len(t) for t in texts], config, name="policy-versions")
     first = run.adapter
-    metrics = run.run_step(policy_engine.core.ownership)
+    metrics = run.run_step(policy_engine.ownership)
     assert run.adapter is not first and first.retired and run.adapter.version == "step-1"
-    resident = policy_engine.at_boundary(policy_engine.core.lora_slots.resident).result()
+    resident = policy_engine.at_boundary(policy_engine._core.lora_slots.resident).result()
     assert [r["version"] for r in resident if r["adapter"] == "policy-versions"] == ["step-1"]
     assert {"reward_mean", "reward_std", "kl", "clip_fraction", "entropy", "completion_length", "rollout_seconds",
             "train_seconds", "tokens_per_second"} <= set(metrics)
@@ -97,7 +97,7 @@ def test_a_learnable_reward_rises(policy_engine):
         groups = run.sample(run.step_prompts())
         for r in (r for g in groups for r in g):
             r.reward = float(np.mean([t == target for t in r.completion_ids]))
-        history.append(run.train_step(groups, policy_engine.core.ownership)["reward_mean"])
+        history.append(run.train_step(groups, policy_engine.ownership)["reward_mean"])
     assert run.done
     first, last = np.mean(history[:3]), np.mean(history[-3:])
     assert last > first + 0.2, history

@@ -16,9 +16,10 @@ pytest.importorskip("iree.runtime")
 
 from kiln.engine.client import AsyncEngine  # noqa: E402
 from kiln.engine.config import EngineConfig  # noqa: E402
+from kiln.engine.params import SamplingParams  # noqa: E402
 from kiln.engine.routes import select_route  # noqa: E402
-from kiln.engine.sampling import SamplingParams  # noqa: E402
-from kiln.iree.device import RouteUnavailable, probe  # noqa: E402
+from kiln.errors import RouteUnavailable  # noqa: E402
+from kiln.iree.device import probe  # noqa: E402
 
 # the engine settings of the IREE server and qualify tests too: they share compiled modules
 SMALL = dict(num_kv_blocks=32, block_size=16, decode_row_buckets=(1, 4), prefill_token_buckets=(32,),
@@ -100,7 +101,7 @@ def test_an_adapter_serves_on_the_route_as_on_xla(tiny_model, xla_engine, iree_e
     from kiln.engine.lora_slots import AdapterWeights
     from kiln.models.lora import TARGET_MODULES, module_shapes
 
-    if iree_engine.core.route.name == "vulkan":  # it passes there too, in 100+ s of lavapipe compiles
+    if iree_engine._core.route.name == "vulkan":  # it passes there too, in 100+ s of lavapipe compiles
         pytest.skip("LoRA buckets on lavapipe are left out of the suite for time")
     cfg, rng = tiny_model.config, np.random.default_rng(5)
     weights = {m: {"a": (0.3 * rng.standard_normal((cfg.num_layers, i, 8))).astype(np.float32),
@@ -121,19 +122,19 @@ def test_an_adapter_serves_on_the_route_as_on_xla(tiny_model, xla_engine, iree_e
 
 
 def test_kv_stays_on_device(iree_engine):
-    route = iree_engine.core.route
+    route = iree_engine._core.route
     run(iree_engine, [PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     up, down = route.bytes_moved()
     run(iree_engine, [PROMPTS[0]], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
     up2, down2 = route.bytes_moved()
-    kv_bytes = sum(np.prod(x.shape) * 4 for x in iree_engine.core.runner.kv)
+    kv_bytes = sum(np.prod(x.shape) * 4 for x in iree_engine._core.runner.kv)
     per_step = (up2 - up + down2 - down) / 8  # the second run has about 8 more steps
     assert per_step < kv_bytes / 10, (per_step, kv_bytes)
-    assert isinstance(iree_engine.core.runner.kv.k, route.device.rt.DeviceArray)
+    assert isinstance(iree_engine._core.runner.kv.k, route.device.rt.DeviceArray)
 
 
 def test_vulkan_quarantines_prefix_reuse(iree_engine):
-    core = iree_engine.core
+    core = iree_engine._core
     assert core.pool.enable_caching == (core.route.name != "vulkan")
 
 
@@ -182,7 +183,7 @@ def test_bucket_gate_refuses_a_step_that_computes_wrong(tiny_model, iree_cache, 
     that no passing bucket fits gets 503 route_unsupported rather than wrong tokens."""
     import kiln.engine.bucket_gate as gate
     import kiln.iree.compile as compile_module
-    from kiln.engine.routes import RouteCannotRun
+    from kiln.errors import RouteCannotRun
 
     monkeypatch.setattr(gate, "KV_RTOL", 1e-4)
     config = EngineConfig(**{**SMALL, "decode_row_buckets": (1,)})
@@ -196,7 +197,7 @@ def test_bucket_gate_refuses_a_step_that_computes_wrong(tiny_model, iree_cache, 
 
     float32 = AsyncEngine(tiny_model, config, route=select_route("iree-cpu", iree_cache))
     try:
-        assert last_delta(float32).finish_reason == "length" and not float32.core.runner.gate_failed
+        assert last_delta(float32).finish_reason == "length" and not float32._core.runner.gate_failed
     finally:
         float32.shutdown()
     demoted = (*compile_module.TARGET_FLAGS["llvm-cpu"], "--iree-global-opt-demote-contraction-inputs-operations=all",
@@ -207,7 +208,7 @@ def test_bucket_gate_refuses_a_step_that_computes_wrong(tiny_model, iree_cache, 
         final = last_delta(bf16)
         assert final.finish_reason == "error" and isinstance(final.error, RouteCannotRun), final
         assert final.token_ids == []
-        failed = bf16.core.runner.gate_failed
+        failed = bf16._core.runner.gate_failed
         assert failed and all(why.startswith("call 1:") for why in failed.values()), failed
     finally:
         bf16.shutdown()
@@ -221,17 +222,17 @@ def test_resident_prefill_feeds_prompts_as_decode_steps(tiny_model, iree_cache, 
     route = select_route("vulkan", iree_cache)
     eng = AsyncEngine(tiny_model, EngineConfig(**SMALL, resident_prefill=True), route=route)
     try:
-        assert eng.core.resident_prefill
+        assert eng._core.resident_prefill
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         assert run(eng, PROMPTS, params) == run(xla_engine, PROMPTS, params)
-        assert eng.core.runner.forwards and all(b.kind == "decode" for b in eng.core.runner.forwards)
+        assert eng._core.runner.forwards and all(b.kind == "decode" for b in eng._core.runner.forwards)
         run(eng, [PROMPTS[1]], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))
-        assert any(b.kind == "prefill" for b in eng.core.runner.forwards)
+        assert any(b.kind == "prefill" for b in eng._core.runner.forwards)
     finally:
         eng.shutdown()
     stable = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
     try:
-        assert not stable.core.resident_prefill
+        assert not stable._core.resident_prefill
     finally:
         stable.shutdown()
 
@@ -255,9 +256,9 @@ def test_a_batch_whose_bucket_fails_its_gate_runs_split(tiny_model, iree_cache, 
     try:
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         assert run(eng, PROMPTS, params) == run(xla_engine, PROMPTS, params)
-        failed = eng.core.runner.gate_failed
+        failed = eng._core.runner.gate_failed
         assert failed and all(b.kind == "prefill" and b.tokens == 32 for b in failed), failed
         assert eng.snapshot["step_failures"] == 0
-        assert all(b.tokens == 16 for b in eng.core.runner.forwards if b.kind == "prefill")
+        assert all(b.tokens == 16 for b in eng._core.runner.forwards if b.kind == "prefill")
     finally:
         eng.shutdown()

@@ -59,3 +59,13 @@ def test_every_documented_error_code_is_asserted_by_a_test():
     here = Path(__file__).name
     tests = "".join(p.read_text() for p in (ROOT / "tests").glob("*.py") if p.name != here)
     assert not {c for c in codes if f'"{c}"' not in tests}, "documented error codes no test asserts"
+
+
+def test_nothing_outside_the_engine_reaches_into_its_core():
+    """The engine's facade (AsyncEngine) is all the rest of Kiln uses: EngineCore, the scheduler, the
+    runner and the step types stay behind it."""
+    inner = re.compile(r"\._core\b|\bEngineCore\b|kiln\.engine\.(core|scheduler|runner|step_types)\b")
+    offenders = [f"{path.relative_to(ROOT)}:{i}" for path in (ROOT / "kiln").rglob("*.py")
+                 if "engine" not in path.relative_to(ROOT / "kiln").parts[:1]
+                 for i, line in enumerate(path.read_text().splitlines(), 1) if inner.search(line)]
+    assert not offenders, offenders

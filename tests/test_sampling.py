@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kiln.engine.sampling import RowSampling, SamplingParams, sample
+from kiln.engine.params import SamplingParams
+from kiln.engine.sampling import RowSampling, sample
 from kiln.errors import InvalidRequest
 
 V = 12

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import EngineConfig
+from kiln.engine.params import SamplingParams
 from kiln.engine.request import Request, Status
-from kiln.engine.sampling import SamplingParams
 from kiln.engine.scheduler import Scheduler
 
 BLOCK = 4

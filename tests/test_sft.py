@@ -12,8 +12,9 @@ from kiln.adapters.registry import AdapterRegistry
 from kiln.adapters.store import AdapterStore, load_weights
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
-from kiln.engine.sampling import SamplingParams
-from kiln.train.data import DataError, epoch_batches, length_buckets, load_examples
+from kiln.engine.params import SamplingParams
+from kiln.errors import DataError
+from kiln.train.data import epoch_batches, length_buckets, load_examples
 from kiln.train.sft import SFTConfig, SFTRun, sft
 
 REPLY = "kiln says hi"

@@ -13,8 +13,8 @@ from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.grammar import GrammarSpec
 from kiln.engine.lora_slots import AdapterWeights
+from kiln.engine.params import SamplingParams
 from kiln.engine.runner import COUNTER
-from kiln.engine.sampling import SamplingParams
 from kiln.models.lora import module_shapes
 
 
@@ -95,14 +95,14 @@ def test_a_random_mix_of_requests_compiles_nothing_outside_the_enumerated_set(lo
     compiles nothing: no XLA backend compile happens and no step waits for one."""
     eng = AsyncEngine(long_model, EngineConfig())
     try:
-        runner = eng.core.runner
+        runner = eng._core.runner
         enumerated = runner.executable_set()
         assert len(enumerated) <= 48
         eng.at_boundary(lambda: runner.warm(workers=os.cpu_count() or 1)).result()  # as a server start builds it
         assert set(runner.executables) == set(enumerated)
-        grammars = [eng.core.grammars.compile(GrammarSpec("json", {"type": "object", "properties": {
+        grammars = [eng._core.grammars.compile(GrammarSpec("json", {"type": "object", "properties": {
                         "a": {"type": "integer"}}, "required": ["a"]})),
-                    eng.core.grammars.compile(GrammarSpec("regex", "[ab]{2,6}c?"))]
+                    eng._core.grammars.compile(GrammarSpec("regex", "[ab]{2,6}c?"))]
         adapters = [_adapter(long_model.config, seed) for seed in (1, 2)]
         rng = random.Random(7)
         # the adapters' slots are written once before counting: a slot write is a writer operation

@@ -17,7 +17,7 @@ from test_engine import SMALL, run
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.grammar import GrammarSpec
-from kiln.engine.sampling import SamplingParams, ThinkingBudget
+from kiln.engine.params import SamplingParams, ThinkingBudget
 from kiln.errors import InvalidRequest
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.server.chat_output import OutputReader, StreamedChoice, choose_parser
@@ -63,7 +63,7 @@ SAMPLING = st.fixed_dictionaries({
 
 def constrained(engine, spec, prompts, **params):
     """Every choice of every prompt, as (text, finish reason)."""
-    grammar = engine.core.grammars.compile(spec)
+    grammar = engine._core.grammars.compile(spec)
     outs = engine.complete(prompts, SamplingParams(grammar=grammar, **params))
     return [(c.text, c.finish_reason) for choices in outs for c in choices]
 
@@ -102,7 +102,7 @@ def default_engine(kiln_cache):
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=SCHEMAS, pattern=REGEXES, sampling=SAMPLING)
 def test_the_default_model_follows_random_schemas_and_regexes(default_engine, schema, pattern, sampling):
-    tok = default_engine.core.model.tokenizer
+    tok = default_engine._core.model.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Answer in JSON."}]),
                         add_special_tokens=False)
     for text, finish in constrained(default_engine, GrammarSpec("json", schema), [prompt], max_tokens=64, n=2,
@@ -155,7 +155,7 @@ def test_seeded_constrained_sampling_is_reproducible_and_batch_independent(engin
 
 
 def test_unconstrained_batches_build_no_mask(engine):
-    runner = engine.core.runner
+    runner = engine._core.runner
     before = runner.masks.steps
     run(engine, [[5, 6, 7], list(range(3, 60))], SamplingParams(max_tokens=4, temperature=0.5, top_k=3))
     assert runner.masks.steps == before  # no mask was built, so none was sent or applied
@@ -172,12 +172,12 @@ def test_unconstrained_batches_build_no_mask(engine):
 ])
 def test_invalid_grammars_are_invalid_requests_naming_the_field(engine, spec, reason):
     with pytest.raises(InvalidRequest) as err:
-        engine.core.grammars.compile(spec)
+        engine._core.grammars.compile(spec)
     assert err.value.param == spec.param and reason in str(err.value)
 
 
 def test_grammars_are_compiled_once_per_source(engine):
-    compiler = engine.core.grammars
+    compiler = engine._core.grammars
     before = compiler.compiled
     for _ in range(3):
         compiler.compile(GrammarSpec("json", {"type": "object", "properties": {"z": {"type": "integer"}}}))
@@ -189,11 +189,12 @@ def test_thinking_budget_forces_the_end_of_thinking(engine, tiny_model):
     end = tuple(tok.encode("</think>", add_special_tokens=False))
     prompts = [tok.encode("<think>", add_special_tokens=False) + [5, 6]] * 2
     outs = engine.complete(prompts, [SamplingParams(max_tokens=30, temperature=1.0, seed=s, ignore_eos=True,
-                                                    thinking=ThinkingBudget(7, end, opened=True)) for s in (1, 2)])
+                                                    thinking=ThinkingBudget(7, end, "<think>", "</think>", opened=True))
+                                  for s in (1, 2)])
     for [c] in outs:  # the prompt opened the block: 7 tokens of thinking, then </think>, then the answer
         assert tuple(c.token_ids[7:7 + len(end)]) == end and len(c.token_ids) == 30
     [[c]] = engine.complete([[5, 6]], SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True,
-                                                     thinking=ThinkingBudget(0, end)))
+                                                     thinking=ThinkingBudget(0, end, "<think>", "</think>")))
     assert "</think>" not in c.text  # an answer that does not open a thinking block is left alone
 
 

@@ -14,7 +14,7 @@ from server_process import suite_env
 
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.params import SamplingParams
 
 
 def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
@@ -56,7 +56,7 @@ def test_engine_publishes_kv_events(tiny_model):
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(eng.core.publisher.endpoint)
+    sub.connect(eng._core.publisher.endpoint)
     try:
         asyncio.run(asyncio.sleep(0.3))  # let the subscription reach the publisher
         prompt = list(range(10, 60))  # 50 tokens: 3 full blocks

@@ -17,6 +17,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -28,11 +29,13 @@ from typing import Any
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.faults import as_device_lost, is_device_loss
+from kiln.engine.grammar import GrammarCompiler
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
+from kiln.engine.ownership import Ownership
+from kiln.engine.params import SamplingParams
 from kiln.engine.routes import StepRoute
-from kiln.engine.sampling import SamplingParams
 from kiln.errors import DeviceLost, KilnError
 from kiln.models.loader import LoadedModel
 
@@ -110,11 +113,11 @@ def _deliver(batch: list[tuple[RequestStream, Delta]]) -> None:
 class AsyncEngine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, metrics: EngineMetrics | None = None,
                  route: StepRoute | None = None):
-        self.core = EngineCore(model, config or EngineConfig(), metrics, route)
+        self._core = EngineCore(model, config or EngineConfig(), metrics, route)
         self.model = model
-        self.config = self.core.config
-        self.max_model_len = self.core.max_model_len
-        self.snapshot: dict[str, Any] = self.core.snapshot()
+        self.config = self._core.config
+        self.max_model_len = self._core.max_model_len
+        self.snapshot: dict[str, Any] = self._core.snapshot()
         if metrics is not None:
             metrics.attach(lambda: {**self.snapshot, "waiting": self.num_waiting()})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -134,8 +137,8 @@ class AsyncEngine:
                adapter: AdapterWeights | None = None, cache_salt: str | None = None) -> RequestStream:
         """Validates the request now (raising InvalidRequest) and returns its stream. Call from
         the event loop that will read the stream. Raises DeviceLost once the device is gone."""
-        self.core.check_device()
-        requests = self.core.make_requests(request_id, prompt_ids, params, adapter, cache_salt)
+        self._core.check_device()
+        requests = self._core.make_requests(request_id, prompt_ids, params, adapter, cache_salt)
         stream = RequestStream(self, request_id, params.n, asyncio.get_running_loop())
         self._enqueue_adds(requests, stream)
         return stream
@@ -144,8 +147,8 @@ class AsyncEngine:
                     adapter: AdapterWeights | None = None, cache_salt: str | None = None) -> list[str]:
         """Like submit, for callers without an event loop: `sink` is called in the engine thread
         with every delta (keep it short). Returns the ids of the n choices' requests."""
-        self.core.check_device()
-        requests = self.core.make_requests(request_id, prompt_ids, params, adapter, cache_salt)
+        self._core.check_device()
+        requests = self._core.make_requests(request_id, prompt_ids, params, adapter, cache_salt)
         self._enqueue_adds(requests, sink)
         return [r.request_id for r in requests]
 
@@ -237,10 +240,10 @@ class AsyncEngine:
         None while every slot serves live requests: it then loads on first use). The first one
         after a start that deferred the LoRA steps builds them first, on this thread."""
         self._build_deferred_steps()
-        return self.at_boundary(lambda: self.core.lora_slots.place(adapter))
+        return self.at_boundary(lambda: self._core.lora_slots.place(adapter))
 
     def _build_deferred_steps(self) -> None:
-        runner = self.core.runner
+        runner = self._core.runner
         with self._deferred_lock:
             while runner.deferred:
                 if runner.route.is_iree:  # its gates run modules on the device: not beside serving steps
@@ -253,7 +256,92 @@ class AsyncEngine:
     def retire_adapter(self, adapter: AdapterWeights) -> concurrent.futures.Future:
         """Unload/replace: new requests cannot select this version; requests already on it
         finish with it, and its slot frees when the last one ends."""
-        return self.at_boundary(lambda: self.core.lora_slots.retire(adapter))
+        return self.at_boundary(lambda: self._core.lora_slots.retire(adapter))
+
+    # ---- what the rest of Kiln uses of the engine -----------------------------------------------
+
+    @property
+    def ownership(self) -> Ownership:
+        """The accelerator's writer-priority ownership: training steps, checkpoints and reclaims write."""
+        return self._core.ownership
+
+    @property
+    def metrics(self) -> EngineMetrics | None:
+        return self._core.metrics
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output grammars (any thread; a compile never holds up the engine)."""
+        return self._core.grammars
+
+    def route_info(self) -> dict[str, Any]:
+        """The backend route steps run on: the route, why it was chosen, its capabilities and gates,
+        whether it prefills on the device, and what quarantined it (None while it serves)."""
+        core = self._core
+        return {**core.route.choice.to_json(), "resident_prefill": core.resident_prefill,
+                "quarantined": core.quarantined}
+
+    def step_set(self) -> list[str]:
+        """Every compiled step of the engine's bounded set, described."""
+        return [key.describe() for key in self._core.runner.executable_set()]
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Accelerator bytes of one KV block (every layer's K and V)."""
+        runner = self._core.runner
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in runner.abstract[1]) // runner.num_blocks
+
+    @property
+    def min_kv_blocks(self) -> int:
+        """The smallest pool a KV resize may leave."""
+        return self._core.min_kv_blocks
+
+    def prewarm(self, on_progress: Callable[[int, int], None] | None = None) -> concurrent.futures.Future:
+        """Builds (or loads) the step set but its LoRA steps, which the first adapter load builds, then
+        runs once the steps a short chat turn uses, on the engine thread (see warmup.py); the future
+        carries what it did."""
+        from kiln.engine.warmup import build_step_set, prime_first_contact
+
+        runner = self._core.runner
+        return self.at_boundary(lambda: {**build_step_set(runner, defer_lora=True, on_progress=on_progress),
+                                         **prime_first_contact(runner)})
+
+    def resize_kv(self, blocks: int, attempts: int = 1, give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Gives the KV pool `blocks` blocks at an iteration boundary (blocking). The new size's steps
+        are compiled here first, so serving never waits for a compile. A shrink is retried every 0.5 s,
+        `attempts` times, while running requests hold more blocks than the smaller pool has (False if
+        it never could)."""
+        core = self._core
+        buckets = self.at_boundary(core.runner.installed_buckets).result()
+        executables = core.runner.compile_for_pool(blocks, buckets)
+        for attempt in range(attempts):
+            if self.at_boundary(lambda: core.resize_kv(blocks, executables)).result():
+                return True
+            if give_up():
+                break
+            if attempt + 1 < attempts:
+                time.sleep(0.5)
+        return False
+
+    def measure_buckets(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Every compiled forward step against XLA on its gate's batch (its `error` when it cannot run),
+        and the steps their gate refused, with why (qualification; blocking)."""
+        from kiln.engine.bucket_gate import measure_bucket
+
+        runner = self._core.runner
+
+        def measure():
+            buckets = []
+            for bucket, executable in list(runner.forwards.items()):
+                entry = {"shape": bucket.to_json()}
+                try:
+                    entry.update(measure_bucket(runner, bucket, executable, runner._lora_abstract(bucket)))
+                except Exception as exc:  # a step that cannot run is a finding of the qualification
+                    entry.update(passed=False, error=f"{type(exc).__name__}: {exc}")
+                buckets.append(entry)
+            return buckets, [{"shape": b.to_json(), "why": why} for b, why in runner.gate_failed.items()]
+
+        return self.at_boundary(measure).result()
 
     def num_waiting(self) -> int:
         """Requests not yet running: queued in the scheduler or not yet picked up."""
@@ -270,13 +358,13 @@ class AsyncEngine:
     @property
     def device_lost(self) -> DeviceLost | None:
         """The device loss that ended serving on this process, if any (permanent)."""
-        return self.core.device_lost
+        return self._core.device_lost
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
-        self.core.close()
+        self._core.close()
 
     def _enqueue_adds(self, requests, sink) -> None:
         with self._pending_lock:
@@ -290,20 +378,20 @@ class AsyncEngine:
         while not self._stop:
             try:
                 self._drain_inbox()
-                if not self.core.has_work():
-                    self.snapshot = self.core.snapshot()
+                if not self._core.has_work():
+                    self.snapshot = self._core.snapshot()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                steps = self.core.steps
-                outputs = self.core.step()
-                self.snapshot = self.core.snapshot()  # before the outputs: whoever saw a delta sees its step
+                steps = self._core.steps
+                outputs = self._core.step()
+                self.snapshot = self._core.snapshot()  # before the outputs: whoever saw a delta sees its step
                 self._dispatch(outputs)
-                if self.core.steps == steps:  # nothing could run (e.g. every adapter slot is busy)
+                if self._core.steps == steps:  # nothing could run (e.g. every adapter slot is busy)
                     self._wake.wait(0.001)
                     self._wake.clear()
             except DeviceLost as exc:  # raised outside a step (a step turns its own into final deltas)
-                if self.core.device_lost is None:
+                if self._core.device_lost is None:
                     self._lose_device(exc)
             except Exception:  # the loop must survive anything one iteration does
                 log.exception("engine iteration failed")
@@ -325,39 +413,39 @@ class AsyncEngine:
                     sink = (mailbox, sink)
                 for req in requests:
                     self._sinks[req.request_id] = sink
-                    if self.core.device_lost is None:
-                        self.core.add_request(req)
+                    if self._core.device_lost is None:
+                        self._core.add_request(req)
                     else:  # submitted before the device was lost, picked up after
                         self._dispatch([Delta(req.request_id, req.index, [], "", finish_reason="error",
-                                              error=DeviceLost(self.core.device_lost.message))])
+                                              error=DeviceLost(self._core.device_lost.message))])
                 with self._pending_lock:
                     self._pending_adds -= len(requests)
             elif kind == "abort":
-                self._dispatch(self.core.abort(item[1]))
+                self._dispatch(self._core.abort(item[1]))
             elif kind == "abort_all":
-                self._dispatch(self.core.abort_all(item[1]))
+                self._dispatch(self._core.abort_all(item[1]))
             elif kind == "call":
                 _, fn, future = item
-                self._dispatch(self.core.flush())  # a boundary: no step is in flight while fn runs
+                self._dispatch(self._core.flush())  # a boundary: no step is in flight while fn runs
                 try:
-                    self.core.check_device()
+                    self._core.check_device()
                     result = fn()
                 except Exception as exc:  # a boundary task must not kill the loop
                     if is_device_loss(exc):
                         exc = as_device_lost(exc)
-                        if self.core.device_lost is None:
+                        if self._core.device_lost is None:
                             self._lose_device(exc)
                     else:
                         log.exception("iteration-boundary task failed")
-                        self.snapshot = self.core.snapshot()
+                        self.snapshot = self._core.snapshot()
                     future.set_exception(exc)
                 else:
-                    self.snapshot = self.core.snapshot()  # the caller sees the state its call left
+                    self.snapshot = self._core.snapshot()  # the caller sees the state its call left
                     future.set_result(result)
 
     def _lose_device(self, exc: DeviceLost) -> None:
-        outputs = self.core.lose_device(exc)
-        self.snapshot = self.core.snapshot()
+        outputs = self._core.lose_device(exc)
+        self.snapshot = self._core.snapshot()
         self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[Delta]) -> None:

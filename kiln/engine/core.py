@@ -35,11 +35,12 @@ from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
 from kiln.engine.ownership import Ownership
 from kiln.engine.pacing import StepClock
+from kiln.engine.params import SamplingParams
 from kiln.engine.request import Request
 from kiln.engine.routes import XLA, StepRoute
-from kiln.engine.runner import PendingStep, Runner
-from kiln.engine.sampling import SamplingParams
-from kiln.engine.scheduler import Batch, Scheduler, StepFailure
+from kiln.engine.runner import Runner
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.step_types import Batch, PendingStep, StepFailure
 from kiln.errors import DeviceLost, InvalidRequest, KilnError
 from kiln.models.loader import LoadedModel
 

@@ -106,13 +106,13 @@ class OutputState:
             return
         if self.thinking == "unknown":
             head = self.text.lstrip()
-            if head.startswith("<think>"):
+            if head.startswith(budget.start):
                 self.thinking = "open"
-            elif not "<think>".startswith(head):
+            elif not budget.start.startswith(head):
                 self.thinking = "closed"  # this answer does not think
                 return
         self.thought += 1
-        if "</think>" in self.text:
+        if budget.end in self.text:
             self.thinking = "closed"
         elif self.thinking == "open" and self.thought >= budget.budget:
             req.forced = list(budget.end_ids)

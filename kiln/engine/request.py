@@ -7,7 +7,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.params import SamplingParams
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher

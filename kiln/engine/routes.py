@@ -26,17 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kiln.errors import AdmissionRejected
-
 log = logging.getLogger("kiln.engine")
 
 GATE_SIZE = 1024  # a row this long exercises the sorts sampling does over a vocabulary
-
-
-class RouteCannotRun(AdmissionRejected):
-    """The chosen backend route cannot run this request's step correctly."""
-
-    default_code = "route_unsupported"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +138,7 @@ def select_route(requested: str, cache_dir: Path, model_dtype: str = "float32",
                  capabilities: dict | None = None) -> StepRoute:
     """The route to serve with. `requested` is xla, vulkan or iree-cpu (fatal RouteUnavailable when it cannot
     run here) or `auto`. `capabilities` stands in for probing the Vulkan device (tests)."""
-    from kiln.iree.device import RouteUnavailable
+    from kiln.errors import RouteUnavailable
 
     need = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(model_dtype, "f32")
     if requested == "xla":

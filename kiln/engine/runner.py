@@ -41,27 +41,25 @@ from kiln.engine.executables import ExecutableStore, executable_key
 from kiln.engine.faults import DeviceLossInjector, as_device_lost, first_line, is_device_loss
 from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
-from kiln.engine.output import TokenLogprob
 from kiln.engine.request import Request
-from kiln.engine.routes import XLA, RouteCannotRun, RouteChoice, StepRoute, xla_capabilities
-from kiln.engine.sampling import RowSampling, Sampled, adjust_capacity
-from kiln.engine.scheduler import Batch, Rows, StepFailure
+from kiln.engine.routes import XLA, RouteChoice, StepRoute, xla_capabilities
+from kiln.engine.sampling import RowSampling, adjust_capacity
+from kiln.engine.step_types import Batch, PendingStep, Rows, StepFailure, StepResult
 from kiln.engine.steps import (
     COUNTER,
-    PromptLogprobs,
     TokenFeed,
     forward_sample_step,
     forward_step,
     prompt_logprobs_step,
     sample_step,
 )
-from kiln.errors import GraphCaptureDisabled, RequestFailed
+from kiln.errors import GraphCaptureDisabled, RequestFailed, RouteCannotRun
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, StepInputs, init_kv_cache, table_width
 from kiln.models.lora import module_shapes
 
-__all__ = ["COUNTER", "PendingStep", "Runner", "SamplerKey", "StepBucket", "StepResult"]
+__all__ = ["COUNTER", "Runner", "SamplerKey", "StepBucket"]
 
 log = logging.getLogger("kiln.engine")
 
@@ -105,64 +103,6 @@ class SamplerKey:
 
     def describe(self) -> str:
         return f"sampler rows={self.rows}"
-
-
-class StepResult:
-    """One executed batch, on the host: each row's sampled token and, for rows that asked,
-    the logprobs of their prompt tokens. `starts`: each row's first position in the step."""
-
-    def __init__(self, rows: Rows, sampled: Sampled, prompt: PromptLogprobs | None, targets: np.ndarray,
-                 starts: list[int]):
-        self.tokens, self.logprobs = np.asarray(sampled.tokens), np.asarray(sampled.logprobs)
-        want_top = any(r.params.logprobs for r, _ in rows)
-        self.top_ids = np.asarray(sampled.top_ids) if want_top else None
-        self.top_lps = np.asarray(sampled.top_logprobs) if want_top else None
-        self.rows = rows
-        want_prompt = prompt is not None and any(r.params.prompt_logprobs is not None for r, _ in rows)
-        self.prompt = tuple(np.asarray(x) for x in prompt) if want_prompt else None
-        self.targets = targets
-        self.offsets = np.cumsum([0] + [n for _, n in rows])
-        self.starts = starts
-
-    def token(self, i: int) -> tuple[int, float, list[tuple[int, float]]]:
-        k = self.rows[i][0].params.logprobs or 0
-        top = list(zip(self.top_ids[i, :k].tolist(), self.top_lps[i, :k].tolist(), strict=True)) if k else []
-        return int(self.tokens[i]), float(self.logprobs[i]), top
-
-    def prompt_logprobs(self, i: int) -> list[tuple[int, TokenLogprob]]:
-        """(prompt position, logprob of the prompt token there) for the row's new tokens."""
-        if self.prompt is None:
-            return []
-        target, ids, lps = self.prompt
-        k = self.rows[i][0].params.prompt_logprobs or 0
-        out = []
-        for t in range(self.offsets[i], self.offsets[i + 1]):
-            if self.targets[t] >= 0:
-                top = list(zip(ids[t, :k].tolist(), lps[t, :k].tolist(), strict=True))
-                pos = self.starts[i] + (t - self.offsets[i]) + 1
-                out.append((pos, TokenLogprob(int(self.targets[t]), float(target[t]), top)))
-        return out
-
-
-class PendingStep:
-    """A dispatched step: its sampled rows (and prompt logprobs) may still be computing on the device.
-    `feed`: its sampled tokens as the next step's feed (None where a route samples on the host)."""
-
-    def __init__(self, bucket: StepBucket, rows: Rows, sampled: Sampled, prompt: PromptLogprobs | None,
-                 targets: np.ndarray, feed: jax.Array | None):
-        self.bucket, self.rows, self.sampled, self.prompt, self.targets = bucket, rows, sampled, prompt, targets
-        self.feed = feed
-        self.starts = [r.num_scheduled for r, _ in rows]  # read now: the engine commits the rows after dispatch
-        self.dispatched_at = time.monotonic()
-
-    def ready(self) -> bool:
-        """Whether the results are already computed (fetching them would not wait)."""
-        tokens = self.sampled.tokens
-        return not isinstance(tokens, jax.Array) or tokens.is_ready()
-
-    def result(self) -> StepResult:
-        """The results on the host (waits for the device)."""
-        return StepResult(self.rows, self.sampled, self.prompt, self.targets, self.starts)
 
 
 class Runner:

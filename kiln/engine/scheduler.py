@@ -27,76 +27,17 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
 
 from kiln.engine.block_pool import BlockPool, block_hashes
 from kiln.engine.config import EngineConfig
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.output import Delta, OutputState, TokenLogprob
 from kiln.engine.request import Request, Status
+from kiln.engine.step_types import Batch, RowOutput, Rows, StepFailure, StepPlan
 from kiln.errors import KilnError, RequestFailed
 from kiln.models.tokenizer import KilnTokenizer
 
 log = logging.getLogger("kiln.engine")
-
-Rows = list[tuple[Request, int]]  # (request, number of new tokens this step)
-
-
-@dataclasses.dataclass
-class Batch:
-    """Rows that run as one jitted step. `samples[i]`: the step samples row i's next token (its new
-    tokens reach the end of what the request knows or has pending), taken when the batch is planned."""
-
-    rows: Rows
-    samples: list[bool] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self):
-        if not self.samples:
-            self.samples = [r.num_scheduled + n == r.num_tokens_ahead for r, n in self.rows]
-
-    def live(self) -> Batch | None:
-        """The batch without rows whose request stopped running since it was planned: it ended (an
-        earlier step's results finished it) or recomputes (an earlier step lost the KV state). None
-        if no row is left."""
-        keep = [i for i, (r, _) in enumerate(self.rows) if r.status is Status.RUNNING]
-        if len(keep) == len(self.rows):
-            return self
-        return Batch([self.rows[i] for i in keep], [self.samples[i] for i in keep]) if keep else None
-
-    @property
-    def kind(self) -> str:
-        decode = sum(n == 1 for _, n in self.rows)
-        return "decode" if decode == len(self.rows) else "prefill" if decode == 0 else "mixed"
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.rows)
-
-
-@dataclasses.dataclass
-class StepPlan:
-    batches: list[Batch]  # executed in order
-    finished: list[Delta]  # requests that ended while scheduling (e.g. their adapter failed to load)
-    preempted: list[Request]
-
-
-class RowOutput(Protocol):
-    """What the runner returns for one executed batch (see runner.StepResult)."""
-
-    def token(self, i: int) -> tuple[int, float, list[tuple[int, float]]]: ...
-
-    def prompt_logprobs(self, i: int) -> list[tuple[int, TokenLogprob]]: ...
-
-
-@dataclasses.dataclass
-class StepFailure:
-    """A batch that failed; `kv_lost` when the KV state went with it (every running request recomputes);
-    `retry` when it did not run and its rows should be planned again (they keep their state)."""
-
-    error: KilnError
-    kv_lost: bool = False
-    retry: bool = False
-
 
 @dataclasses.dataclass
 class SchedulerStats:

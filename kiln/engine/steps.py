@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax._src import dispatch
 
-from kiln.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, Sampled, sample
+from kiln.engine.params import MAX_TOP_LOGPROBS
+from kiln.engine.sampling import RowSampling, Sampled, sample
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import KVCache, StepInputs, forward_hidden, logits
 

@@ -168,7 +168,7 @@ class EvalService:
             try:
                 self.select_model(name)
             except NotFound as exc:
-                raise NotFound(exc.message, code=exc.code, param=param) from None
+                raise exc.with_param(param) from None
         spec = {"items": [r.item for r in rows], "samples": samples, "input": inputs and inputs.to_json(),
                 "sampling": sampling.to_json(), "model": model, "criteria": evaluation["testing_criteria"]}
         data_source = {**source, "model": model} if kind == "completions" else dict(source)

@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 
 from kiln import graders
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.params import SamplingParams
 from kiln.errors import InvalidRequest
 from kiln.graders import templates
 from kiln.graders.base import is_finite_number

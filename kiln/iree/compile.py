@@ -21,7 +21,7 @@ import jax
 from jax import export as jax_export
 from jax._src import config as jax_config
 
-from kiln.iree.device import RouteUnavailable
+from kiln.errors import RouteUnavailable
 
 log = logging.getLogger("kiln.iree")
 

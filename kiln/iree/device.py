@@ -20,12 +20,10 @@ import weakref
 
 import numpy as np
 
+from kiln.errors import RouteUnavailable
+
 ROUTE_DRIVERS = {"vulkan": "vulkan", "iree-cpu": "local-task"}
 ROUTE_TARGETS = {"vulkan": "vulkan-spirv", "iree-cpu": "llvm-cpu"}
-
-
-class RouteUnavailable(Exception):
-    """A backend route cannot run here: what is missing and how to get it."""
 
 
 def import_runtime():

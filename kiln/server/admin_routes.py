@@ -43,7 +43,8 @@ def _health(request: Request) -> Response:
     admission = st.profile.policy.inference_admission
     engine_ok = st.engine.alive()
     lost = st.engine.device_lost
-    quarantined = st.engine.core.quarantined
+    route = st.engine.route_info()
+    quarantined = route["quarantined"]
     backend_ok = engine_ok and lost is None and quarantined is None
     if lost is not None:
         reason = f"device_lost: {lost.message}"
@@ -72,7 +73,7 @@ def _health(request: Request) -> Response:
         "serving_profile": st.profile.to_json(),
         "backend_runtime": {"healthy": backend_ok, "reason": reason, "restart_required": restart,
                             "platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-                            "route": st.backend_route, "route_reason": st.engine.core.route.choice.reason},
+                            "route": st.backend_route, "route_reason": route["reason"]},
         "checks": {"inference_admission": admission, "engine_loop": engine_ok, "model_loaded": True,
                    "prewarm": st.prewarm},
     }
@@ -94,10 +95,8 @@ def config(request: Request) -> dict[str, Any]:
     st = server_state(request)
     model = {"id": st.model_id, "weights_digest": st.engine.model.weights_digest,
              "max_model_len": st.engine.max_model_len}
-    core = st.engine.core
-    backend = {**core.route.choice.to_json(), "resident_prefill": core.resident_prefill,
-               "quarantined": core.quarantined}
-    steps = {"executables": [key.describe() for key in core.runner.executable_set()], "startup": st.step_set}
+    steps = {"executables": st.engine.step_set(), "startup": st.step_set}
+    backend = st.engine.route_info()
     return {**st.settings.to_json(), "model": model, "backend": backend, "step_set": steps,
             "version": __version__}
 

@@ -52,7 +52,7 @@ def run_grader(request: Request, data: dict[str, Any]) -> dict[str, Any]:
             try:
                 st.select_model(model)
             except NotFound as exc:
-                raise NotFound(exc.message, code=exc.code, param=param) from None
+                raise exc.with_param(param) from None
     result = grader.grade(graders.make_sample(sample), item, judge=make_judge(st) if judges else None)
     return result.to_openai()
 

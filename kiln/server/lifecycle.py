@@ -22,8 +22,7 @@ import time
 import uvicorn
 
 from kiln.config import Settings
-from kiln.errors import AdmissionRejected, KilnError, ModelLoadError
-from kiln.iree.device import RouteUnavailable
+from kiln.errors import AdmissionRejected, KilnError, ModelLoadError, RouteUnavailable
 from kiln.profiles import ServingProfile, log_startup
 from kiln.server.app import create_app
 from kiln.server.state import ServerState
@@ -64,12 +63,7 @@ def start_prewarm(settings: Settings, engine, progress: StartProgress | None = N
     (nothing is built)."""
     if settings.serving_profile.profile is ServingProfile.MAINTENANCE:
         return None
-    from kiln.engine.warmup import build_step_set, prime_first_contact
-
-    runner = engine.core.runner  # it belongs to the engine thread
-    report = progress.step if progress is not None else None
-    return engine.at_boundary(lambda: {**build_step_set(runner, defer_lora=True, on_progress=report),
-                                       **prime_first_contact(runner)})
+    return engine.prewarm(progress.step if progress is not None else None)
 
 
 def finish_prewarm(state: ServerState, warming: concurrent.futures.Future | None) -> None:
@@ -174,7 +168,7 @@ class Start:
         registry = AdapterRegistry(engine, AdapterStore(settings.adapter_store()),
                                    settings.serving_profile.policy.adapter_weight_transitions)
         jobs = JobManager(settings, engine, registry, TrainingStore(settings.training_dir()), start=False)
-        state = ServerState(settings, engine, engine.core.metrics, registry, jobs)
+        state = ServerState(settings, engine, engine.metrics, registry, jobs)
         state.evals = jobs.evals = EvalService(EvalStore(settings.training_dir()), engine,
                                                select_model=state.select_model, judge=make_judge(state),
                                                files=jobs.store)

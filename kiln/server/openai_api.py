@@ -11,7 +11,7 @@ import uuid
 from typing import Any, ClassVar
 
 from kiln.engine.output import Delta, TokenLogprob
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.params import SamplingParams
 from kiln.errors import InvalidRequest
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.server.chat_output import OutputReader, StreamedChoice

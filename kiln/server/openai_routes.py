@@ -8,7 +8,7 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from kiln.engine.sampling import ThinkingBudget
+from kiln.engine.params import ThinkingBudget
 from kiln.errors import InvalidRequest
 from kiln.server import openai_api as oa
 from kiln.server import structured
@@ -45,7 +45,8 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
         tool_mode=mode, tool_format=choose_parser(server.tool_call_parser, template), function=function)
     if data.thinking_token_budget is not None and reader.reasoning:
         end = tuple(st.tokenizer.encode(THINK_END, add_special_tokens=False))
-        params.thinking = ThinkingBudget(data.thinking_token_budget, end, reader.opens_in_reasoning)
+        params.thinking = ThinkingBudget(data.thinking_token_budget, end, THINK_START, THINK_END,
+                                         reader.opens_in_reasoning)
     if mode == "auto" and reader.tool_format == "mistral":
         params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
     if constraint is not None:

@@ -50,12 +50,12 @@ class ServerState:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        return self.engine.core.grammars
+        return self.engine.grammars
 
     @property
     def backend_route(self) -> str:
-        route = self.engine.core.route
-        return f"xla:{jax.default_backend()}" if route.name == "xla" else route.name
+        route = self.engine.route_info()["route"]
+        return f"xla:{jax.default_backend()}" if route == "xla" else route
 
     def admit_inference(self) -> None:
         """Request policy before anything is submitted: device, profile, engine health, queue length."""

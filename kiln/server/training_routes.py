@@ -9,11 +9,11 @@ from litestar.datastructures import UploadFile
 from litestar.enums import RequestEncodingType
 from litestar.params import Body
 
-from kiln.errors import InvalidRequest, NotFound
+from kiln.errors import DataError, InvalidRequest, NotFound
 from kiln.server.pagination import page, page_limit
 from kiln.server.state import ServerState, server_state
 from kiln.train import memory
-from kiln.train.data import DataError, is_prompt_file, load_examples, load_prompts, read_jsonl
+from kiln.train.data import is_prompt_file, load_examples, load_prompts, read_jsonl
 from kiln.train.jobs import ACTIVE
 from kiln.train.sft import file_digest
 from kiln.train.store import TrainingStore
@@ -54,8 +54,9 @@ def upload_file(request: Request,
             else:
                 load_examples(content, tokenizer, 1 << 20, what)
         except DataError as exc:
-            code = "invalid_file" if exc.code == DataError.default_code else exc.code
-            raise DataError(exc.message, code=code, param="file") from None
+            if exc.code == DataError.default_code:
+                exc.code = "invalid_file"
+            raise exc.with_param("file") from None
     return _store(request).add_file(content, upload.filename or "upload.jsonl", purpose, file_digest(content))
 
 
@@ -149,7 +150,7 @@ def runtime(request: Request) -> dict[str, Any]:
     return {"object": "runtime", "serving_profile": st.profile.profile.value,
             "memory": {**held, "available_bytes": free, "budget_source": source, "kv_pool": kv},
             "jobs": {"running": jobs["running"], "queued": jobs["queued"]},
-            "ownership": st.engine.core.ownership.snapshot()}
+            "ownership": st.engine.ownership.snapshot()}
 
 
 ROUTES = [upload_file, list_files, retrieve_file, file_content, delete_file, create_job, list_jobs, retrieve_job,

@@ -25,16 +25,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kiln.errors import InvalidRequest, TemplateError
+from kiln.errors import DataError, TemplateError
 from kiln.models.tokenizer import KilnTokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MIN_BUCKET = 32
-
-
-class DataError(InvalidRequest):
-    default_code = "invalid_training_file"
-    default_param = "training_file"
 
 
 @dataclasses.dataclass(frozen=True)

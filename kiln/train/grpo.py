@@ -42,7 +42,7 @@ import numpy as np
 import optax
 
 from kiln.engine.lora_slots import AdapterWeights
-from kiln.engine.sampling import SamplingParams
+from kiln.engine.params import SamplingParams
 from kiln.graders.engine_judge import base_model_judge
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits as lm_logits
@@ -530,7 +530,7 @@ def train_policy(make_run, data, name: str, config: GRPOConfig, *, model, engine
         history: list[dict] = []
         bar = tqdm(total=run.total_steps, desc=f"{run.kind} {name}", unit="step", disable=not progress)
         while not run.done:
-            history.append(run.run_step(engine.core.ownership))
+            history.append(run.run_step(engine.ownership))
             bar.update(1)
             bar.set_postfix({k: f"{history[-1][k]:.3f}" for k in ("reward_mean", "reverse_kl") if k in history[-1]})
         bar.close()

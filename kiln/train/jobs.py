@@ -29,11 +29,11 @@ from kiln import graders
 from kiln.adapters.manifest import validate_name
 from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.lora_slots import AdapterWeights
-from kiln.errors import AdmissionRejected, InvalidRequest, KilnError, NotFound
+from kiln.errors import AdmissionRejected, DataError, InsufficientMemory, InvalidRequest, KilnError, NotFound
 from kiln.eval.gate import Gate, GateResult, GateSpec, GateStopped, parse_gate
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
-from kiln.train.data import DataError, encode_prompt, load_examples, load_prompts
+from kiln.train.data import encode_prompt, load_examples, load_prompts
 from kiln.train.grpo import GRPOConfig, GRPORun, Rollout, as_reward
 from kiln.train.opd import OPDConfig, OPDRun, Teacher
 from kiln.train.sft import SFTConfig, SFTRun
@@ -78,9 +78,8 @@ class JobManager:
         self._stopping = False
         self.current: str | None = None
         self._teacher_models: dict[str, object] = {}  # train.teachers loaded so far, by name
-        core = engine.core  # fixed allocations, read once here (the engine thread owns the core)
         self.kv_blocks = engine.config.num_kv_blocks  # the configured pool, restored after a shrink
-        self.kv_block_bytes = memory.tree_bytes(core.runner.kv) // core.runner.num_blocks
+        self.kv_block_bytes = engine.kv_block_bytes
         self._fixed_bytes = {"weights": memory.tree_bytes(self.model.params),
                              "adapter_slots": engine.config.max_loras * memory.lora_bytes(
                                  self.model.config, engine.config.max_lora_rank, TARGET_MODULES)}
@@ -210,7 +209,7 @@ class JobManager:
         plan = memory.plan(self.model.config, rank, modules, rows, seq_len, accumulation, serving,
                            self.settings.train.memory_budget_bytes)
         kv_pool = {"blocks": self.kv_blocks, "bytes_per_block": self.kv_block_bytes,
-                   "min_blocks": self.engine.core.min_kv_blocks}
+                   "min_blocks": self.engine.min_kv_blocks}
         plan.update(memory.admit(plan, remat_setting,
                                  kv_pool if self.settings.serving_profile.policy.dynamic_kv_resize else None))
         job = {
@@ -404,7 +403,7 @@ class JobManager:
         try:
             return load(self.store.file_content(file["id"]), f"{what} {file['id']}")
         except DataError as exc:
-            raise DataError(exc.message, code=exc.code, param=param) from None
+            raise exc.with_param(param) from None
 
     def _set(self, job: dict, **changes) -> dict:
         job.update(changes)
@@ -457,7 +456,7 @@ class JobManager:
         import ctypes
         import gc
 
-        with self.engine.core.ownership.write("allocator reclaim"):
+        with self.engine.ownership.write("allocator reclaim"):
             gc.collect()
             if jax.default_backend() == "cpu":
                 try:
@@ -490,7 +489,7 @@ class JobManager:
             spec["total_steps"] = run.total_steps
             self._set(job, status="running")
             self.store.add_event(job_id, "Fine-tuning job started")
-            ownership = self.engine.core.ownership
+            ownership = self.engine.ownership
             while not run.done:
                 with self._cv:
                     action = self._flags.pop(job_id, None)
@@ -674,24 +673,8 @@ class JobManager:
                                                     [p.item for p in run.validation], hp["eval_samples"])
 
     def _grow_kv(self, job_id: str) -> None:
-        self._resize_kv(self.kv_blocks)
+        self.engine.resize_kv(self.kv_blocks)
         self.store.add_event(job_id, f"KV pool grown back to {self.kv_blocks} blocks")
-
-    def _resize_kv(self, blocks: int, attempts: int = 1, give_up=lambda: False) -> bool:
-        """Resizes the KV pool at an iteration boundary; the new size's step buckets compile here
-        first, so serving never waits for a compile. A shrink is retried every 0.5 s, `attempts`
-        times, while running requests hold more blocks than the smaller pool has."""
-        core, engine = self.engine.core, self.engine
-        buckets = engine.at_boundary(core.runner.installed_buckets).result()
-        executables = core.runner.compile_for_pool(blocks, buckets)
-        for attempt in range(attempts):
-            if engine.at_boundary(lambda: core.resize_kv(blocks, executables)).result():
-                return True
-            if give_up():
-                break
-            if attempt + 1 < attempts:
-                time.sleep(0.5)
-        return False
 
     def _shrink_kv(self, job: dict, blocks: int) -> bool:
         """The job's planned KV shrink. The job fails (insufficient_memory) if running requests
@@ -705,11 +688,11 @@ class JobManager:
             with self._cv:
                 return self._stopping or job_id in self._flags
 
-        if self._resize_kv(blocks, KV_SHRINK_ATTEMPTS, give_up):
+        if self.engine.resize_kv(blocks, KV_SHRINK_ATTEMPTS, give_up):
             return True
         if give_up():
             return False
-        raise memory.InsufficientMemory(
+        raise InsufficientMemory(
             f"running requests kept holding more than {blocks - 1} KV blocks; the pool could not shrink")
 
     def _serving_busy(self) -> bool:
@@ -731,7 +714,7 @@ class JobManager:
     def _save_checkpoint(self, manager, run, job: dict, metrics: dict | None) -> None:
         import orbax.checkpoint as ocp
 
-        with self.engine.core.ownership.write(f"checkpoint {job['id']}"):
+        with self.engine.ownership.write(f"checkpoint {job['id']}"):
             manager.save(run.micro_step, args=ocp.args.StandardSave(run.state()), force=True)
             manager.wait_until_finished()
         if metrics is not None:

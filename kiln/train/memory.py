@@ -11,17 +11,11 @@ from __future__ import annotations
 
 import jax
 
-from kiln.errors import KilnError
+from kiln.errors import InsufficientMemory
 from kiln.models.config import ModelConfig
 from kiln.models.lora import module_shapes
 
 F32 = 4
-
-
-class InsufficientMemory(KilnError):
-    status = 400
-    type = "invalid_request_error"
-    default_code = "insufficient_memory"
 
 
 def tree_bytes(tree) -> int:
