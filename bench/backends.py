@@ -2,7 +2,7 @@
 side by side in one run, with the bytes each decode step moves between host and device and
 each route's first-compile time.
 
-Each route gets its own engine (`AsyncEngine(route=select_route(...))`) on the same float32
+Each route gets its own engine (`AsyncEngine(backend=select_backend(...))`) on the same float32
 weights, with small buckets so that few shapes compile: decode rows (1, 8), one prefill bucket
 of 256 tokens, blocks of 128 tokens and max_model_len 128 (one block per row). IREE modules
 compile into a fresh temporary cache, so the compile times are real compiles (and, on the IREE
@@ -40,10 +40,10 @@ import numpy as np
 from common import chat_prompts
 
 import kiln.engine.runner as runner_module
+from kiln.engine.backends import select_backend
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.params import SamplingParams
-from kiln.engine.routes import select_route
 from kiln.models.loader import load_model
 
 ROUTES = ("xla", "iree-cpu", "vulkan")
@@ -62,7 +62,7 @@ class Recorder:
     and the time spent compiling buckets (gates included) and in the gates alone."""
 
     def __init__(self, engine: AsyncEngine):
-        self.route = engine._core.route
+        self.route = engine._core.backend
         self.runner = engine._core.runner
         self.steps: list[tuple[str, int, float, int, int]] = []
         self.compile_s = 0.0
@@ -144,12 +144,12 @@ def measure(engine: AsyncEngine, rec: Recorder, prompts, tokens: int, batch: int
 def run_route(name: str, model, prompts: dict[int, list[list[int]]], tokens: int, cache_dir: Path) -> dict:
     t0 = time.perf_counter()
     try:
-        route = select_route(name, cache_dir / name, model_dtype="float32")
-    except Exception as exc:  # RouteUnavailable, a missing compiler, a driver that fails to start
+        route = select_backend(name, cache_dir / name, model_dtype="float32")
+    except Exception as exc:  # BackendUnavailable, a missing compiler, a driver that fails to start
         return {"error": f"{type(exc).__name__}: {exc}"}
     open_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    engine = AsyncEngine(model, EngineConfig(**CONFIG), route=route)
+    engine = AsyncEngine(model, EngineConfig(**CONFIG), backend=route)
     setup_s = time.perf_counter() - t0
     try:
         rec = Recorder(engine)

@@ -90,13 +90,13 @@ def format_settings(settings: Settings) -> str:
 
 def backend_choice(settings: Settings) -> dict:
     """The backend route `kiln serve` would take, and why (probes the devices; loads no model)."""
-    from kiln.engine.routes import select_route
-    from kiln.errors import RouteUnavailable
+    from kiln.engine.backends import select_backend
+    from kiln.errors import BackendUnavailable
     from kiln.models.loader import resolve_dtype
 
     try:
-        route = select_route(settings.backend.route, settings.iree_cache_dir(), resolve_dtype(settings.model.dtype))
-    except RouteUnavailable as exc:
+        route = select_backend(settings.backend.route, settings.iree_cache_dir(), resolve_dtype(settings.model.dtype))
+    except BackendUnavailable as exc:
         return {"route": settings.backend.route, "available": False, "reason": str(exc)}
     return {**route.choice.to_json(), "available": True}
 

@@ -13,7 +13,7 @@ renders it unchanged as `{"error": {"message", "type", "code", "param"}}`:
 | one request failed inside the engine     | RequestFailed                   | 500    |
 | the accelerator is gone                  | DeviceLost                      | 503    |
 
-Startup failures (`ConfigError`, `ModelLoadError`, `RouteUnavailable`) are KilnErrors too; they end the
+Startup failures (`ConfigError`, `ModelLoadError`, `BackendUnavailable`) are KilnErrors too; they end the
 process with a message instead of becoming a response.
 """
 
@@ -133,7 +133,7 @@ class AdmissionRejected(KilnError):
     type = "service_unavailable"
 
 
-class RouteCannotRun(AdmissionRejected):
+class BackendCannotRun(AdmissionRejected):
     """The chosen backend route cannot run this request's step correctly."""
 
     default_code = "route_unsupported"
@@ -172,7 +172,7 @@ class ConfigError(KilnError):
     type = "configuration_error"
 
 
-class RouteUnavailable(KilnError):
+class BackendUnavailable(KilnError):
     """A backend route cannot run here: what is missing and how to get it."""
 
     type = "route_unavailable"

@@ -15,7 +15,7 @@ The suite:
 The receipt (JSON, under `<data dir>/receipts/<route>-<UTC time>.json`) records the route, its
 capabilities (display names included), its correctness gates, versions, each check and the
 verdict. Receipts are evidence of how a route was qualified on one system; nothing reads them to
-choose a route (`select_route` decides from capabilities and on-device gates only).
+choose a route (`select_backend` decides from capabilities and on-device gates only).
 
 Exit codes: 0 all checks passed, 1 a check failed, 2 the route cannot run here.
 """
@@ -148,22 +148,22 @@ def _token_check(name: str, got, want, params: dict | None = None) -> dict[str, 
 
 
 def qualify(settings: Settings, route_name: str, max_tokens: int = 16, n_prompts: int = 3) -> dict[str, Any]:
-    """Runs the suite and returns the receipt (not yet written). RouteUnavailable when the route
+    """Runs the suite and returns the receipt (not yet written). BackendUnavailable when the route
     cannot run here."""
+    from kiln.engine.backends import select_backend
     from kiln.engine.client import AsyncEngine
     from kiln.engine.config import EngineConfig
-    from kiln.engine.routes import select_route
     from kiln.engine.setup import configure_compilation_cache
     from kiln.models.loader import load_model
 
     started, t0 = _utc(), time.monotonic()
     configure_compilation_cache(settings.compilation_dir())
-    route = select_route(route_name, settings.iree_cache_dir(), "float32")
+    route = select_backend(route_name, settings.iree_cache_dir(), "float32")
     m = settings.model
     model = load_model(m.path or None, dtype="float32", show_progress=False, model_id=m.served_model_name or None,
                        cache_root=settings.cache_dir())
     # both engines capture any bucket they need, and neither publishes KV events
-    config = dataclasses.replace(EngineConfig.from_settings(settings), allow_live_capture=True,
+    config = dataclasses.replace(EngineConfig.from_settings(settings), allow_live_compile=True,
                                  kv_events_endpoint="", kv_events_replay_endpoint="")
     prompts = prompts_for(model, n_prompts)
 
@@ -172,7 +172,7 @@ def qualify(settings: Settings, route_name: str, max_tokens: int = 16, n_prompts
         want = _run_suite(xla, prompts, max_tokens)
     finally:
         xla.shutdown()
-    engine = AsyncEngine(model, config, route=route)
+    engine = AsyncEngine(model, config, backend=route)
     try:
         got = _run_suite(engine, prompts, max_tokens)
         buckets = _measure_buckets(engine)
@@ -245,11 +245,11 @@ def summary(receipt: dict[str, Any], path: Path | None = None) -> str:
 
 def run(args, settings: Settings) -> int:
     """The `kiln qualify` command."""
-    from kiln.errors import RouteUnavailable
+    from kiln.errors import BackendUnavailable
 
     try:
         receipt = qualify(settings, args.route, max_tokens=args.tokens, n_prompts=args.prompts)
-    except RouteUnavailable as exc:
+    except BackendUnavailable as exc:
         print(f"kiln: error: qualify: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     path = write_receipt(settings, receipt)

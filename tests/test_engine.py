@@ -214,7 +214,7 @@ def test_validation_errors(engine):
 
 
 def test_live_capture_disabled_uses_compiled_buckets_or_refuses(tiny_model):
-    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, allow_live_capture=False, **SMALL))
+    eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=32, allow_live_compile=False, **SMALL))
     try:
         prompt = prompts_of(1, seed=16, lo=20, hi=21)[0]
         greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

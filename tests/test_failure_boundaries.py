@@ -376,11 +376,11 @@ def test_a_failed_step_on_an_iree_route_quarantines_it_and_xla_serves_on(tiny_mo
     pytest.importorskip("iree.runtime")
     from test_iree_route import SMALL
 
-    from kiln.engine.routes import select_route
+    from kiln.engine.backends import select_backend
 
     xla_url = live[0]
-    route = select_route("iree-cpu", kiln_cache / "iree")
-    engine = AsyncEngine(tiny_model, EngineConfig(**SMALL), EngineMetrics(MODEL), route=route)
+    route = select_backend("iree-cpu", kiln_cache / "iree")
+    engine = AsyncEngine(tiny_model, EngineConfig(**SMALL), EngineMetrics(MODEL), backend=route)
     fault = StepFault(engine._core.runner)
     prompt = {"model": MODEL, "prompt": [40, 41, 42, 43], "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     with in_process_server(engine, tmp_path) as url:
@@ -411,5 +411,5 @@ def test_a_failed_step_on_an_iree_route_quarantines_it_and_xla_serves_on(tiny_mo
         for _ in range(2):  # requests go on, on XLA, with XLA's tokens
             r = httpx.post(url + "/v1/completions", json=prompt, timeout=120)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
-        assert not engine._core.runner.route.is_iree and len(route.resident) == 0
+        assert not engine._core.runner.backend.is_iree and len(route.resident) == 0
         assert _idle(engine)["requests"] == 0

@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("iree.runtime")
 
+from kiln.engine.backends import select_backend  # noqa: E402
 from kiln.engine.client import AsyncEngine  # noqa: E402
 from kiln.engine.config import EngineConfig  # noqa: E402
 from kiln.engine.params import SamplingParams  # noqa: E402
-from kiln.engine.routes import select_route  # noqa: E402
-from kiln.errors import RouteUnavailable  # noqa: E402
+from kiln.errors import BackendUnavailable  # noqa: E402
 from kiln.iree.device import probe  # noqa: E402
 
 # the engine settings of the IREE server and qualify tests too: they share compiled modules
@@ -30,7 +30,7 @@ def vulkan_available() -> bool:
     try:
         probe("vulkan")  # without opening the device: an open lavapipe device keeps two threads polling
         return True
-    except RouteUnavailable:
+    except BackendUnavailable:
         return False
 
 
@@ -74,8 +74,8 @@ def close_devices():
 
 @pytest.fixture(scope="module", params=ROUTES)
 def iree_engine(request, tiny_model, iree_cache):
-    route = select_route(request.param, iree_cache)
-    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
+    route = select_backend(request.param, iree_cache)
+    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL), backend=route)
     yield eng
     eng.shutdown()
     del eng, route
@@ -101,7 +101,7 @@ def test_an_adapter_serves_on_the_route_as_on_xla(tiny_model, xla_engine, iree_e
     from kiln.engine.lora_slots import AdapterWeights
     from kiln.models.lora import TARGET_MODULES, module_shapes
 
-    if iree_engine._core.route.name == "vulkan":  # it passes there too, in 100+ s of lavapipe compiles
+    if iree_engine._core.backend.name == "vulkan":  # it passes there too, in 100+ s of lavapipe compiles
         pytest.skip("LoRA buckets on lavapipe are left out of the suite for time")
     cfg, rng = tiny_model.config, np.random.default_rng(5)
     weights = {m: {"a": (0.3 * rng.standard_normal((cfg.num_layers, i, 8))).astype(np.float32),
@@ -122,7 +122,7 @@ def test_an_adapter_serves_on_the_route_as_on_xla(tiny_model, xla_engine, iree_e
 
 
 def test_kv_stays_on_device(iree_engine):
-    route = iree_engine._core.route
+    route = iree_engine._core.backend
     run(iree_engine, [PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     up, down = route.bytes_moved()
     run(iree_engine, [PROMPTS[0]], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
@@ -135,7 +135,7 @@ def test_kv_stays_on_device(iree_engine):
 
 def test_vulkan_quarantines_prefix_reuse(iree_engine):
     core = iree_engine._core
-    assert core.pool.enable_caching == (core.route.name != "vulkan")
+    assert core.pool.enable_caching == (core.backend.name != "vulkan")
 
 
 def test_marketing_name_changes_nothing(tmp_path):
@@ -143,8 +143,8 @@ def test_marketing_name_changes_nothing(tmp_path):
             "memory_bytes": 1 << 31, "max_buffer_bytes": 1 << 31, "name": "llvmpipe", "vendor_id": "0x10005",
             "driver": "Mesa"}
     famous = {**base, "name": "NVIDIA GeForce RTX 9090 Ti", "vendor_id": "0x10de", "driver": "NVIDIA 999.1"}
-    a = select_route("auto", tmp_path, capabilities=base).choice
-    b = select_route("auto", tmp_path, capabilities=famous).choice
+    a = select_backend("auto", tmp_path, capabilities=base).choice
+    b = select_backend("auto", tmp_path, capabilities=famous).choice
     assert (a.route, a.reason) == (b.route, b.reason) == ("xla", a.reason)
     assert "type cpu" in a.reason
 
@@ -154,9 +154,9 @@ def test_modules_are_cached_on_disk(tiny_model, tmp_path):
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     counts = []
     for _ in range(2):
-        route = select_route("iree-cpu", tmp_path)
+        route = select_backend("iree-cpu", tmp_path)
         small = {**SMALL, "decode_row_buckets": (1,), "prefill_token_buckets": (16,), "max_num_batched_tokens": 16}
-        eng = AsyncEngine(tiny_model, EngineConfig(**small), route=route)
+        eng = AsyncEngine(tiny_model, EngineConfig(**small), backend=route)
         try:
             run(eng, [PROMPTS[0]], params)
         finally:
@@ -167,13 +167,13 @@ def test_modules_are_cached_on_disk(tiny_model, tmp_path):
 
 def test_requested_route_unavailable_is_clear(tmp_path):
     """Asking for Vulkan where the loader finds no driver names the route and how to install one."""
-    code = "from kiln.engine.routes import select_route; import sys; select_route('vulkan', sys.argv[1])"
+    code = "from kiln.engine.backends import select_backend; import sys; select_backend('vulkan', sys.argv[1])"
     nowhere = str(tmp_path / "none.json")
     env = {**os.environ, "VK_ICD_FILENAMES": nowhere, "VK_DRIVER_FILES": nowhere}
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0
-    assert "RouteUnavailable: route vulkan" in out.stderr and "mesa-vulkan-drivers" in out.stderr, out.stderr[-2000:]
+    assert "BackendUnavailable: route vulkan" in out.stderr and "mesa-vulkan-drivers" in out.stderr, out.stderr[-2000:]
 
 
 def test_bucket_gate_refuses_a_step_that_computes_wrong(tiny_model, iree_cache, monkeypatch):
@@ -183,7 +183,7 @@ def test_bucket_gate_refuses_a_step_that_computes_wrong(tiny_model, iree_cache, 
     that no passing bucket fits gets 503 route_unsupported rather than wrong tokens."""
     import kiln.engine.bucket_gate as gate
     import kiln.iree.compile as compile_module
-    from kiln.errors import RouteCannotRun
+    from kiln.errors import BackendCannotRun
 
     monkeypatch.setattr(gate, "KV_RTOL", 1e-4)
     config = EngineConfig(**{**SMALL, "decode_row_buckets": (1,)})
@@ -195,7 +195,7 @@ def test_bucket_gate_refuses_a_step_that_computes_wrong(tiny_model, iree_cache, 
 
         return asyncio.run(deltas())[-1]
 
-    float32 = AsyncEngine(tiny_model, config, route=select_route("iree-cpu", iree_cache))
+    float32 = AsyncEngine(tiny_model, config, backend=select_backend("iree-cpu", iree_cache))
     try:
         assert last_delta(float32).finish_reason == "length" and not float32._core.runner.gate_failed
     finally:
@@ -203,10 +203,10 @@ def test_bucket_gate_refuses_a_step_that_computes_wrong(tiny_model, iree_cache, 
     demoted = (*compile_module.TARGET_FLAGS["llvm-cpu"], "--iree-global-opt-demote-contraction-inputs-operations=all",
                "--iree-global-opt-demote-contraction-inputs-type=bf16")
     monkeypatch.setitem(compile_module.TARGET_FLAGS, "llvm-cpu", demoted)
-    bf16 = AsyncEngine(tiny_model, config, route=select_route("iree-cpu", iree_cache))
+    bf16 = AsyncEngine(tiny_model, config, backend=select_backend("iree-cpu", iree_cache))
     try:
         final = last_delta(bf16)
-        assert final.finish_reason == "error" and isinstance(final.error, RouteCannotRun), final
+        assert final.finish_reason == "error" and isinstance(final.error, BackendCannotRun), final
         assert final.token_ids == []
         failed = bf16._core.runner.gate_failed
         assert failed and all(why.startswith("call 1:") for why in failed.values()), failed
@@ -219,8 +219,8 @@ def test_resident_prefill_feeds_prompts_as_decode_steps(tiny_model, iree_cache, 
     """The experimental profile's resident prefill on Vulkan: prompts go in one token per active
     row, so only decode-shaped buckets (one query per row) ever compile, and the tokens equal
     XLA's; a request asking for prompt logprobs keeps the whole-prompt path."""
-    route = select_route("vulkan", iree_cache)
-    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL, resident_prefill=True), route=route)
+    route = select_backend("vulkan", iree_cache)
+    eng = AsyncEngine(tiny_model, EngineConfig(**SMALL, resident_prefill=True), backend=route)
     try:
         assert eng._core.resident_prefill
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -230,7 +230,7 @@ def test_resident_prefill_feeds_prompts_as_decode_steps(tiny_model, iree_cache, 
         assert any(b.kind == "prefill" for b in eng._core.runner.forwards)
     finally:
         eng.shutdown()
-    stable = AsyncEngine(tiny_model, EngineConfig(**SMALL), route=route)
+    stable = AsyncEngine(tiny_model, EngineConfig(**SMALL), backend=route)
     try:
         assert not stable._core.resident_prefill
     finally:
@@ -252,7 +252,7 @@ def test_a_batch_whose_bucket_fails_its_gate_runs_split(tiny_model, iree_cache, 
         "injected: wrong tokens" if bucket.kind == "prefill" and bucket.tokens == 32
         else real(runner, bucket, executable, lora)))
     config = EngineConfig(**{**SMALL, "prefill_token_buckets": (16, 32)})
-    eng = AsyncEngine(tiny_model, config, route=select_route("iree-cpu", iree_cache))
+    eng = AsyncEngine(tiny_model, config, backend=select_backend("iree-cpu", iree_cache))
     try:
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         assert run(eng, PROMPTS, params) == run(xla_engine, PROMPTS, params)

@@ -104,7 +104,7 @@ def test_a_failing_check_exits_1_and_still_writes_the_receipt(tiny_model, cache,
     receipt = json.loads(path.read_text())
     checks = {c["name"]: c for c in receipt["checks"]}
     assert receipt["passed"] is False and checks["greedy_tokens"]["passed"] is False
-    assert checks["greedy_tokens"]["error"].startswith("RouteCannotRun: no step bucket")
+    assert checks["greedy_tokens"]["error"].startswith("BackendCannotRun: no step bucket")
     refused = checks["step_buckets"]["refused_by_gate"]
     assert refused and all("logprobs differ" in r["why"] for r in refused)
 
@@ -128,9 +128,9 @@ def _receipt(route, passed):
 @pytest.mark.parametrize("passed", [False, True])
 def test_receipts_never_steer_route_choice(tiny_model, tmp_path, monkeypatch, passed):
     """Receipts in the data directory, saying a route failed (or passed), change no choice:
-    select_route and engine startup choose exactly as without them."""
+    select_backend and engine startup choose exactly as without them."""
     from kiln.cli import settings_from_argv
-    from kiln.engine.setup import select_route_from_settings
+    from kiln.engine.setup import select_backend_from_settings
     from kiln.qualify import receipts_dir
 
     monkeypatch.setenv("KILN_TRAIN_DATA_DIR", str(tmp_path / "data"))
@@ -140,7 +140,7 @@ def test_receipts_never_steer_route_choice(tiny_model, tmp_path, monkeypatch, pa
         out = []
         for requested in ("auto", "iree-cpu", "xla"):
             monkeypatch.setenv("KILN_BACKEND_ROUTE", requested)
-            choice = select_route_from_settings(settings_from_argv([]), tiny_model).choice
+            choice = select_backend_from_settings(settings_from_argv([]), tiny_model).choice
             out.append((choice.route, choice.reason, choice.gates))
         return out
 

@@ -115,7 +115,7 @@ def measure_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> dict
     greedy = runner.sampling_arrays([], bucket.rows)  # padding rows sample greedily
     for i in range(2):
         logits, sampled, _, kv = executable(runner.params, KVCache(*kv_host), inputs, last_index, lora, greedy)
-        why = _compare((logits, sampled, kv), want, len(rows), used, runner.route.device, result)
+        why = _compare((logits, sampled, kv), want, len(rows), used, runner.backend.device, result)
         if why and result["why"] is None:
             result["why"] = f"call {i + 1}: {why}"
     result["passed"] = result["why"] is None

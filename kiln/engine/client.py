@@ -26,6 +26,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from kiln.engine.backends import Backend
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.faults import as_device_lost, is_device_loss
@@ -35,7 +36,6 @@ from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
 from kiln.engine.ownership import Ownership
 from kiln.engine.params import SamplingParams
-from kiln.engine.routes import StepRoute
 from kiln.errors import DeviceLost, KilnError
 from kiln.models.loader import LoadedModel
 
@@ -112,8 +112,8 @@ def _deliver(batch: list[tuple[RequestStream, Delta]]) -> None:
 
 class AsyncEngine:
     def __init__(self, model: LoadedModel, config: EngineConfig | None = None, metrics: EngineMetrics | None = None,
-                 route: StepRoute | None = None):
-        self._core = EngineCore(model, config or EngineConfig(), metrics, route)
+                 backend: Backend | None = None):
+        self._core = EngineCore(model, config or EngineConfig(), metrics, backend)
         self.model = model
         self.config = self._core.config
         self.max_model_len = self._core.max_model_len
@@ -246,7 +246,7 @@ class AsyncEngine:
         runner = self._core.runner
         with self._deferred_lock:
             while runner.deferred:
-                if runner.route.is_iree:  # its gates run modules on the device: not beside serving steps
+                if runner.backend.is_iree:  # its gates run modules on the device: not beside serving steps
                     build = lambda: runner.install_deferred(*runner.build_deferred())  # noqa: E731
                 else:  # built here while serving goes on, installed at a boundary
                     build = functools.partial(runner.install_deferred, *runner.build_deferred())
@@ -278,7 +278,7 @@ class AsyncEngine:
         """The backend route steps run on: the route, why it was chosen, its capabilities and gates,
         whether it prefills on the device, and what quarantined it (None while it serves)."""
         core = self._core
-        return {**core.route.choice.to_json(), "resident_prefill": core.resident_prefill,
+        return {**core.backend.choice.to_json(), "resident_prefill": core.resident_prefill,
                 "quarantined": core.quarantined}
 
     def step_set(self) -> list[str]:

@@ -27,6 +27,7 @@ import logging
 import random
 import time
 
+from kiln.engine.backends import XLA, Backend
 from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import EngineConfig
 from kiln.engine.grammar import GrammarCompiler
@@ -37,7 +38,6 @@ from kiln.engine.ownership import Ownership
 from kiln.engine.pacing import StepClock
 from kiln.engine.params import SamplingParams
 from kiln.engine.request import Request
-from kiln.engine.routes import XLA, StepRoute
 from kiln.engine.runner import Runner
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.step_types import Batch, PendingStep, StepFailure
@@ -57,11 +57,11 @@ class InFlight:
 
 class EngineCore:
     def __init__(self, model: LoadedModel, config: EngineConfig, metrics: EngineMetrics | None = None,
-                 route: StepRoute | None = None):
+                 backend: Backend | None = None):
         self.model = model
-        route = route or XLA
+        backend = backend or XLA
         # the experimental profile's resident prefill, where the route keeps KV on a Vulkan device
-        self.resident_prefill = config.resident_prefill and route.name == "vulkan" and route.is_iree
+        self.resident_prefill = config.resident_prefill and backend.name == "vulkan" and backend.is_iree
         self.config = config
         self.metrics = metrics
         cfg = model.config
@@ -78,13 +78,13 @@ class EngineCore:
                                               encoding=config.kv_events_encoding)
         # a route under prefix-reuse quarantine prefills every request afresh
         self.pool = BlockPool(config.num_kv_blocks, config.block_size,
-                              config.enable_prefix_caching and route.reuses_prefixes,
+                              config.enable_prefix_caching and backend.reuses_prefixes,
                               on_stored=self._on_stored if self.publisher else None,
                               on_removed=self._on_removed if self.publisher else None)
         self.ownership = Ownership()
         self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype)
         self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, model.dtype,
-                             route)
+                             backend)
         self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,
                                    tokenizer=model.tokenizer, eos_ids=self.eos_ids, step_cost=self.runner.step_cost,
                                    fits=self.runner.fits, on_finish=self._on_finish,
@@ -191,7 +191,7 @@ class EngineCore:
     def _stays_in_flight(self, flight: InFlight) -> bool:
         """Whether the next step is planned while this one runs (async scheduling, where it pays: see
         pacing.py); an IREE route runs each step to its results."""
-        return not self.runner.route.is_iree and self.clock.runs_ahead(flight.pending.bucket)
+        return not self.runner.backend.is_iree and self.clock.runs_ahead(flight.pending.bucket)
 
     def _launch(self, batch: Batch, feed) -> list[Delta]:
         """Dispatches one batch under accelerator ownership, then applies the results of the step
@@ -316,9 +316,9 @@ class EngineCore:
     # ---- state -------------------------------------------------------------------------------
 
     @property
-    def route(self) -> StepRoute:
+    def backend(self) -> Backend:
         """The route steps run on: the chosen one, or XLA once an accelerator failure quarantined it."""
-        return self.runner.route
+        return self.runner.backend
 
     @property
     def quarantined(self) -> str | None:

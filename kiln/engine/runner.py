@@ -8,8 +8,8 @@ while this one runs, whose rows may take their last token from this step's sampl
 (a `TokenFeed`). It never splits or reorders what the scheduler planned.
 
 The whole set is built (or loaded from disk, see executables.py) by `warm` before a server
-reports ready: Kiln's graph capture. An engine used without warming (tests, scripts) builds a
-step's executable the first time it needs it, which only live capture allows; when the serving
+reports ready (what the serving profile calls graph capture). An engine used without warming (tests, scripts) builds a
+step's executable the first time it needs it, which only live compiling allows; when the serving
 profile forbids it, nothing new compiles: a batch runs in a built bucket that fits or fails with
 GraphCaptureDisabled (`fits` tells the scheduler beforehand).
 
@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kiln.engine.backends import XLA, Backend, BackendChoice, xla_capabilities
 from kiln.engine.bucket_gate import BucketFailedGate, check_bucket, gate_signature
 from kiln.engine.buckets import BucketSet, StepBucket
 from kiln.engine.config import EngineConfig
@@ -42,7 +43,6 @@ from kiln.engine.faults import DeviceLossInjector, as_device_lost, first_line, i
 from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.request import Request
-from kiln.engine.routes import XLA, RouteChoice, StepRoute, xla_capabilities
 from kiln.engine.sampling import RowSampling, adjust_capacity
 from kiln.engine.step_types import Batch, PendingStep, Rows, StepFailure, StepResult
 from kiln.engine.steps import (
@@ -53,7 +53,7 @@ from kiln.engine.steps import (
     prompt_logprobs_step,
     sample_step,
 )
-from kiln.errors import GraphCaptureDisabled, RequestFailed, RouteCannotRun
+from kiln.errors import BackendCannotRun, GraphCaptureDisabled, RequestFailed
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, StepInputs, init_kv_cache, table_width
@@ -108,9 +108,9 @@ class SamplerKey:
 class Runner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, max_model_len: int,
                  eos_ids: tuple[int, ...], lora_slots: LoraSlots, kv_dtype: str = "float32",
-                 route: StepRoute = XLA):
+                 backend: Backend = XLA):
         self.cfg = cfg
-        self.route = route
+        self.backend = backend
         self.params = params
         self.config = config
         self.block_size = config.block_size
@@ -155,7 +155,7 @@ class Runner:
         """Every executable this engine's steps can use: forward buckets and samplers (on an IREE
         route each forward bucket samples too, and prompt logprobs run on the host)."""
         keys = [*self.buckets.forwards, *(SamplerKey(r) for r in self.buckets.sampler_rows)]
-        if self.route.is_iree:
+        if self.backend.is_iree:
             keys += [PromptLogprobsKey(b.tokens) for b in self.buckets.base if b.kind == "prefill"]
         return keys
 
@@ -228,7 +228,7 @@ class Runner:
         with self._install_lock:
             if isinstance(key, StepBucket):
                 self.forwards[key] = executable
-                if not self.route.is_iree:
+                if not self.backend.is_iree:
                     self.unprimed.add(key)
             else:
                 self.auxiliary[key] = executable
@@ -266,8 +266,8 @@ class Runner:
         """Gives the KV pool `num_blocks` blocks (engine thread, under writer ownership): the moved
         blocks' K/V are copied first, then the pool is cut or padded with empty blocks. The forward
         executables of the old pool size are dropped for `executables`, built for the new."""
-        if self.route.is_iree:  # resized with XLA on the host; the next step uploads it again
-            self.kv = KVCache(*(jnp.asarray(self.route.device.to_host(x)) for x in self.kv))
+        if self.backend.is_iree:  # resized with XLA on the host; the next step uploads it again
+            self.kv = KVCache(*(jnp.asarray(self.backend.device.to_host(x)) for x in self.kv))
 
         def resized(x: jax.Array) -> jax.Array:
             if moves:
@@ -304,11 +304,11 @@ class Runner:
 
     def _runnable(self, rows: Rows) -> list[StepBucket]:
         """Buckets the rows may run in now: fitting, not refused by a gate, and built, smallest first.
-        Only when none is built may live capture build one (the smallest): a bigger built bucket
+        Only when none is built may live compiling build one (the smallest): a bigger built bucket
         pads more but never makes the step wait for a compiler."""
         passing = [b for b in self._candidates(rows) if b not in self.gate_failed]
         built = [b for b in passing if b in self.forwards]
-        if built or not self.config.allow_live_capture:
+        if built or not self.config.allow_live_compile:
             return built
         return passing
 
@@ -322,8 +322,8 @@ class Runner:
             return runnable[0]
         candidates = self._candidates(rows)
         if candidates and all(b in self.gate_failed for b in candidates):
-            raise RouteCannotRun(f"no step bucket of the {self.route.name} route that fits this batch passed its "
-                                 f"correctness gate ({self.gate_failed[candidates[0]]})")
+            raise BackendCannotRun(f"no step bucket of the {self.backend.name} route that fits this batch passed its "
+                                   f"correctness gate ({self.gate_failed[candidates[0]]})")
         counts = [n for _, n in rows]
         raise GraphCaptureDisabled(f"no built step bucket fits {len(rows)} rows of {sum(counts)} new tokens, and "
                                    "live graph capture is disabled")
@@ -403,7 +403,7 @@ class Runner:
         lora = self._lora_abstract(bucket)
         args = (params, kv, inputs, last_index, targets, lora, feed)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
-        if self.route.is_iree:
+        if self.backend.is_iree:
             return self._compile_iree_forward(bucket, args, check=gate)
         return self._compile_xla("forward", forward_step, args, static, bucket)
 
@@ -428,11 +428,11 @@ class Runner:
         KV kept on the device; checked against XLA's on a synthetic batch before it may serve (`check`)."""
         params, kv, inputs, last_index, _, lora, _ = args
         args = (params, kv, inputs, last_index, lora, self.sampling_arrays([], bucket.rows))
-        executable = self.route.compile(forward_sample_step, args, {"cfg": self.cfg}, device_outputs=(0, 2, 3))
+        executable = self.backend.compile(forward_sample_step, args, {"cfg": self.cfg}, device_outputs=(0, 2, 3))
         if not check:
             return executable
         # a module's verdict on this device is kept beside it: a warm start neither compiles nor gates
-        cache, device = self.route.cache, f"{self.route.device_id}-{gate_signature()}"
+        cache, device = self.backend.cache, f"{self.backend.device_id}-{gate_signature()}"
         verdict = cache.verdict(executable.module_key, device)
         if verdict is None:
             with self._gate_lock:  # modules compile side by side; the device runs one gate at a time
@@ -445,18 +445,18 @@ class Runner:
     def _gate_failed(self, exc: BucketFailedGate) -> None:
         self.gate_failed[exc.shape] = exc.why
         log.warning("route %s: step bucket %s failed its correctness gate (%s); its batches run in a bigger "
-                    "bucket or split", self.route.name, exc.shape.describe(), exc.why)
+                    "bucket or split", self.backend.name, exc.shape.describe(), exc.why)
 
     def forward_for(self, bucket: StepBucket) -> Callable:
         forward = self.forwards.get(bucket)
-        if forward is None:  # an engine that was not warmed: only live capture gets here
+        if forward is None:  # an engine that was not warmed: only live compiling gets here
             t0 = time.perf_counter()
             try:
                 forward = self._build(bucket)
             except BucketFailedGate as exc:
                 self._gate_failed(exc)
-                raise RouteCannotRun(f"no step bucket of the {self.route.name} route that fits this batch passed its "
-                                     f"correctness gate ({exc.why})") from None
+                raise BackendCannotRun(f"no step bucket of the {self.backend.name} route that fits this batch "
+                                       f"passed its correctness gate ({exc.why})") from None
             self._install(bucket, forward)
             self.compile_waits += 1
             log.info("built step bucket %s in %.1fs (the step waited)", bucket.describe(), time.perf_counter() - t0)
@@ -585,14 +585,14 @@ class Runner:
         try:
             bucket = self.bucket_for(rows)
             forward = self.forward_for(bucket)
-        except (GraphCaptureDisabled, RouteCannotRun) as exc:
+        except (GraphCaptureDisabled, BackendCannotRun) as exc:
             # a batch that no passing bucket fits runs again split (see fits); a one-token row cannot
             splittable = len(rows) > 1 or rows[0][1] > 1
             return StepFailure(exc, retry=splittable and not self.fits(rows))
         try:
             return self._launch(rows, bucket, forward, feed)
         except Exception as exc:
-            return self._failed(exc, kv_lost=self.route.is_iree or self.kv.k.is_deleted())  # IREE: consumed in place
+            return self._failed(exc, kv_lost=self.backend.is_iree or self.kv.k.is_deleted())  # IREE: consumed in place
 
     def fetch(self, pending: PendingStep) -> StepResult | StepFailure:
         """A dispatched step's results on the host (waits for the device). A step that failed on the
@@ -606,7 +606,7 @@ class Runner:
         if is_device_loss(exc):
             raise as_device_lost(exc) from exc
         log.exception("step failed")
-        if self.route.is_iree:
+        if self.backend.is_iree:
             self._quarantine_route(exc)
         if kv_lost:
             self.reset_kv()
@@ -618,7 +618,7 @@ class Runner:
         the process: later steps run on XLA (on the host), every compiled IREE bucket and the
         device's copies of the weights are dropped. XLA itself is the route of last resort: its
         failures fail their requests only."""
-        failed, why = self.route, first_line(exc)
+        failed, why = self.backend, first_line(exc)
         self.quarantined = f"{failed.name}: {why}"
         log.error("route %s quarantined after an accelerator failure (%s); serving goes on with XLA on %s until "
                   "a restart", failed.name, why, jax.default_backend())
@@ -628,7 +628,7 @@ class Runner:
         self._idle.clear()
         if failed.resident is not None:
             failed.resident.clear()
-        self.route = StepRoute(RouteChoice(
+        self.backend = Backend(BackendChoice(
             "xla", f"fallback: route {failed.name} was quarantined after an accelerator failure ({why})",
             xla_capabilities(), {}))
 
@@ -652,15 +652,15 @@ class Runner:
         lora = self.lora_slots.ensure_state() if bucket.lora else None
         sampler = self.sampler_for(bucket.rows)
         self.device_loss.before_step()
-        if self.route.is_iree:  # never fed: the engine plans no step ahead of one on an IREE route
+        if self.backend.is_iree:  # never fed: the engine plans no step ahead of one on an IREE route
             row_logits, sampled, hidden, self.kv = forward(self.params, self.kv, inputs, last_index, lora, rs)
             prompt = None
             if any(self._wants_targets(r, n) for r, n in rows):
-                hidden = self.route.device.to_host(hidden)
+                hidden = self.backend.device.to_host(hidden)
                 prompt = self._auxiliary_for(PromptLogprobsKey(bucket.tokens))(self.params, hidden, targets)
             if self._device_samples(rows):
                 return PendingStep(bucket, rows, sampled, prompt, targets, None)
-            row_logits = self.route.device.to_host(row_logits)
+            row_logits = self.backend.device.to_host(row_logits)
         else:
             row_logits, prompt, self.kv = forward(self.params, self.kv, inputs, last_index, targets, lora,
                                                   TokenFeed(self._feed(feed), source))
@@ -668,4 +668,4 @@ class Runner:
         if rs.constrained.any():  # computed while the forward pass runs (dispatched asynchronously)
             rs = rs._replace(allowed=self._masks(rows, bucket.rows))
         sampled, next_feed = sampler(row_logits, rs)
-        return PendingStep(bucket, rows, sampled, prompt, targets, None if self.route.is_iree else next_feed)
+        return PendingStep(bucket, rows, sampled, prompt, targets, None if self.backend.is_iree else next_feed)

@@ -225,7 +225,7 @@ class Scheduler:
 
     def _split(self, rows: Rows) -> list[Rows]:
         """Rows that cannot run as one step (no step bucket fits them, none that fits is built with
-        live capture off, or every one that fits failed its correctness gate) run as halves,
+        live compiling off, or every one that fits failed its correctness gate) run as halves,
         recursively; a lone prompt chunk that still cannot runs as half the chunk (the rest of the
         prompt follows in later steps)."""
         if self.fits(rows):

@@ -8,10 +8,10 @@ from pathlib import Path
 import jax
 
 from kiln.config import Settings
+from kiln.engine.backends import Backend, select_backend
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.metrics import EngineMetrics
-from kiln.engine.routes import StepRoute, select_route
 from kiln.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("kiln.engine")
@@ -41,9 +41,9 @@ def resolve_model(model, settings: Settings, show_progress: bool = True) -> Load
     return load_model(model, dtype=settings.model.dtype, show_progress=show_progress, cache_root=settings.cache_dir())
 
 
-def select_route_from_settings(settings: Settings, model: LoadedModel) -> StepRoute:
-    """The backend route ([backend] route); RouteUnavailable when one asked for cannot run here."""
-    route = select_route(settings.backend.route, settings.iree_cache_dir(), str(model.dtype))
+def select_backend_from_settings(settings: Settings, model: LoadedModel) -> Backend:
+    """The backend route ([backend] route); BackendUnavailable when one asked for cannot run here."""
+    route = select_backend(settings.backend.route, settings.iree_cache_dir(), str(model.dtype))
     log.info("backend route %s (%s)", route.name, route.choice.reason)
     return route
 
@@ -51,5 +51,5 @@ def select_route_from_settings(settings: Settings, model: LoadedModel) -> StepRo
 def build_engine(settings: Settings, show_progress: bool = True) -> AsyncEngine:
     configure_compilation_cache(settings.compilation_dir())
     model = load_model_from_settings(settings, show_progress)
-    route = select_route_from_settings(settings, model)
+    route = select_backend_from_settings(settings, model)
     return AsyncEngine(model, EngineConfig.from_settings(settings), EngineMetrics(model.model_id), route)

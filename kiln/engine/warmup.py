@@ -28,7 +28,7 @@ def build_step_set(runner, show_progress: bool = True, defer_lora: bool = False,
     start = time.monotonic()
     store = runner.store
     loads, saves = store.loads, store.saves
-    cache = runner.route.cache
+    cache = runner.backend.cache
     iree_before = (cache.compiles, cache.hits) if cache is not None else (0, 0)
     todo = [k for k in runner.startup_set(defer_lora) if k not in runner.executables]
     with tqdm(total=len(todo), desc="building step executables", unit="executable", file=sys.stderr,
@@ -77,12 +77,13 @@ def list_step_set(settings: Settings) -> int:
 
 def warmup(settings: Settings) -> int:
     from kiln.engine.core import EngineCore
-    from kiln.engine.setup import configure_compilation_cache, load_model_from_settings, select_route_from_settings
+    from kiln.engine.setup import configure_compilation_cache, load_model_from_settings, select_backend_from_settings
 
     start = time.monotonic()
     configure_compilation_cache(settings.compilation_dir())
     model = load_model_from_settings(settings)
-    core = EngineCore(model, EngineConfig.from_settings(settings), route=select_route_from_settings(settings, model))
+    backend = select_backend_from_settings(settings, model)
+    core = EngineCore(model, EngineConfig.from_settings(settings), backend=backend)
     try:
         done = build_step_set(core.runner)
         print(f"warmup: {done['executables']} step executables ready in {time.monotonic() - start:.1f}s "

@@ -21,7 +21,7 @@ import jax
 from jax import export as jax_export
 from jax._src import config as jax_config
 
-from kiln.errors import RouteUnavailable
+from kiln.errors import BackendUnavailable
 
 log = logging.getLogger("kiln.iree")
 
@@ -63,7 +63,7 @@ def compiler_version() -> str:
     try:
         return metadata.version("iree-base-compiler")
     except metadata.PackageNotFoundError as exc:
-        raise RouteUnavailable(
+        raise BackendUnavailable(
             "the IREE compiler is not installed; install Kiln's vulkan extra: pip install 'kiln[vulkan]'") from exc
 
 
@@ -129,7 +129,7 @@ def compile_module(mlir: str, target: str) -> bytes:
     try:
         import iree.compiler as ic
     except ImportError as exc:
-        raise RouteUnavailable(
+        raise BackendUnavailable(
             "the IREE compiler is not installed; install Kiln's vulkan extra: pip install 'kiln[vulkan]'") from exc
     return ic.compile_str(mlir, target_backends=[target], input_type="stablehlo",
                           extra_args=list(TARGET_FLAGS[target]))

@@ -20,7 +20,7 @@ import weakref
 
 import numpy as np
 
-from kiln.errors import RouteUnavailable
+from kiln.errors import BackendUnavailable
 
 ROUTE_DRIVERS = {"vulkan": "vulkan", "iree-cpu": "local-task"}
 ROUTE_TARGETS = {"vulkan": "vulkan-spirv", "iree-cpu": "llvm-cpu"}
@@ -30,7 +30,7 @@ def import_runtime():
     try:
         import iree.runtime as rt
     except ImportError as exc:
-        raise RouteUnavailable(
+        raise BackendUnavailable(
             "the IREE runtime is not installed; install Kiln's vulkan extra: pip install 'kiln[vulkan]'") from exc
     return rt
 
@@ -91,15 +91,15 @@ def probe(route: str) -> DeviceCapabilities:
     rt = import_runtime()
     driver_name = ROUTE_DRIVERS[route]
     if driver_name not in rt.query_available_drivers():
-        raise RouteUnavailable(f"route {route}: IREE has no {driver_name} driver in this build")
+        raise BackendUnavailable(f"route {route}: IREE has no {driver_name} driver in this build")
     try:
         driver = rt.get_driver(driver_name)
         found = driver.query_available_devices()
     except Exception as exc:  # the driver loads but finds no loader/ICD
-        raise RouteUnavailable(f"route {route}: the {driver_name} driver cannot start ({exc}); "
+        raise BackendUnavailable(f"route {route}: the {driver_name} driver cannot start ({exc}); "
                                + _install_hint(route)) from exc
     if not found:
-        raise RouteUnavailable(f"route {route}: no {driver_name} device found; " + _install_hint(route))
+        raise BackendUnavailable(f"route {route}: no {driver_name} device found; " + _install_hint(route))
     return parse_device_info(route, driver.dump_device_info(found[0]["device_id"]), _host_memory())
 
 

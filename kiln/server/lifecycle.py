@@ -22,7 +22,7 @@ import time
 import uvicorn
 
 from kiln.config import Settings
-from kiln.errors import AdmissionRejected, KilnError, ModelLoadError, RouteUnavailable
+from kiln.errors import AdmissionRejected, BackendUnavailable, KilnError, ModelLoadError
 from kiln.profiles import ServingProfile, log_startup
 from kiln.server.app import create_app
 from kiln.server.state import ServerState
@@ -131,7 +131,7 @@ class Start:
         except ModelLoadError as exc:
             print(f"kiln: error: cannot load the model: {exc}", file=sys.stderr)
             state = None
-        except RouteUnavailable as exc:
+        except BackendUnavailable as exc:
             print(f"kiln: error: backend: {exc}", file=sys.stderr)
             state = None
         except KilnError as exc:

@@ -4,7 +4,7 @@
 * `vulkan`, `iree-cpu`: the same step functions exported as StableHLO and compiled by IREE for
   `vulkan-spirv` or `llvm-cpu`, with weights and the paged KV resident on the IREE device.
 
-`select_route` decides from what the devices report (device type, dtypes, memory) and from
+`select_backend` decides from what the devices report (device type, dtypes, memory) and from
 correctness gates it runs on the device itself; never from a device's name, vendor, driver string
 or any receipt. `auto` takes XLA when it has an accelerator, a Vulkan GPU when XLA only has the
 host CPU, else XLA on the CPU.
@@ -32,7 +32,7 @@ GATE_SIZE = 1024  # a row this long exercises the sorts sampling does over a voc
 
 
 @dataclasses.dataclass(frozen=True)
-class RouteChoice:
+class BackendChoice:
     route: str
     reason: str
     capabilities: dict  # the chosen route's device report (display names included, never read)
@@ -42,10 +42,10 @@ class RouteChoice:
         return {"route": self.route, "reason": self.reason, "capabilities": self.capabilities, "gates": self.gates}
 
 
-class StepRoute:
+class Backend:
     """An opened route: for IREE routes the device, its module cache and resident arrays."""
 
-    def __init__(self, choice: RouteChoice, device=None, cache=None):
+    def __init__(self, choice: BackendChoice, device=None, cache=None):
         self.choice = choice
         self.name = choice.route
         self.device = device
@@ -93,7 +93,7 @@ class StepRoute:
         return self.device.uploaded_bytes, self.device.downloaded_bytes
 
 
-XLA = StepRoute(RouteChoice("xla", "requested", {}, {}))
+XLA = Backend(BackendChoice("xla", "requested", {}, {}))
 
 
 def xla_capabilities() -> dict:
@@ -104,7 +104,7 @@ def xla_capabilities() -> dict:
             "name": getattr(device, "device_kind", "")}
 
 
-def run_gates(route: StepRoute) -> dict[str, bool]:
+def run_gates(route: Backend) -> dict[str, bool]:
     """Each gate's verdict on this route's device: known answers, computed there."""
     rng = np.random.default_rng(0)
     row = rng.standard_normal((2, GATE_SIZE)).astype(np.float32)
@@ -122,52 +122,52 @@ def run_gates(route: StepRoute) -> dict[str, bool]:
     return gates
 
 
-def open_iree(route: str, cache_dir: Path) -> StepRoute:
-    """Opens an IREE route's device and runs its gates; RouteUnavailable if it cannot run here."""
+def open_iree(route: str, cache_dir: Path) -> Backend:
+    """Opens an IREE route's device and runs its gates; BackendUnavailable if it cannot run here."""
     from kiln.iree.compile import ModuleCache, compiler_version
     from kiln.iree.device import open_device
 
     compiler_version()  # the compiler is part of the route: fail now, not at the first step
     device = open_device(route)
-    opened = StepRoute(RouteChoice(route, "", device.capabilities.to_json(), {}), device, ModuleCache(cache_dir))
+    opened = Backend(BackendChoice(route, "", device.capabilities.to_json(), {}), device, ModuleCache(cache_dir))
     opened.choice = dataclasses.replace(opened.choice, gates=run_gates(opened))
     return opened
 
 
-def select_route(requested: str, cache_dir: Path, model_dtype: str = "float32",
-                 capabilities: dict | None = None) -> StepRoute:
-    """The route to serve with. `requested` is xla, vulkan or iree-cpu (fatal RouteUnavailable when it cannot
+def select_backend(requested: str, cache_dir: Path, model_dtype: str = "float32",
+                 capabilities: dict | None = None) -> Backend:
+    """The route to serve with. `requested` is xla, vulkan or iree-cpu (fatal BackendUnavailable when it cannot
     run here) or `auto`. `capabilities` stands in for probing the Vulkan device (tests)."""
-    from kiln.errors import RouteUnavailable
+    from kiln.errors import BackendUnavailable
 
     need = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(model_dtype, "f32")
     if requested == "xla":
-        return StepRoute(RouteChoice("xla", "requested", xla_capabilities(), {}))
+        return Backend(BackendChoice("xla", "requested", xla_capabilities(), {}))
     if requested in ("vulkan", "iree-cpu"):
         route = open_iree(requested, cache_dir)
         if need not in route.choice.capabilities["dtypes"]:
-            raise RouteUnavailable(f"route {requested}: the device does not support {model_dtype} weights "
+            raise BackendUnavailable(f"route {requested}: the device does not support {model_dtype} weights "
                                    f"(it offers {', '.join(route.choice.capabilities['dtypes'])}); "
                                    "load the model as float32 (model.dtype)")
         route.choice = dataclasses.replace(route.choice, reason="requested")
         return route
     xla = xla_capabilities()
     if xla["device_type"] == "gpu":
-        return StepRoute(RouteChoice("xla", f"auto: XLA has an accelerator ({xla['platform']})", xla, {}))
+        return Backend(BackendChoice("xla", f"auto: XLA has an accelerator ({xla['platform']})", xla, {}))
     vulkan = capabilities
     if vulkan is None:
         try:
             from kiln.iree.device import probe
 
             vulkan = probe("vulkan").to_json()
-        except RouteUnavailable as exc:
-            return StepRoute(RouteChoice("xla", f"auto: XLA on the CPU; no Vulkan route ({exc})", xla, {}))
+        except BackendUnavailable as exc:
+            return Backend(BackendChoice("xla", f"auto: XLA on the CPU; no Vulkan route ({exc})", xla, {}))
     if vulkan["device_type"] != "gpu":
-        return StepRoute(RouteChoice(
+        return Backend(BackendChoice(
             "xla", f"auto: XLA on the CPU; the Vulkan device is of type {vulkan['device_type']}, no faster than "
             "the host", xla, {}))
     if need not in vulkan["dtypes"]:
-        return StepRoute(RouteChoice("xla", f"auto: XLA on the CPU; the Vulkan GPU lacks {model_dtype}", xla, {}))
+        return Backend(BackendChoice("xla", f"auto: XLA on the CPU; the Vulkan GPU lacks {model_dtype}", xla, {}))
     route = open_iree("vulkan", cache_dir)
     route.choice = dataclasses.replace(route.choice, reason="auto: a Vulkan GPU, and XLA only has the CPU")
     return route
