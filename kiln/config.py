@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Literal
 
 from kiln.errors import ConfigError  # callers may import it from here too
 from kiln.profiles import ResolvedProfile, ServingProfile
+from kiln.toml_file import TomlFileError, read_toml
 
 log = logging.getLogger("kiln.config")
 
@@ -246,14 +246,15 @@ def _accept(key: Key, raw: Any, where: str, convert: Callable[[str, Any], Any]) 
 
 def _read_toml(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        return read_toml(path)
+    except TomlFileError as e:
+        raise ConfigError(
+            {
+                "missing": f"config file {path} does not exist",
+                "unreadable": f"cannot read config file {path}: {e.detail}",
+                "invalid": f"config file {path} is not valid TOML: {e.detail}",
+            }[e.problem]
+        ) from None
 
 
 def _toml_values(path: Path, doc: dict[str, Any]) -> list[tuple[Key, Any]]:

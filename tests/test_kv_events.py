@@ -9,15 +9,8 @@ import msgspec
 import pytest
 import zmq
 
-from kiln.engine.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    KVEventPublisher,
-    decode_batch,
-    offset_endpoint_port,
-)
+from kiln.engine.kv_events import KVEventPublisher, offset_endpoint_port
+from kiln.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
 
 ANY_PORT = "tcp://127.0.0.1:*"
 TOKENS = list(range(100, 116))

@@ -69,3 +69,18 @@ def test_nothing_outside_the_engine_reaches_into_its_core():
                  if "engine" not in path.relative_to(ROOT / "kiln").parts[:1]
                  for i, line in enumerate(path.read_text().splitlines(), 1) if inner.search(line)]
     assert not offenders, offenders
+
+
+def test_every_broad_except_says_why():
+    """`except Exception` (or BaseException) catches bugs too, so each one either re-raises (cleanup)
+    or says on its line why this is a boundary where anything must be caught."""
+    broad = re.compile(r"^\s*except (Exception|BaseException)\b[^#]*$")
+    offenders = []
+    for path in (ROOT / "kiln").rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if broad.match(line):
+                body = [n.strip() for n in lines[i + 1:i + 6]]
+                if "raise" not in body:
+                    offenders.append(f"{path.relative_to(ROOT)}:{i + 1}")
+    assert not offenders, offenders

@@ -11,15 +11,17 @@ import time
 
 import pytest
 
-from kiln.engine.kv_events import AllBlocksCleared, BlockStored, KVEventPublisher
+from kiln.engine.kv_events import KVEventPublisher
+from kiln.kv_wire import AllBlocksCleared, BlockStored
 from kiln.router.bodies import BodyBudget, BodyRejected
 from kiln.router.bookkeeping import InFlight, Observation, Observations
 from kiln.router.config import RouterConfig, Worker
-from kiln.router.core import PickError, PickInput, RouterCore, derive_worker_id_num
+from kiln.router.core import RouterCore, derive_worker_id_num
 from kiln.router.ingest import KVIngest
 from kiln.router.kv_index import block_keys
 from kiln.router.metrics import RouterMetrics, tenant_labeller
 from kiln.router.scrape import Scraper, WorkerHealth
+from kiln.router.types import PickError, PickInput
 
 BS = 4
 

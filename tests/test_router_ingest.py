@@ -9,14 +9,8 @@ import msgspec
 import pytest
 import zmq
 
-from kiln.engine.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-    KVEventPublisher,
-    as_map_form,
-)
+from kiln.engine.kv_events import KVEventPublisher
+from kiln.kv_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, as_map_form
 from kiln.router.config import RouterConfig, Worker, WorkerSet
 from kiln.router.ingest import KVIngest, fetch_replay, ingest_for
 from kiln.router.kv_index import KVIndex, block_keys

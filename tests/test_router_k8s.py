@@ -22,7 +22,7 @@ from test_router_scrape import FakeWorker
 from test_router_server import BS, RouterProcess, code_of, wait_until, write_config
 
 from kiln.router.config import DiscoveryDefaults, RouterConfig, Worker
-from kiln.router.core import PickError, PickInput, RouterCore, WorkerMeta
+from kiln.router.core import RouterCore
 from kiln.router.discovery import EndpointSliceDiscovery
 from kiln.router.k8s import KubernetesError, describe_error, load_kube_config, make_client, own_namespace
 from kiln.router.leader import LeaderElector
@@ -30,6 +30,7 @@ from kiln.router.metrics import RouterMetrics
 from kiln.router.proto import router_pb2, router_pb2_grpc
 from kiln.router.resources import PoolWatcher, StatusWriter, WorkerSetWatcher
 from kiln.router.token_review import ReviewUnavailable, TokenReviewer
+from kiln.router.types import PickError, PickInput, WorkerMeta
 
 LEASES = "apis/coordination.k8s.io/v1"
 NS = "kiln"

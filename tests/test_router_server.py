@@ -25,7 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from server_process import free_port
 
-from kiln.engine.kv_events import BlockRemoved, BlockStored, KVEventPublisher
+from kiln.engine.kv_events import KVEventPublisher
+from kiln.kv_wire import BlockRemoved, BlockStored
 from kiln.router.proto import router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -66,7 +66,7 @@ def check_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> str | 
     settings' modules: "transient buffer has no staged Vulkan backing"); a lost device is raised."""
     try:
         return measure_bucket(runner, bucket, executable, lora)["why"]
-    except Exception as exc:
+    except Exception as exc:  # the IREE runtime raises plain RuntimeErrors: any failure is the gate's finding
         if is_device_loss(exc):
             raise as_device_lost(exc) from exc
         return f"the module failed on the device: {first_line(exc)}"

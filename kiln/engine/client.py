@@ -462,7 +462,7 @@ class AsyncEngine:
                 continue
             try:
                 sink(delta)
-            except Exception:
+            except Exception:  # a caller's sink (its event loop) failing must not stop the other streams
                 log.warning("caller of %s is gone; aborting it", delta.request_id)
                 if not delta.finished:
                     self._inbox.put(("abort", delta.request_id))

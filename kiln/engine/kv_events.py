@@ -1,19 +1,14 @@
-"""Publish KV-cache events in vLLM's ZMQ wire format.
+"""Publish KV-cache events in vLLM's ZMQ wire format (the format itself: kiln/kv_wire.py).
 
 KV-aware routers written for vLLM (vLLM's own subscriber, llm-d, Dynamo) can consume Kiln's
-block events unchanged. Wire format (vLLM ``vllm/distributed/kv_events.py``):
+block events unchanged:
 
 * PUB socket, one multipart message per batch: ``(topic, seq, payload)``; ``seq`` is an 8-byte
-  big-endian signed int counting batches from 0; ``payload`` is a msgpack :class:`KVEventBatch`.
+  big-endian signed int counting batches from 0; ``payload`` is a msgpack :class:`KVEventBatch`,
+  positional (``encoding="array"``, vLLM's layout) or as msgpack maps (``encoding="map"``).
 * Optional ROUTER replay socket: a client sends an 8-byte big-endian start seq (vLLM expects a
   REQ-style empty delimiter frame before it; a bare DEALER frame is accepted too) and gets one
   ``(seq, payload)`` reply per buffered batch with ``seq >= start``, then ``(-1, b"")``.
-
-Events use the positional (``array_like``) layout by default, e.g.
-``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, lora_name]``. With
-``encoding="map"`` the same structs go out as msgpack maps, as msgspec encodes a tagged struct
-that is not array_like: ``{"type": "BlockStored", "block_hashes": [...], ...}`` (fields at their
-default left out) inside ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``.
 """
 
 from __future__ import annotations
@@ -27,77 +22,15 @@ from collections import deque
 import msgspec
 import zmq
 
+# kiln/engine/core.py makes its events with these names from here.
+from kiln.kv_wire import BlockRemoved as BlockRemoved
+from kiln.kv_wire import BlockStored as BlockStored
+from kiln.kv_wire import KVEvent, KVEventBatch, as_map_form
+
 logger = logging.getLogger(__name__)
 
-MEDIUM_GPU = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-# Struct options as in vLLM; array_like structs always encode every field (omit_defaults has
-# no effect on them), so the layout is fixed.
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base of the tagged event union; the tag (first array element) is the class name."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_GPU
-    lora_name: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None = MEDIUM_GPU
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-# ``[ts, events, data_parallel_rank]``; a None rank is still encoded (as nil).
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[KVEvent]
-    data_parallel_rank: int | None = None
-
-
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-
 ENCODINGS = ("array", "map")
-
-
-def _map_form(cls: type[msgspec.Struct], **overrides: type) -> type[msgspec.Struct]:
-    """The same struct without array_like: encoded as a map keyed by field name (events tagged by "type")."""
-    fields = [
-        (f.name, overrides.get(f.name, f.type)) if f.default is msgspec.NODEFAULT else (f.name, f.type, f.default)
-        for f in msgspec.structs.fields(cls)
-    ]
-    tagged = issubclass(cls, KVCacheEvent)
-    return msgspec.defstruct(cls.__name__, fields, omit_defaults=True, gc=False, tag=True if tagged else None)
-
-
-_MAP_EVENTS = {cls: _map_form(cls) for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
-_MapBatch = _map_form(
-    KVEventBatch, events=list[_MAP_EVENTS[BlockStored] | _MAP_EVENTS[BlockRemoved] | _MAP_EVENTS[AllBlocksCleared]]
-)
-
-
-def as_map_form(batch: KVEventBatch) -> msgspec.Struct:
-    """``batch`` as its map-encoded twin (what ``encoding="map"`` publishes)."""
-    events = [_MAP_EVENTS[type(e)](*msgspec.structs.astuple(e)) for e in batch.events]
-    return _MapBatch(batch.ts, events, batch.data_parallel_rank)
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one payload frame (positional layout; extra trailing fields are ignored)."""
-    return _decoder.decode(payload)
 
 
 def offset_endpoint_port(endpoint: str | None, rank: int | None) -> str | None:
@@ -238,7 +171,7 @@ class KVEventPublisher:
                     self._buffer.append((seq, payload))
                     seq += 1
                     self.published_batches += 1
-                except Exception:
+                except Exception:  # the publisher thread must outlive one batch that fails to encode or send
                     logger.exception("failed to publish KV event batch")
                 finally:
                     self._queue.task_done()

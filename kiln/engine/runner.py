@@ -362,7 +362,7 @@ class Runner:
                                                            feed)
             sampled, _ = self.sampler_for(bucket.rows)(row_logits, self.sampling_arrays([], bucket.rows))
             np.asarray(sampled.tokens)
-        except Exception as exc:
+        except Exception as exc:  # priming is an optimisation: a failure is logged, never fatal
             if is_device_loss(exc):
                 raise as_device_lost(exc) from exc
             log.warning("priming step bucket %s failed (%s); its first request runs it first", bucket.describe(),
@@ -591,7 +591,7 @@ class Runner:
             return StepFailure(exc, retry=splittable and not self.fits(rows))
         try:
             return self._launch(rows, bucket, forward, feed)
-        except Exception as exc:
+        except Exception as exc:  # the failure policy's boundary: _failed sorts device loss from a failed step
             return self._failed(exc, kv_lost=self.backend.is_iree or self.kv.k.is_deleted())  # IREE: consumed in place
 
     def fetch(self, pending: PendingStep) -> StepResult | StepFailure:
@@ -599,7 +599,7 @@ class Runner:
         device took the KV state with it: every step dispatched after it ran on that state too."""
         try:
             return pending.result()
-        except Exception as exc:
+        except Exception as exc:  # as in dispatch: runtimes raise untyped errors
             return self._failed(exc, kv_lost=True)
 
     def _failed(self, exc: Exception, kv_lost: bool) -> StepFailure:

@@ -46,7 +46,7 @@ class _Graders:
                     return
                 try:
                     result, error = fn(), None
-                except Exception as exc:
+                except Exception as exc:  # handed to `done` with the result: the worker thread lives on
                     result, error = None, exc
             if not self.closed:
                 done(result, error)

@@ -183,7 +183,7 @@ class FunctionGrader(Grader):
     def _grade(self, sample: dict, item: Any, judge: Judge | None) -> GradeResult:
         try:
             value = self.fn(sample, item)
-        except Exception as exc:
+        except Exception as exc:  # user code: its error is the sample's runtime error, not ours
             return GradeResult.failed({"python_grader_runtime_error_details": runtime_error_details(exc)},
                                       python_grader_runtime_error=True)
         reward, problem = as_reward(value)

@@ -68,7 +68,7 @@ class _ModelGrader(Grader):
                                             model_grader_server_error=True)
         try:
             reply = judge(self.model, messages, params)
-        except Exception as exc:
+        except Exception as exc:  # a judge is caller code: its failure is this sample's grade, per OpenAI
             return None, GradeResult.failed({"model_grader_server_error_details": f"{type(exc).__name__}: {exc}"},
                                             model_grader_server_error=True)
         return (reply if isinstance(reply, JudgeReply) else JudgeReply(str(reply))), GradeResult(0.0)

@@ -3,42 +3,20 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kiln.errors import ModelLoadError, TemplateError
+from kiln.templates import chat_template_environment
 
 
 def _token_str(value: Any) -> str | None:
     if isinstance(value, dict):  # AddedToken serialised form
         return value.get("content")
     return value
-
-
-def _raise_exception(message: str):
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' tojson: no HTML escaping, unicode kept
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
 
 
 class KilnTokenizer:
@@ -57,7 +35,7 @@ class KilnTokenizer:
         if isinstance(template, list):  # named templates: use "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
-        self._compiled = _environment().from_string(template) if template else None
+        self._compiled = chat_template_environment(TemplateError).from_string(template) if template else None
         self.special_ids = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
     @classmethod

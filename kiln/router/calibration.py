@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 MIN_OBSERVATIONS = 20  # fitted factors apply from this many TTFT observations on
 DECAY = 0.995  # weight kept by each observation per newer one: an effective window of ~200 picks
 PRIOR_WEIGHT = 0.1  # the identity counts as this many observations (in each fitted coordinate)
@@ -84,10 +86,10 @@ class Calibration:
         ridge = [PRIOR_WEIGHT * max(self._xx[i][i] / n, 1.0) if n > 0 else PRIOR_WEIGHT for i in range(3)]
         a = [[self._xx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
         b = [self._xy[i] + ridge[i] * prior[i] for i in range(3)]
-        theta = _solve3(a, b)
-        if theta is None:
+        try:
+            offset, queue, prefill = np.linalg.solve(a, b).tolist()
+        except np.linalg.LinAlgError:  # singular: keep the last fit
             return self.fitted
-        offset, queue, prefill = theta
         return Factors(
             queue_scale=min(SCALE_MAX, max(SCALE_MIN, queue)),
             prefill_scale=min(SCALE_MAX, max(SCALE_MIN, prefill)),
@@ -106,20 +108,3 @@ class Calibration:
             "offset_ms": f.offset_ms,
         }
 
-
-def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
-    """x with a x = b (Gaussian elimination with partial pivoting); None when singular."""
-    m = [[*a[i], b[i]] for i in range(3)]
-    for col in range(3):
-        pivot = max(range(col, 3), key=lambda r: abs(m[r][col]))
-        if abs(m[pivot][col]) < 1e-12:
-            return None
-        m[col], m[pivot] = m[pivot], m[col]
-        for r in range(col + 1, 3):
-            f = m[r][col] / m[col][col]
-            for c in range(col, 4):
-                m[r][c] -= f * m[col][c]
-    x = [0.0] * 3
-    for r in (2, 1, 0):
-        x[r] = (m[r][3] - sum(m[r][c] * x[c] for c in range(r + 1, 3))) / m[r][r]
-    return x[0], x[1], x[2]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -33,6 +32,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from kiln.router.selectors import parse_selector
+from kiln.toml_file import TomlFileError, read_toml
 
 log = logging.getLogger("kiln.router")
 
@@ -275,8 +277,6 @@ class Kubernetes(Section):
     @classmethod
     def _selector_reads(cls, value: str | None) -> str | None:
         if value is not None:
-            from kiln.router.selectors import parse_selector
-
             parse_selector(value)  # raises ValueError, which names the term it cannot read
         return value
 
@@ -386,14 +386,15 @@ def _read_toml(path: Path, named_by: str = "") -> dict[str, Any]:
     """The parsed file; named_by is `config: key` when another file names this one."""
     where = f"{named_by} = {_show(path)}: file" if named_by else "config file"
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise RouterConfigError(f"{where} {path} does not exist") from None
-    except OSError as e:
-        raise RouterConfigError(f"{where} {path}: cannot read it: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise RouterConfigError(f"{path}: not valid TOML: {e}") from None
+        return read_toml(path)
+    except TomlFileError as e:
+        raise RouterConfigError(
+            {
+                "missing": f"{where} {path} does not exist",
+                "unreadable": f"{where} {path}: cannot read it: {e.detail}",
+                "invalid": f"{path}: not valid TOML: {e.detail}",
+            }[e.problem]
+        ) from None
 
 
 def _fail(path: Path, key: str, value: Any, reason: str) -> RouterConfigError:

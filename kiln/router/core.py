@@ -19,7 +19,9 @@ pool's workers (`pools`, kept by resources.PoolWatcher): an unknown pool is not_
 [policy], the name is ignored.
 
 In mock mode there is no ingest, scraping or tokenization: the worker is a stable hash of the
-model and the prompt over the workers of the first worker set whose `model_name` is the model.
+model and the prompt over the workers of the first worker set whose `model_name` is the model. The
+mode is an object chosen once, at construction (`_Live` or `_Mock`): it says what the core follows
+and how it picks.
 
 Workers and worker sets can come and go while the router runs (`add_worker`, `remove_worker`,
 `add_worker_set`, `remove_worker_set`), as Kubernetes discovery finds them (discovery.py): a
@@ -43,67 +45,31 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from kiln.router.bookkeeping import InFlight, Observation, Observations
 from kiln.router.calibration import Calibration
 from kiln.router.config import Profile, RouterConfig, Worker, WorkerSet
+from kiln.router.ingest import KVIngest, ingest_for
 from kiln.router.kv_index import KVIndex
 from kiln.router.picker import PrefixHeat, pick, prefix_key
 from kiln.router.predictor import WorkerLoad, predict_all
+from kiln.router.scrape import Scraper, WorkerHealth
+from kiln.router.tokenization import Tokenization, TokenizationError
+from kiln.router.types import PickError, PickInput, PickResult, Pool, Pools, WorkerMeta
 
 if TYPE_CHECKING:
     from kiln.router.bodies import BodyBudget
-    from kiln.router.ingest import KVIngest
     from kiln.router.leader import LeaderElector
     from kiln.router.metrics import RouterMetrics
-    from kiln.router.resources import Pool, Pools
-    from kiln.router.scrape import Scraper, WorkerHealth
-    from kiln.router.tokenization import Tokenization
 
 log = logging.getLogger("kiln.router")
 
 SWEEP_EVERY_S = 5.0  # how often expired observations and in-flight entries are dropped
 TOKENIZE_LOG_EVERY_S = 30.0  # at most one "routed on load alone" warning per worker set this often
 TOPOLOGY = ("pod_name", "namespace", "node_name", "node_ip", "pod_ip", "availability_zone", "instance_type")
-
-
-class PickError(Exception):
-    """No pick: `kind` is not_found (no worker set serves the model), unavailable (no eligible worker)
-    or invalid (the request is wrong)."""
-
-    def __init__(self, kind: Literal["not_found", "unavailable", "invalid"], message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class PickInput:
-    """One request to route. The prompt is `token_ids` when given, else `body`'s prompt fields: an
-    OpenAI completion's `prompt`, or a chat's `messages` (with `tools`, `chat_template_kwargs`, ...)."""
-
-    model: str
-    token_ids: Sequence[int] | None = None
-    body: dict[str, Any] | None = None
-    tenant: str = ""
-    inference_pool: str = ""
-    request_id: str = ""  # empty: one is made up
-
-
-@dataclass(frozen=True, slots=True)
-class PickResult:
-    request_id: str
-    worker_id: str  # worker_id_str
-    worker_id_num: int
-    endpoint: str  # empty when the worker has none
-    workerset: str
-    predicted_ms: float
-    cached_blocks: int
-    prompt_blocks: int
-    reason: str  # the picker's (only, best, load, random, replicate) or mock
 
 
 @dataclass(slots=True)
@@ -114,15 +80,6 @@ class _Tally:
     predicted_ms: float | None = None  # the last prediction made for the worker, picked or not
     ttft_ms: float | None = None  # the last time to first token Feedback reported
     e2e_ms: float | None = None  # the last end-to-end latency Feedback reported
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerMeta:
-    """What discovery knows of a worker beyond its Worker entry: its pod's labels (for pool selectors)
-    and its Service's named ports (for a pool's targetPortName)."""
-
-    labels: Mapping[str, str] = field(default_factory=dict)
-    ports: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -161,7 +118,7 @@ class RouterCore:
         seed: int = 0,
     ) -> None:
         self.config = config
-        self.mock = config.mock_mode
+        self.mode = _mode(config)
         self.metrics = metrics
         self.bodies = bodies
         self.ingests = ingests or {}
@@ -194,21 +151,7 @@ class RouterCore:
     @classmethod
     def from_config(cls, config: RouterConfig, metrics: RouterMetrics, bodies: BodyBudget | None = None) -> RouterCore:
         """The core with its ingest, scraper and tokenization (none of them in mock mode)."""
-        if config.mock_mode:
-            return cls(config, metrics=metrics, bodies=bodies)
-        from kiln.router.ingest import ingest_for
-        from kiln.router.scrape import Scraper
-        from kiln.router.tokenization import Tokenization
-
-        scraper = Scraper(config)
-        return cls(
-            config,
-            metrics=metrics,
-            bodies=bodies,
-            ingests=ingest_for(config),
-            scraper=scraper,
-            tokenization=Tokenization(config, scraper),
-        )
+        return cls(config, metrics=metrics, bodies=bodies, **_mode(config).follows(config))
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -255,11 +198,8 @@ class RouterCore:
                 raise ValueError(f"worker_id_num {worker.worker_id_num} is taken by worker {held[0].worker_id_str}")
         if ws.name in self.sets:
             await self.remove_worker_set(ws.name)
-        ingest = None
-        if not self.mock:
-            from kiln.router.ingest import KVIngest
-
-            ingest = KVIngest(ws.model_copy(update={"workers": ()}), replay_timeout_ms=self.config.replay_timeout_ms)
+        ingest = self.mode.ingest(ws.model_copy(update={"workers": ()}), self.config)
+        if ingest is not None:
             if self._started:
                 ingest.start()
             self.ingests[ws.name] = ingest
@@ -357,7 +297,7 @@ class RouterCore:
         if not request.token_ids and not _has_prompt(request.body):
             raise PickError("invalid", "a prompt is required: token_ids, prompt or messages")
         pool = self._pool(request.inference_pool)
-        result = self._pick_mock(request, pool) if self.mock else await self._pick(request, pool)
+        result = await self.mode.pick(self, request, pool)
         self.metrics.pick_seconds.observe(time.perf_counter() - started)
         return result
 
@@ -473,7 +413,7 @@ class RouterCore:
 
         worker, _ = self.workers[choice.worker_id]
         prediction = choice.prediction
-        return self._record(
+        result = self._record(
             request,
             worker,
             entry,
@@ -481,14 +421,13 @@ class RouterCore:
             prediction.load.cached_blocks,
             len(keys),
             choice.reason,
-            keys,
             self._endpoint(worker, pool),
             prediction.features(),
         )
+        self.inflight.add(result.request_id, result.worker_id_num, keys, time.monotonic())
+        return result
 
     async def _tokenize(self, entry: _Set, model: str, body: dict[str, Any] | None) -> list[int]:
-        from kiln.router.tokenization import TokenizationError
-
         assert self.tokenization is not None and body is not None
         try:
             return await self.tokenization.prompt_token_ids(entry.ws.name, model, body)
@@ -502,25 +441,6 @@ class RouterCore:
                 log.warning("worker set %s: cannot tokenize (%s); routing on load alone", entry.ws.name, e)
             return []
 
-    def _pick_mock(self, request: PickInput, pool: Pool | None = None) -> PickResult:
-        model = request.model
-        for entry in self.sets.values():
-            workers = [w for w in entry.workers.values() if w.model_name == model and self._in_pool(pool, w, entry)]
-            if workers:
-                break
-        else:
-            raise PickError("not_found", f"no worker{_of(pool)} serves model {model!r}")
-        if request.token_ids:
-            prompt: Any = {"token_ids": list(request.token_ids)}
-        else:
-            body = request.body or {}
-            prompt = {"messages": body["messages"]} if body.get("messages") is not None else {"prompt": body["prompt"]}
-        key = json.dumps([model, prompt], sort_keys=True, separators=(",", ":"), default=str).encode()
-        worker = workers[int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % len(workers)]
-        blocks = len(request.token_ids or ()) // entry.ws.kv_block_size
-        endpoint = self._endpoint(worker, pool)
-        return self._record(request, worker, entry, entry.profile.predictor.base_ms, 0, blocks, "mock", (), endpoint)
-
     def _record(
         self,
         request: PickInput,
@@ -530,16 +450,13 @@ class RouterCore:
         cached_blocks: float,
         prompt_blocks: int,
         reason: str,
-        keys: Sequence[int],
         endpoint: str,
         features: tuple[float, float, float] | None = None,
     ) -> PickResult:
-        """Count the pick, put it in flight and keep its observation for Feedback."""
+        """Count the pick and keep its observation for Feedback."""
         request_id = request.request_id or uuid.uuid4().hex
         now = time.monotonic()
         num = worker.worker_id_num
-        if not self.mock:
-            self.inflight.add(request_id, num, keys, now)
         self.observations.add(
             Observation(
                 request_id, num, worker.worker_id_str, entry.ws.name, predicted_ms, now, request.tenant, features
@@ -598,11 +515,9 @@ class RouterCore:
     # ---- reading --------------------------------------------------------------------------------
 
     def ready(self) -> tuple[bool, list[str]]:
-        """Ready once every static worker set has a worker whose KV events arrived (at once in mock mode),
-        and Kubernetes discovery and the custom resources' watchers have listed once (`not_ready`)."""
+        """Ready once every static worker set with ingest (none in mock mode) has a worker whose KV events
+        arrived, and Kubernetes discovery and the custom resources' watchers have listed once (`not_ready`)."""
         reasons = list(self.not_ready.values())
-        if self.mock:
-            return not reasons, reasons
         for entry in self.sets.values():
             if entry.ws.discovery.mode != "static" or entry.ingest is None:
                 continue
@@ -681,7 +596,7 @@ class RouterCore:
             del view["ingest"]
             workers.append(view)
         return {
-            "mode": "mock" if self.mock else "live",
+            "mode": self.mode.name,
             "ready": ready,
             "not_ready": reasons,
             "worker_sets": [
@@ -702,6 +617,60 @@ class RouterCore:
             "observations": len(self.observations),
             "leader": self.is_leader(),
         }
+
+
+class _Live:
+    """The core follows its workers (KV-event ingest, scraping, tokenization) and picks on what they say."""
+
+    name = "live"
+
+    def follows(self, config: RouterConfig) -> dict[str, Any]:
+        """`RouterCore.from_config`'s ingests, scraper and tokenization."""
+        scraper = Scraper(config)
+        return {"ingests": ingest_for(config), "scraper": scraper, "tokenization": Tokenization(config, scraper)}
+
+    def ingest(self, ws: WorkerSet, config: RouterConfig) -> KVIngest | None:
+        """The ingest of a worker set added at run time."""
+        return KVIngest(ws, replay_timeout_ms=config.replay_timeout_ms)
+
+    async def pick(self, core: RouterCore, request: PickInput, pool: Pool | None) -> PickResult:
+        return await core._pick(request, pool)
+
+
+class _Mock:
+    """mock_mode: the core follows nothing; a pick is a stable hash of model and prompt over the workers of
+    the first worker set whose `model_name` is the model (no prefix, load or in-flight bookkeeping)."""
+
+    name = "mock"
+
+    def follows(self, config: RouterConfig) -> dict[str, Any]:
+        return {}
+
+    def ingest(self, ws: WorkerSet, config: RouterConfig) -> KVIngest | None:
+        return None
+
+    async def pick(self, core: RouterCore, request: PickInput, pool: Pool | None) -> PickResult:
+        model = request.model
+        for entry in core.sets.values():
+            workers = [w for w in entry.workers.values() if w.model_name == model and core._in_pool(pool, w, entry)]
+            if workers:
+                break
+        else:
+            raise PickError("not_found", f"no worker{_of(pool)} serves model {model!r}")
+        if request.token_ids:
+            prompt: Any = {"token_ids": list(request.token_ids)}
+        else:
+            body = request.body or {}
+            prompt = {"messages": body["messages"]} if body.get("messages") is not None else {"prompt": body["prompt"]}
+        key = json.dumps([model, prompt], sort_keys=True, separators=(",", ":"), default=str).encode()
+        worker = workers[int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % len(workers)]
+        blocks = len(request.token_ids or ()) // entry.ws.kv_block_size
+        endpoint = core._endpoint(worker, pool)
+        return core._record(request, worker, entry, entry.profile.predictor.base_ms, 0, blocks, "mock", endpoint)
+
+
+def _mode(config: RouterConfig) -> _Live | _Mock:
+    return _Mock() if config.mock_mode else _Live()
 
 
 def _of(pool: Pool | None) -> str:

@@ -34,8 +34,8 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.resources.discovery_v1 import EndpointSlice
 
 from kiln.router.config import DiscoveryDefaults, Worker
-from kiln.router.core import WorkerMeta
 from kiln.router.k8s import describe_error, stop_api_task
+from kiln.router.types import WorkerMeta
 
 if TYPE_CHECKING:
     from kiln.router.core import RouterCore
@@ -153,7 +153,7 @@ class EndpointSliceDiscovery:
                     log.debug("worker set %s: watch of %s expired; listing again", self.workerset, self.where)
                     continue
                 self._failed(e)
-            except Exception as e:
+            except Exception as e:  # the watch loop outlives any failure of the API server or client: retried
                 self._failed(e)
             await asyncio.sleep(self.retry_s)
 

@@ -24,8 +24,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kiln.router import bodies
-from kiln.router.core import PickError, PickInput, PickResult, RouterCore
+from kiln.router.core import RouterCore
 from kiln.router.proto import router_pb2, router_pb2_grpc
+from kiln.router.types import PickError, PickInput, PickResult
 
 if TYPE_CHECKING:
     from kiln.router.token_review import TokenReviewer  # (imports lightkube: only with [token_review])
@@ -61,7 +62,7 @@ def _guarded(method: Handler) -> Handler:
             return await method(self, request, context)
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
-        except Exception as e:
+        except Exception as e:  # the RPC boundary: a bug answers INTERNAL to this call, the server lives
             log.exception("%s failed", method.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"router error: {type(e).__name__}: {e}"[:500])
 

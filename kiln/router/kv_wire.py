@@ -1,4 +1,4 @@
-"""Decode the KV-event payloads workers publish (vLLM's ZMQ format), trusting nothing.
+"""Decode the KV-event payloads workers publish (vLLM's ZMQ format, kiln/kv_wire.py), trusting nothing.
 
 A payload is a msgpack batch, either positional, ``[ts, events, data_parallel_rank]``, or a map,
 ``{"ts": ..., "events": [...], "data_parallel_rank": ...}``. Each event is likewise either an array
@@ -6,6 +6,9 @@ led by its tag, ``["BlockStored", block_hashes, parent_block_hash, token_ids, bl
 medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``, or a
 map carrying the tag under ``"type"`` (msgspec's layout for a tagged struct that is not array_like;
 fields at their default may be left out). Trailing array elements and unknown map keys are ignored.
+Both forms are decoded by msgspec as kiln/kv_wire.py's structs (or their map variants), leniently:
+a batch's ts may be nil (or missing from a map), and a map's BlockStored may leave out
+parent_block_hash.
 
 Block hashes may be integers or bytes (newer vLLM); both are hashable and kept as they are.
 
@@ -17,14 +20,14 @@ This module imports nothing from the serving side of Kiln.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
 from typing import Any
 
 import msgspec
 
-MEDIUM_GPU = "GPU"
+from kiln import kv_wire as wire
+from kiln.kv_wire import MEDIUM_GPU, BlockHash
 
-BlockHash = Hashable  # int or bytes on the wire
+# The events as ingest applies them: checked, whichever form they came in, block hashes in a tuple.
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,125 +74,71 @@ class Batch:
     data_parallel_rank: int | None = None
 
 
-class _Bad(Exception):
-    pass
+# msgpack's first byte of a map: fixmap, map 16, map 32.
+_MAP_HEADS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))
 
 
-_decoder = msgspec.msgpack.Decoder()
+class _Decoder:
+    """One value of the wire in its array or its map form, told apart by its first byte."""
 
-# Field order of the positional layout, after the tag.
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+    def __init__(self, array_form: Any, map_form: Any) -> None:
+        self._array = msgspec.msgpack.Decoder(array_form)
+        self._map = msgspec.msgpack.Decoder(map_form)
+
+    def decode(self, raw: bytes | msgspec.Raw) -> Any:
+        head = memoryview(raw)[:1]
+        # (what is neither a map nor an array is refused by the array decoder)
+        return (self._map if len(head) and head[0] in _MAP_HEADS else self._array).decode(raw)
+
+
+# The events stay raw, to be decoded one by one (one bad event does not lose the others).
+_LENIENT_BATCH = {"ts": float | None, "events": list[msgspec.Raw]}
+_batch = _Decoder(
+    wire.variant(wire.KVEventBatch, array_like=True, types=_LENIENT_BATCH),
+    wire.variant(wire.KVEventBatch, types=_LENIENT_BATCH, defaults={"ts": None}),
+)
+_event = _Decoder(
+    wire.KVEvent,
+    wire.variant(wire.BlockStored, defaults={"parent_block_hash": None})
+    | wire.variant(wire.BlockRemoved)
+    | wire.variant(wire.AllBlocksCleared),
+)
+# An event's tag alone, to tell an unknown event from a malformed one.
+_tag = _Decoder(msgspec.defstruct("Tag", [("type", str)], array_like=True), msgspec.defstruct("Tag", [("type", str)]))
+_TAGS = frozenset(cls.__name__ for cls in wire.EVENTS)
 
 
 def decode_payload(payload: bytes) -> Batch | Malformed:
     """One payload frame, in either encoding."""
     try:
-        raw = _decoder.decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError) as e:
-        return Malformed(f"not msgpack: {e}")
+        batch = _batch.decode(payload)
+    except msgspec.DecodeError as e:  # not msgpack, or not a batch
+        return Malformed(f"unreadable batch: {e}")
+    return Batch(batch.ts, [_decode_event(raw) for raw in batch.events], batch.data_parallel_rank)
+
+
+def _decode_event(raw: msgspec.Raw) -> Event:
     try:
-        ts, events, rank = _batch_fields(raw)
-    except _Bad as e:
-        return Malformed(str(e))
-    return Batch(ts, [decode_event(e) for e in events], rank)
-
-
-def _batch_fields(raw: Any) -> tuple[float | None, list, int | None]:
-    if isinstance(raw, list):
-        if len(raw) < 2:
-            raise _Bad(f"batch array has {len(raw)} element(s), expected [ts, events, ...]")
-        ts, events = raw[0], raw[1]
-        rank = raw[2] if len(raw) > 2 else None
-    elif isinstance(raw, dict):
-        if "events" not in raw:
-            raise _Bad("batch map has no 'events'")
-        ts, events, rank = raw.get("ts"), raw["events"], raw.get("data_parallel_rank")
-    else:
-        raise _Bad(f"batch is a {type(raw).__name__}, expected an array or a map")
-    if not isinstance(events, list):
-        raise _Bad("batch events is not an array")
-    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, int | float)):
-        raise _Bad("batch ts is not a number")
-    if rank is not None and not _is_int(rank):
-        raise _Bad("batch data_parallel_rank is not an integer")
-    return (None if ts is None else float(ts)), events, rank
-
-
-def decode_event(raw: Any) -> Event:
-    """One event, already msgpack-decoded to lists/dicts."""
-    try:
-        if isinstance(raw, list):
-            if not raw or not isinstance(raw[0], str):
-                raise _Bad("event array does not start with its type")
-            tag, fields = raw[0], raw[1:]
-            named = None
-        elif isinstance(raw, dict):
-            tag, fields, named = raw.get("type"), (), raw
-            if not isinstance(tag, str):
-                raise _Bad("event map has no string 'type'")
-        else:
-            raise _Bad(f"event is a {type(raw).__name__}, expected an array or a map")
-        if tag == "BlockStored":
-            f = _fields(tag, fields, named, _STORED_FIELDS, required=4)
-            return _stored(f)
-        if tag == "BlockRemoved":
-            f = _fields(tag, fields, named, _REMOVED_FIELDS, required=1)
-            return Removed(_hashes(f["block_hashes"]), _medium(f))
-        if tag == "AllBlocksCleared":
+        event = _event.decode(raw)
+    except msgspec.DecodeError as e:
+        try:
+            tag = _tag.decode(raw).type
+        except msgspec.DecodeError:
+            return Malformed(f"unreadable event: {e}")
+        return Malformed(f"{tag}: {e}") if tag in _TAGS else Unknown(tag)
+    match type(event).__name__:  # (the array form's struct, or its map variant of the same name)
+        case "BlockStored":
+            return _stored(event)
+        case "BlockRemoved":
+            return Removed(tuple(event.block_hashes), event.medium)
+        case _:
             return Cleared()
-        return Unknown(tag)
-    except _Bad as e:
-        return Malformed(str(e))
 
 
-def _fields(tag: str, positional: list, named: dict | None, names: tuple[str, ...], required: int) -> dict:
-    if named is None:
-        if len(positional) < required:
-            raise _Bad(f"{tag} has {len(positional)} field(s), expected at least {required}")
-        return dict(zip(names, positional, strict=False))
-    missing = [n for n in names[:required] if n not in named and n != "parent_block_hash"]
-    if missing:
-        raise _Bad(f"{tag} lacks {', '.join(missing)}")
-    return {n: named[n] for n in names if n in named}
-
-
-def _stored(f: dict) -> Stored:
-    hashes = _hashes(f["block_hashes"])
-    parent = f.get("parent_block_hash")
-    if parent is not None and not _is_hash(parent):
-        raise _Bad("BlockStored parent_block_hash is neither an integer nor bytes")
-    tokens, block_size = f["token_ids"], f["block_size"]
-    if not _is_int(block_size) or block_size <= 0:
-        raise _Bad(f"BlockStored block_size = {block_size!r}")
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-        raise _Bad("BlockStored token_ids is not an array of integers")
-    if len(tokens) != len(hashes) * block_size:
-        raise _Bad(f"BlockStored has {len(tokens)} tokens for {len(hashes)} block(s) of {block_size}")
-    lora_id, lora_name = f.get("lora_id"), f.get("lora_name")
-    if lora_id is not None and not _is_int(lora_id):
-        raise _Bad("BlockStored lora_id is not an integer")
-    if lora_name is not None and not isinstance(lora_name, str):
-        raise _Bad("BlockStored lora_name is not a string")
-    return Stored(hashes, parent, tokens, block_size, lora_id, _medium(f), lora_name)
-
-
-def _hashes(value: Any) -> tuple[BlockHash, ...]:
-    if not isinstance(value, list) or not all(_is_hash(h) for h in value):
-        raise _Bad("block_hashes is not an array of integers or bytes")
-    return tuple(value)
-
-
-def _medium(f: dict) -> str | None:
-    medium = f.get("medium", MEDIUM_GPU)
-    if medium is not None and not isinstance(medium, str):
-        raise _Bad("medium is not a string")
-    return medium
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_hash(value: Any) -> bool:
-    return _is_int(value) or isinstance(value, bytes)
+def _stored(e: Any) -> Stored | Malformed:
+    hashes, tokens, size = tuple(e.block_hashes), e.token_ids, e.block_size
+    if size <= 0:
+        return Malformed(f"BlockStored block_size = {size}")
+    if len(tokens) != len(hashes) * size:
+        return Malformed(f"BlockStored has {len(tokens)} tokens for {len(hashes)} block(s) of {size}")
+    return Stored(hashes, e.parent_block_hash, tokens, size, e.lora_id, e.medium, e.lora_name)

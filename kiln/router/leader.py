@@ -106,7 +106,7 @@ class LeaderElector:
             try:
                 async with asyncio.timeout(min(self.grace_s, 5.0)):
                     await self._release()
-            except Exception as e:
+            except Exception as e:  # shutting down: the lease expires by itself if the release fails
                 log.warning("leader election: could not release lease %s: %s", self._where, describe_error(e))
 
     # ---- the loop -------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class LeaderElector:
                     await self._acquire_or_renew()
             except asyncio.CancelledError:
                 raise
-            except Exception as e:
+            except Exception as e:  # any failed renewal means not leading; the loop retries
                 lost = self.is_leader
                 self._set_leader(False)  # first: no write may follow a failed renewal
                 if lost:
@@ -218,7 +218,7 @@ class LeaderElector:
         for callback in list(self.on_change):
             try:
                 callback(leading)
-            except Exception:
+            except Exception:  # one callback's bug must not keep the others from hearing the change
                 log.exception("leader election: a leadership callback failed")
 
 

@@ -40,10 +40,11 @@ from pydantic import ValidationError
 from kiln.router.config import RouterConfig, WorkerSet
 from kiln.router.discovery import RETRY_S, WATCH_TIMEOUT_S, EndpointSliceDiscovery, PortNames
 from kiln.router.k8s import describe_error, stop_api_task
-from kiln.router.selectors import Matcher, match_expressions, parse_selector
+from kiln.router.selectors import match_expressions, parse_selector
+from kiln.router.types import Pool
 
 if TYPE_CHECKING:
-    from kiln.router.core import RouterCore, WorkerMeta
+    from kiln.router.core import RouterCore
     from kiln.router.leader import LeaderElector
 
 log = logging.getLogger("kiln.router.resources")
@@ -160,7 +161,7 @@ class StatusWriter:
                     )
                 except asyncio.CancelledError:
                     raise
-                except Exception as e:
+                except Exception as e:  # a status write is best effort: the next reconcile writes it again
                     if not (isinstance(e, ApiError) and e.status.code == 404):  # (deleted meanwhile)
                         log.warning(
                             "cannot write the status of %s %s/%s: %s",
@@ -257,7 +258,7 @@ class _Follower:
                 if e.status.code == 410:
                     continue
                 self._failed(e)
-            except Exception as e:
+            except Exception as e:  # the watch loop outlives any failure of the API server or client: retried
                 self._failed(e)
             await asyncio.sleep(self.retry_s)
 
@@ -463,23 +464,8 @@ class WorkerSetWatcher(_Follower):
 # ---- InferencePool ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Pool:
-    """One InferencePool: which workers it admits, and the port requests go to."""
-
-    key: str  # namespace/name
-    worker_sets: frozenset[str] | None
-    selector: Matcher | None
-    target_port: str = "http"
-
-    def admits(self, workerset: str, meta: WorkerMeta | None) -> bool:
-        if self.worker_sets is not None and workerset not in self.worker_sets:
-            return False
-        return self.selector is None or self.selector(meta.labels if meta is not None else {})
-
-
 class PoolWatcher(_Follower):
-    """The InferencePools, for `RouterCore.pick` (`core.pools`); see the module docstring."""
+    """The InferencePools (types.Pool), for `RouterCore.pick` (`core.pools`); see the module docstring."""
 
     res = InferencePool
     what = "InferencePool"
@@ -563,6 +549,3 @@ class PoolWatcher(_Follower):
         if not isinstance(target, str):
             raise Rejected("Invalid", "spec.targetPortName: expected a port name")
         return Pool("/".join(key), frozenset(sets) if sets is not None else None, matcher, target)
-
-
-Pools = PoolWatcher

@@ -102,7 +102,7 @@ class TokenReviewer:
             raise ReviewUnavailable(
                 f"the Kubernetes API server did not review the token within {deadline_s * 1000:g} ms"
             ) from None
-        except Exception as e:
+        except Exception as e:  # lightkube and httpx raise many types: all mean the review is unavailable
             raise ReviewUnavailable(f"cannot review the token: {describe_error(e, self.client)}") from None
         status = answer.status
         if status is None or not status.authenticated:

@@ -25,17 +25,16 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kiln.router.config import RouterConfig, RouterConfigError, Worker, WorkerSet
+from kiln.templates import chat_template_environment
 
 if TYPE_CHECKING:
     from kiln.router.scrape import Scraper, WorkerHealth
@@ -74,27 +73,6 @@ class TokenizeConfigError(RouterConfigError):
 # ---- local tokenizers -----------------------------------------------------------------------------
 
 
-def _raise_exception(message: str) -> None:
-    raise InvalidBody(f"chat template: {message}")
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
-    # as transformers' tojson: no HTML escaping, unicode kept
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _template_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
 def _token_str(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value  # an AddedToken's serialised form
 
@@ -113,7 +91,8 @@ class LocalTokenizer:
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        self.template = _template_environment().from_string(template) if isinstance(template, str) else None
+        env = chat_template_environment(lambda message: InvalidBody(f"chat template: {message}"))
+        self.template = env.from_string(template) if isinstance(template, str) else None
 
     @classmethod
     def load(cls, model_dir: Path) -> LocalTokenizer:

@@ -137,7 +137,7 @@ class Start:
         except KilnError as exc:
             print(f"kiln: error: {exc}", file=sys.stderr)
             state = None
-        except Exception:
+        except Exception:  # the start thread's boundary: any failure ends the process with exit 1, logged
             log.exception("the server failed to start")
             state = None
         if state is None:
