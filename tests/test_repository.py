@@ -57,7 +57,7 @@ def test_every_documented_error_code_is_asserted_by_a_test():
              for code in re.findall(r"`([a-z_]+)`", line.split("|")[3])} - {"null"}
     assert len(codes) > 30
     here = Path(__file__).name
-    tests = "".join(p.read_text() for p in (ROOT / "tests").glob("*.py") if p.name != here)
+    tests = "".join(p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.name != here)
     assert not {c for c in codes if f'"{c}"' not in tests}, "documented error codes no test asserts"
 
 

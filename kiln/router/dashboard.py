@@ -1,6 +1,6 @@
 """The live dashboard: one self-contained HTML page (no external assets) that polls `/api/state`
 every second and draws the workers in a table. The KV-usage bar is a solid fill on a solid track,
-KV_BAR_PX wide, so that a screenshot can measure it (tests/test_router_server.py)."""
+KV_BAR_PX wide, so that a screenshot can measure it (tests/router/test_router_server.py)."""
 
 from __future__ import annotations
 

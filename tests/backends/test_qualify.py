@@ -14,13 +14,13 @@ pytest.importorskip("iree.runtime")
 
 from test_iree_route import VULKAN  # noqa: E402
 
-KILN = Path(__file__).resolve().parent.parent / "kiln"
+KILN = Path(__file__).resolve().parents[2] / "kiln"
 
 
 @pytest.fixture(scope="module")
 def cache(kiln_cache):
     """The session's cache, with the IREE servers' engine settings below: compiled modules (and
-    XLA executables) are shared with tests/test_iree_server.py and between these runs."""
+    XLA executables) are shared with tests/backends/test_iree_server.py and between these runs."""
     return kiln_cache
 
 

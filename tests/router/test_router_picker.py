@@ -17,7 +17,7 @@ from kiln.router.config import Picker, Predictor
 from kiln.router.picker import PrefixHeat, pick, prefix_key, top_k
 from kiln.router.predictor import WorkerLoad, predict, predict_all, running_penalty
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 ZERO = {name: 0 for name in Predictor.model_fields}  # every term off
 

@@ -29,7 +29,7 @@ from kiln.engine.kv_events import KVEventPublisher
 from kiln.kv_wire import BlockRemoved, BlockStored
 from kiln.router.proto import router_pb2, router_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BS = 4  # the test worker sets' kv_block_size
 
 
@@ -385,7 +385,7 @@ def test_mock_feedback_and_admin(mock):
 
 def test_token_review_without_an_api_server_is_unavailable(tmp_path):
     """With credentials [token_review] loads and serves; an API server that cannot be reached is UNAVAILABLE.
-    (Reviews against a working API server: tests/test_router_k8s.py.)"""
+    (Reviews against a working API server: tests/router/test_router_k8s.py.)"""
     kubeconfig = tmp_path / "kubeconfig"
     server = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     kubeconfig.write_text(

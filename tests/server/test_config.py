@@ -20,7 +20,7 @@ from kiln.errors import (
     UnprocessableRequest,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The spec's serving_profile objects, written out in full.
 SPEC_STABLE = {

@@ -12,7 +12,7 @@ import pytest
 from kiln.router import config as router_config
 from kiln.router.config import RouterConfig, RouterConfigError, endpoint_from_url, load_router_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # ---- a small TOML writer, so that each case is a dict -------------------------------------------
 
@@ -647,7 +647,7 @@ def test_python_m_kiln_router_check(tmp_path):
     assert proc.returncode == 2 and proc.stdout == ""
     assert f"{bad}: workerset[0].kv_block_size = 0: must be > 0" in proc.stderr
 
-    # without --check the router serves: tests/test_router_server.py
+    # without --check the router serves: tests/router/test_router_server.py
 
 
 def test_kiln_router_subcommand(tmp_path, capsys):

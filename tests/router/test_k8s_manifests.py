@@ -28,7 +28,7 @@ from kiln.config import SCHEMA, resolve_settings
 from kiln.router import config as router_config
 from kiln.router.config import load_router_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "server" / "k8s"
 MIN_VERSION = "1.31"  # the oldest Kubernetes the manifests are validated against
 VERSIONS = sorted({MIN_VERSION, kubernetes_validate.latest_version().rsplit(".", 1)[0]})
