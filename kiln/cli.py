@@ -147,7 +147,8 @@ def _listen(settings: Settings):
 def _cmd_warmup(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _apply_log_level(settings)
-    from kiln.engine.warmup import list_step_set, warmup  # lazy: pulls in JAX
+    from kiln.engine.setup import warmup  # lazy: pulls in JAX
+    from kiln.engine.warmup import list_step_set
 
     return (list_step_set(settings) if args.list else warmup(settings)) or 0
 

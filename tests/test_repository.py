@@ -1,6 +1,7 @@
 """The repository's own rules: ruff (line length included) is clean, the configuration reference
 documents every setting, and nothing points outside the repository."""
 
+import ast
 import re
 import shutil
 import subprocess
@@ -84,3 +85,55 @@ def test_every_broad_except_says_why():
                 if "raise" not in body:
                     offenders.append(f"{path.relative_to(ROOT)}:{i + 1}")
     assert not offenders, offenders
+
+
+def _runtime_imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The kiln modules `module` imports when it runs: at module level or inside functions, but not under
+    `if TYPE_CHECKING:` (annotations only), and not its own packages (imported before it anyway)."""
+    def skip_type_checking(node):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            return node.orelse
+        return ast.iter_child_nodes(node)
+
+    found, todo = set(), [ast.parse(path.read_text())]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    while todo:
+        node = todo.pop()
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *filter(None, [base])])
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module and not module.startswith(name + "."):
+                found.add(name)
+        todo.extend(skip_type_checking(node))
+    return found
+
+
+def test_no_import_cycles():
+    """Imports point one way, inside function bodies too (a function-level import that dodges a cycle
+    is still a cycle); `if TYPE_CHECKING:` imports are annotations and do not count."""
+    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "kiln").rglob("*.py")}
+    graph = {m: _runtime_imports(p, m, set(paths)) for m, p in paths.items()}
+    cycles, done = [], set()
+
+    def visit(module, stack):
+        if module in stack:
+            cycles.append(stack[stack.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, stack + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not cycles, cycles

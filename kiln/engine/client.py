@@ -36,6 +36,7 @@ from kiln.engine.metrics import EngineMetrics
 from kiln.engine.output import Delta
 from kiln.engine.ownership import Ownership
 from kiln.engine.params import SamplingParams
+from kiln.engine.warmup import build_step_set, prime_first_contact
 from kiln.errors import DeviceLost, KilnError
 from kiln.models.loader import LoadedModel
 
@@ -300,8 +301,6 @@ class AsyncEngine:
         """Builds (or loads) the step set but its LoRA steps, which the first adapter load builds, then
         runs once the steps a short chat turn uses, on the engine thread (see warmup.py); the future
         carries what it did."""
-        from kiln.engine.warmup import build_step_set, prime_first_contact
-
         runner = self._core.runner
         return self.at_boundary(lambda: {**build_step_set(runner, defer_lora=True, on_progress=on_progress),
                                          **prime_first_contact(runner)})

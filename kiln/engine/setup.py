@@ -1,8 +1,9 @@
-"""Builds the model and engine from resolved settings (shared by serve, warmup and bench)."""
+"""Builds the model and engine from resolved settings (shared by serve, `kiln warmup` and bench)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import jax
@@ -11,7 +12,9 @@ from kiln.config import Settings
 from kiln.engine.backends import Backend, select_backend
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
+from kiln.engine.core import EngineCore
 from kiln.engine.metrics import EngineMetrics
+from kiln.engine.warmup import build_step_set
 from kiln.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("kiln.engine")
@@ -53,3 +56,20 @@ def build_engine(settings: Settings, show_progress: bool = True) -> AsyncEngine:
     model = load_model_from_settings(settings, show_progress)
     route = select_backend_from_settings(settings, model)
     return AsyncEngine(model, EngineConfig.from_settings(settings), EngineMetrics(model.model_id), route)
+
+
+def warmup(settings: Settings) -> int:
+    """`kiln warmup`: builds the step set of the resolved settings into the compilation cache, so that
+    the next start only loads it."""
+    start = time.monotonic()
+    configure_compilation_cache(settings.compilation_dir())
+    model = load_model_from_settings(settings)
+    backend = select_backend_from_settings(settings, model)
+    core = EngineCore(model, EngineConfig.from_settings(settings), backend=backend)
+    try:
+        done = build_step_set(core.runner)
+        print(f"warmup: {done['executables']} step executables ready in {time.monotonic() - start:.1f}s "
+              f"({done['built']} built, {done['loaded']} loaded from disk) -> {settings.compilation_dir()}")
+    finally:
+        core.close()
+    return 0

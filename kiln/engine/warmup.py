@@ -74,20 +74,3 @@ def list_step_set(settings: Settings) -> int:
           "; an IREE route adds a device sampler per row count")
     return 0
 
-
-def warmup(settings: Settings) -> int:
-    from kiln.engine.core import EngineCore
-    from kiln.engine.setup import configure_compilation_cache, load_model_from_settings, select_backend_from_settings
-
-    start = time.monotonic()
-    configure_compilation_cache(settings.compilation_dir())
-    model = load_model_from_settings(settings)
-    backend = select_backend_from_settings(settings, model)
-    core = EngineCore(model, EngineConfig.from_settings(settings), backend=backend)
-    try:
-        done = build_step_set(core.runner)
-        print(f"warmup: {done['executables']} step executables ready in {time.monotonic() - start:.1f}s "
-              f"({done['built']} built, {done['loaded']} loaded from disk) -> {settings.compilation_dir()}")
-    finally:
-        core.close()
-    return 0
