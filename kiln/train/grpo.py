@@ -46,12 +46,13 @@ from kiln.engine.params import SamplingParams
 from kiln.graders.engine_judge import base_model_judge
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits as lm_logits
-from kiln.models.lora import TARGET_MODULES
 from kiln.train import losses
-from kiln.train.artifact import adapter_manifest, default_adapter_name
+from kiln.train.artifact import default_adapter_name
 from kiln.train.data import bucket, length_buckets
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
+from kiln.train.run import LoraRun, adapter_store, drive
+from kiln.train.run import setting_default as _default
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SEQUENCE_BUCKETS = length_buckets(1 << 16)  # four per octave: a step pads by at most a quarter
@@ -60,14 +61,16 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    target_modules: tuple[str, ...] = TARGET_MODULES
+    # the LoRA shape, regularisation and seed default to the [train] settings' defaults; the
+    # optimisation schedule has its own (see above)
+    lora_rank: int = _default("lora_rank")
+    lora_alpha: float = _default("lora_alpha")
+    target_modules: tuple[str, ...] = _default("target_modules")
     learning_rate: float = 1e-5
     lr_schedule: str = "constant"
     warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
+    weight_decay: float = _default("weight_decay")
+    max_grad_norm: float = _default("max_grad_norm")
     n_epochs: int = 1
     max_steps: int = 0  # 0: n_epochs over the prompts
     prompts_per_step: int = 8
@@ -85,7 +88,7 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     ignore_eos: bool = False  # benchmarks: every completion runs to max_completion_tokens
     micro_batch_rows: int = 16  # sequences per forward/backward; a step accumulates them all
-    seed: int = 0
+    seed: int = _default("seed")
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -257,12 +260,22 @@ def as_reward(reward, judge=None) -> Reward:
     return score
 
 
-class GRPORun:
-    """One GRPO run: the policy adapter's LoRA params and optimizer state, advanced one step at a
-    time by whoever drives it (the in-process `grpo()`, or a job between serving steps).
+class GRPORun(LoraRun):
+    """One GRPO run (a training run, see kiln.train.run): the policy adapter's LoRA params and
+    optimizer state, advanced one step at a time by whoever drives it (the in-process `grpo()`,
+    or a job between serving steps).
 
     engine: the AsyncEngine serving the base model (its params are the frozen base; nothing is
-    copied). prompts: token ids per prompt; items: what the reward sees with each prompt."""
+    copied). prompts: token ids per prompt; items: what the reward sees with each prompt.
+    validation: prompts (with items) the policy's mean reward is measured on every
+    `eval_interval` steps and at the end, `eval_samples` completions each (none by default)."""
+
+    kind = "grpo"  # the trainer, in logs and provenance
+    method = "reinforcement"  # the OpenAI method type
+    counters = ("step", "trained_tokens")  # a step's prompts are a function of the seed and the step
+    progress_keys = {"reward_mean": "reward_mean", "reverse_kl": "reverse_kl"}
+    validation = None  # kiln.train.data prompts
+    eval_interval, eval_samples = 10, 1
 
     def __init__(self, engine, prompts: list[list[int]], items: list[Any], reward: Reward | None,
                  config: GRPOConfig, name: str = "grpo-policy"):
@@ -287,7 +300,6 @@ class GRPORun:
         self.trained_tokens = 0  # completion tokens in the loss
         self.step = 0
         self.adapter: AdapterWeights | None = None
-        self.validation = None  # prompts a job evaluates the policy on
         self.last_metrics: dict = {}
         self.publish()
 
@@ -378,12 +390,6 @@ class GRPORun:
             self.last_metrics["jsd"] = stats["jsd"] / weight
         return self.last_metrics
 
-    kind = "grpo"  # the trainer, in logs and provenance
-    method = "reinforcement"  # the OpenAI method type
-
-    def _manifest_config(self) -> dict:
-        return self.config.to_json()
-
     def _with_logprobs(self, batches: list[RolloutBatch], lock) -> tuple[list[RolloutBatch], dict]:
         """The batches with what the loss needs besides the rollouts: the old policy's logprobs
         (num_iterations > 1) and the reference's (beta > 0); and extra metrics."""
@@ -400,8 +406,9 @@ class GRPORun:
     def _teacher_arg(self):
         return None
 
-    def run_step(self, ownership=None) -> dict:
-        """Sample, score, train: one GRPO step. Returns its metrics, timings included."""
+    def advance(self, ownership=None) -> dict:
+        """Sample, score, train: one GRPO step (with the validation reward when due). Returns its
+        metrics, timings included."""
         if self.reward is None:
             raise ValueError("this run has no reward: train on scored rollouts with train_step")
         t0 = time.perf_counter()
@@ -418,7 +425,20 @@ class GRPORun:
         tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in flat)
         metrics.update(step=self.step, rollout_seconds=t1 - t0, reward_seconds=t2 - t1, train_seconds=t3 - t2,
                        tokens_per_second=tokens / (t3 - t0))
+        self.held = metrics["train_seconds"]
+        if self.validation and (self.step % self.eval_interval == 0 or self.done):
+            metrics["valid_reward_mean"] = self.evaluate([p.ids for p in self.validation],
+                                                         [p.item for p in self.validation], self.eval_samples)
         return metrics
+
+    run_step = advance
+
+    def summary(self, metrics: dict) -> str:
+        return f"reward={metrics['reward_mean']:.4f}"
+
+    def close(self) -> None:
+        """The policy's training versions leave their slot."""
+        self.engine.retire_adapter(self.adapter).result()
 
     def _compiled(self, kind: str, lora, batch: RolloutBatch, *extra, params=None):
         """The executable of `kind` (a key of `self._jitted`: "grads", "logprobs", ...; with or
@@ -445,27 +465,7 @@ class GRPORun:
         scores = self.reward(texts, [item for item, group in zip(items, choices, strict=True) for _ in group])
         return float(np.mean(scores))
 
-    def manifest(self, name: str, model, inputs: list[dict], training: dict):
-        """The adapter manifest of this run's result (see `artifact.adapter_manifest`)."""
-        c = self.config
-        return adapter_manifest(name, model, method=self.method, source=self.kind, config=self._manifest_config(),
-                                rank=c.lora_rank, alpha=c.lora_alpha, modules=c.target_modules, inputs=inputs,
-                                training=training, steps=self.total_steps, trained_tokens=self.trained_tokens,
-                                final_metrics=self.last_metrics)
-
-    def weights(self) -> dict[str, dict[str, np.ndarray]]:
-        return lora_to_numpy(self.lora)
-
-    def state(self) -> dict:
-        count = lambda n: np.asarray(n, np.int64)  # noqa: E731
-        return {"lora": self.lora, "opt_state": self.opt_state, "step": count(self.step),
-                "trained_tokens": count(self.trained_tokens), "seed": count(self.config.seed)}
-
-    def restore(self, state: dict) -> None:
-        if int(state["seed"]) != self.config.seed:
-            raise ValueError("the checkpoint belongs to a run with another seed")
-        self.lora, self.opt_state, self.step = state["lora"], state["opt_state"], int(state["step"])
-        self.trained_tokens = int(state["trained_tokens"])
+    def _restored(self) -> None:
         self.publish()
 
 
@@ -503,11 +503,6 @@ def train_policy(make_run, data, name: str, config: GRPOConfig, *, model, engine
     """Runs a policy trainer in this process to its end, sampling from `engine` (or one started
     here on `model` with a LoRA slot for the policy), and saves its adapter to the store.
     make_run(engine, name, prompts) builds the run (GRPO's, distillation's)."""
-    import datetime
-
-    from tqdm.auto import tqdm
-
-    from kiln.adapters.store import AdapterStore
     from kiln.config import resolve_settings
     from kiln.engine.client import AsyncEngine
     from kiln.engine.config import EngineConfig
@@ -526,22 +521,9 @@ def train_policy(make_run, data, name: str, config: GRPOConfig, *, model, engine
     try:
         data = _as_source(data)
         run = make_run(engine, name, load_prompts(data, engine.model.tokenizer, max_prompt_len))
-        started = datetime.datetime.now(datetime.UTC)
-        history: list[dict] = []
-        bar = tqdm(total=run.total_steps, desc=f"{run.kind} {name}", unit="step", disable=not progress)
-        while not run.done:
-            history.append(run.run_step(engine.ownership))
-            bar.update(1)
-            bar.set_postfix({k: f"{history[-1][k]:.3f}" for k in ("reward_mean", "reverse_kl") if k in history[-1]})
-        bar.close()
-        engine.retire_adapter(run.adapter).result()
-        artifact = None
-        if save:
-            store = store if isinstance(store, AdapterStore) else AdapterStore(store or settings.adapter_store())
-            manifest = run.manifest(name, engine.model, [{"purpose": "training", "sha256": file_digest(data)}], {
-                "started_at": started.isoformat(timespec="seconds"),
-                "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
-            artifact = store.save(manifest, run.weights())
+        inputs = [{"purpose": "training", "sha256": file_digest(data)}] if save else []
+        history, artifact = drive(run, name=name, model=engine.model, inputs=inputs, ownership=engine.ownership,
+                                  store=adapter_store(store, settings) if save else None, progress=progress)
         return GRPOResult(history, artifact, run)
     finally:
         if own_engine:

@@ -7,6 +7,11 @@ boundary and serving continues between steps; compiling a step happens outside o
 A job checkpoints (orbax) every `checkpoint_every` optimizer steps, on pause and on shutdown;
 after a restart a job that was running resumes from its last checkpoint. A finished job
 saves its adapter to the store and, unless `auto_load` is false, loads it for serving.
+
+A job is three things: its `JobSpec` (validated once in `create`, read back from the stored
+job), the worker here (queue, lifecycle, one cancel path), and its training run (see
+kiln.train.run), which each method builds for itself (`_RUNS`). How a job shares the
+accelerator with serving is kiln.train.serving_share.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ from kiln import graders
 from kiln.adapters.manifest import validate_name
 from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.lora_slots import AdapterWeights
-from kiln.errors import AdmissionRejected, DataError, InsufficientMemory, InvalidRequest, KilnError, NotFound
+from kiln.errors import AdmissionRejected, DataError, InvalidRequest, KilnError, NotFound
 from kiln.eval.gate import Gate, GateResult, GateSpec, GateStopped, parse_gate
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
 from kiln.train.data import encode_prompt, load_examples, load_prompts
 from kiln.train.grpo import GRPOConfig, GRPORun, Rollout, as_reward
 from kiln.train.opd import OPDConfig, OPDRun, Teacher
+from kiln.train.run import TrainingRun
+from kiln.train.serving_share import ServingShare
 from kiln.train.sft import SFTConfig, SFTRun
 from kiln.train.store import TrainingStore, new_id, now
 
@@ -63,7 +70,83 @@ def _choose(value: Any, auto: Any, kind: type, lo: float, hi: float, param: str)
     return kind(value)
 
 
-KV_SHRINK_ATTEMPTS = 1200  # every 0.5 s: ten minutes for running requests to release KV blocks
+CONFIGS = {"supervised": SFTConfig, "reinforcement": GRPOConfig, "distillation": OPDConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """What the worker needs of a job, typed: read from the job `create` validated and stored
+    (the stored job, in OpenAI's shape, is what persists across restarts)."""
+
+    id: str
+    method: str  # one of METHODS
+    config: SFTConfig | GRPOConfig | OPDConfig
+    training_file: str
+    validation_file: str | None
+    adapter_name: str
+    auto_load: bool
+    checkpoint_every: int
+    max_seq_len: int
+    remat: bool
+    kv_resize_to: int | None  # the KV pool's size while the job trains (None: unchanged)
+    gate: dict | None
+    rollouts: str | None  # policy jobs: "engine" or "external" (scored rollouts submitted by a client)
+    grader: dict | None  # reinforcement
+    teacher: str | None  # distillation
+    eval_interval: int = 10  # reinforcement: the validation reward every this many steps
+    eval_samples: int = 1
+
+    @classmethod
+    def from_job(cls, job: dict) -> JobSpec:
+        kiln, method = job["kiln"], job["method"]["type"]
+        options = job["method"][method]
+        config = CONFIGS[method](**{**kiln["config"], "target_modules": tuple(kiln["config"]["target_modules"])})
+        hp = options["hyperparameters"]
+        resize = kiln["plan"].get("kv_resize")
+        return cls(job["id"], method, config, job["training_file"], job["validation_file"], kiln["adapter_name"],
+                   kiln["auto_load"], kiln["checkpoint_every"], kiln["max_seq_len"], bool(kiln["plan"]["remat"]),
+                   resize["to_blocks"] if resize else None, kiln["gate"], kiln.get("rollouts"),
+                   options.get("grader"), options.get("teacher"), hp.get("eval_interval", 10),
+                   hp.get("eval_samples", 1))
+
+    @property
+    def inputs(self) -> dict[str, str]:
+        """purpose -> file id"""
+        return {"training": self.training_file} | ({"validation": self.validation_file} if self.validation_file
+                                                   else {})
+
+
+class SubmittedRolloutsRun(GRPORun):
+    """A reinforcement job's run on rollouts a client samples and scores (`kiln.rollouts =
+    "external"`): each `advance` trains on the next submitted batch, or returns None after a
+    short wait when none is waiting. take(): the next (groups, final, future), or None."""
+
+    def __init__(self, *args, take, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._take = take
+
+    def advance(self, ownership=None) -> dict | None:
+        self.held = 0.0
+        submission = self._take()
+        if submission is None:
+            return None
+        groups, final, future = submission
+        try:
+            started = time.perf_counter()
+            metrics = self.train_step(groups, ownership)
+            metrics.update(step=self.step, train_seconds=time.perf_counter() - started)
+        except Exception as exc:
+            future.set_exception(exc)
+            raise
+        self.held = metrics["train_seconds"]
+        if final:
+            self.total_steps = self.step
+        future.set_result({"object": "fine_tuning.job.rollouts", "step": self.step, "final": final or self.done,
+                           "metrics": metrics})
+        return metrics
+
+    def summary(self, metrics: dict) -> str:
+        return f"reward={metrics['reward_mean']:.4f} (submitted)"
 
 
 class JobManager:
@@ -78,11 +161,8 @@ class JobManager:
         self._stopping = False
         self.current: str | None = None
         self._teacher_models: dict[str, object] = {}  # train.teachers loaded so far, by name
-        self.kv_blocks = engine.config.num_kv_blocks  # the configured pool, restored after a shrink
-        self.kv_block_bytes = engine.kv_block_bytes
-        self._fixed_bytes = {"weights": memory.tree_bytes(self.model.params),
-                             "adapter_slots": engine.config.max_loras * memory.lora_bytes(
-                                 self.model.config, engine.config.max_lora_rank, TARGET_MODULES)}
+        self.share = ServingShare(settings, engine)
+        self.kv_blocks, self.kv_block_bytes = self.share.kv_blocks, self.share.kv_block_bytes
         for job in store.list_jobs(ACTIVE):  # a restart: running jobs resume from their checkpoints
             if job["status"] == "running":
                 store.add_event(job["id"], "Kiln restarted; the job resumes from its last checkpoint")
@@ -225,6 +305,7 @@ class JobManager:
                      "total_steps": None,
                      "rollouts": kiln.get("rollouts", "engine") if kind != "supervised" else None},
         }
+        JobSpec.from_job(job)  # what the worker reads back: it must, before the job is stored
         self.store.put_job(job)
         self.store.add_event(job_id, f"Validated training file: {training['id']}")
         self.store.add_event(job_id, "Fine-tuning job queued")
@@ -365,9 +446,7 @@ class JobManager:
     @property
     def serving_bytes(self) -> dict:
         """What serving holds now: weights, the KV pool (at its current size), adapter slots."""
-        kv_blocks = self.engine.snapshot["kv_blocks_total"] + 1
-        return {"weights": self._fixed_bytes["weights"], "kv_pool": kv_blocks * self.kv_block_bytes,
-                "adapter_slots": self._fixed_bytes["adapter_slots"]}
+        return self.share.serving_bytes
 
     def snapshot(self) -> dict:
         """Jobs now: the running one (with its planned bytes) and the queue, oldest first."""
@@ -418,13 +497,22 @@ class JobManager:
             if job["status"] == "running" or job_id == self.current:
                 self._flags[job_id] = action  # the worker acts at the next step boundary
             elif action == "cancel":
-                self._set(job, status="cancelled", finished_at=now())
-                self.store.add_event(job_id, "Fine-tuning job cancelled")
-                shutil.rmtree(self._checkpoint_dir(job_id).parent, ignore_errors=True)  # a paused job's
+                self._cancelled(job, "Fine-tuning job cancelled")  # a paused job's checkpoints go too
             elif job["status"] == "queued":
                 self._set(job, status="paused")
                 self.store.add_event(job_id, "Fine-tuning job paused")
         return self.get(job_id)
+
+    def _cancelled(self, job: dict, message: str) -> None:
+        """The one way a job ends cancelled: its status, the event, its checkpoints removed."""
+        self._set(job, status="cancelled", finished_at=now())
+        self.store.add_event(job["id"], message)
+        shutil.rmtree(self._checkpoint_dir(job["id"]).parent, ignore_errors=True)
+
+    def _interrupted(self, job_id: str, action: str | None = None) -> bool:
+        """Whether a shutdown, or a control (`action`, or any), waits for the job."""
+        with self._cv:
+            return self._stopping or (job_id in self._flags if action is None else self._flags.get(job_id) == action)
 
     def _worker(self) -> None:
         while True:
@@ -474,72 +562,29 @@ class JobManager:
     def _run(self, job: dict) -> None:
         import orbax.checkpoint as ocp
 
-        job_id, spec = job["id"], job["kiln"]
-        run = self._make_run(job)
+        job_id, spec = job["id"], JobSpec.from_job(job)
+        run = self._make_run(spec)
         manager = ocp.CheckpointManager(self._checkpoint_dir(job_id).absolute(),
                                         options=ocp.CheckpointManagerOptions(max_to_keep=2))
         shrunk = False
         try:
-            resize = spec["plan"].get("kv_resize")
-            if resize:
-                shrunk = self._shrink_kv(job, resize["to_blocks"])
+            if spec.kv_resize_to:
+                shrunk = self.share.shrink_kv(spec.kv_resize_to, lambda: self._interrupted(job_id),
+                                              lambda message: self.store.add_event(job_id, message))
             if manager.latest_step() is not None:
                 run.restore(manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(run.state())))
                 self.store.add_event(job_id, f"Resumed from the checkpoint at step {run.step}")
-            spec["total_steps"] = run.total_steps
+            job["kiln"]["total_steps"] = run.total_steps
             self._set(job, status="running")
             self.store.add_event(job_id, "Fine-tuning job started")
-            ownership = self.engine.ownership
-            while not run.done:
-                with self._cv:
-                    action = self._flags.pop(job_id, None)
-                    stopping = self._stopping
-                if action == "cancel":
-                    self._set(job, status="cancelled", finished_at=now())
-                    self.store.add_event(job_id, "Fine-tuning job cancelled")
-                    shutil.rmtree(self._checkpoint_dir(job_id).parent, ignore_errors=True)
-                    return
-                if action == "pause" or stopping:
-                    self._save_checkpoint(manager, run, job, None)
-                    if action == "pause":
-                        self._set(job, status="paused")
-                        self.store.add_event(job_id, f"Fine-tuning job paused at step {run.step}")
-                    return  # on shutdown the job stays running: it resumes at the next start
-                if isinstance(run, SFTRun):
-                    run.prepare()  # compiles outside ownership: serving never waits for a compile
-                    with ownership.write(f"training {job_id}"):
-                        started = time.monotonic()
-                        metrics = run.train_micro_step()
-                        held = time.monotonic() - started
-                    summary = None if metrics is None else f"training loss={metrics['train_loss']:.4f}"
-                elif spec.get("rollouts") == "external":
-                    metrics = self._external_step(job_id, run, ownership)
-                    if metrics is None:
-                        continue
-                    held, summary = metrics["train_seconds"], f"reward={metrics['reward_mean']:.4f} (submitted)"
-                else:  # rollouts are served by the engine; the training part takes ownership itself
-                    metrics = run.run_step(ownership)
-                    held = metrics["train_seconds"]
-                    if isinstance(run, OPDRun):
-                        summary = f"reverse KL to the teacher={metrics['reverse_kl']:.4f}"
-                    else:
-                        self._evaluate_policy(job, run, metrics)
-                        summary = f"reward={metrics['reward_mean']:.4f}"
-                self._leave_time_to_serving(job_id, held)
-                if metrics is None:
-                    continue
-                spec["step"] = metrics["step"]
-                self._set(job, trained_tokens=run.trained_tokens)
-                self.store.add_event(job_id, f"Step {metrics['step']}/{run.total_steps}: {summary}", type_="metrics",
-                                     data={**metrics, "total_steps": run.total_steps})
-                if run.step % spec["checkpoint_every"] == 0 and not run.done:
-                    self._save_checkpoint(manager, run, job, metrics)
-            if shrunk:  # before the job reads as finished
-                self._grow_kv(job_id)
-                shrunk = False
-            if spec["gate"] and not self._finish_gated(job, run, manager):
+            if not self._train(job, spec, run, manager):
                 return
-            if not spec["gate"]:
+            if shrunk:  # before the job reads as finished
+                self.share.grow_kv(lambda message: self.store.add_event(job_id, message))
+                shrunk = False
+            if spec.gate and not self._finish_gated(job, run, manager):
+                return
+            if not spec.gate:
                 self._finish(job, run)
         finally:
             manager.close()
@@ -547,35 +592,83 @@ class JobManager:
                 for _, _, future in self._submissions.pop(job_id, []):
                     future.set_exception(InvalidRequest(f"job {job_id} stopped before taking these rollouts",
                                                         code="job_not_active", param="fine_tuning_job_id"))
-            if isinstance(run, GRPORun):  # the policy's training versions leave their slot
-                self.engine.retire_adapter(run.adapter).result()
+            run.close()
             if shrunk:
-                self._grow_kv(job_id)
+                self.share.grow_kv(lambda message: self.store.add_event(job_id, message))
 
-    def _make_run(self, job: dict):
-        spec = job["kiln"]
-        modules = tuple(spec["config"]["target_modules"])
-        if job["method"]["type"] == "supervised":
-            config = SFTConfig(**{**spec["config"], "target_modules": modules})
-            examples = self._examples(self.store.get_file(job["training_file"]), config, "training_file")
-            valid = (self._examples(self.store.get_file(job["validation_file"]), config, "validation_file")
-                     if job["validation_file"] else None)
-            return SFTRun(self.model.params, self.model.config, examples, config, valid, remat=spec["plan"]["remat"])
-        prompts = self._prompts(self.store.get_file(job["training_file"]), spec["max_seq_len"], "training_file")
-        name = f"{spec['adapter_name']}:training"
-        if job["method"]["type"] == "reinforcement":
-            config = GRPOConfig(**{**spec["config"], "target_modules": modules})
-            grader = job["method"]["reinforcement"]["grader"]
-            reward = as_reward(grader, self.judge) if grader is not None else None
-            run = GRPORun(self.engine, [p.ids for p in prompts], [p.item for p in prompts], reward, config, name=name)
-        else:
-            config = OPDConfig(**{**spec["config"], "target_modules": modules})
-            teacher = self._teacher(job["method"]["distillation"]["teacher"], "method.distillation.teacher")
-            run = OPDRun(self.engine, [p.ids for p in prompts], teacher, config, name=name,
-                         items=[p.item for p in prompts])
-        run.validation = (self._prompts(self.store.get_file(job["validation_file"]), spec["max_seq_len"],
-                                        "validation_file") if job["validation_file"] else None)
+    def _train(self, job: dict, spec: JobSpec, run: TrainingRun, manager) -> bool:
+        """Advances the run to its end, a step at a time between serving steps, acting on a
+        cancel, pause or shutdown at each boundary; False if one stopped it."""
+        job_id = job["id"]
+        while not run.done:
+            with self._cv:
+                action = self._flags.pop(job_id, None)
+                stopping = self._stopping
+            if action == "cancel":
+                self._cancelled(job, "Fine-tuning job cancelled")
+                return False
+            if action == "pause" or stopping:
+                self._save_checkpoint(manager, run, job, None)
+                if action == "pause":
+                    self._set(job, status="paused")
+                    self.store.add_event(job_id, f"Fine-tuning job paused at step {run.step}")
+                return False  # on shutdown the job stays running: it resumes at the next start
+            metrics = run.advance(self.engine.ownership)  # compiles outside ownership, then takes it
+            self.share.leave_time(run.held, self._cv, lambda: self._interrupted(job_id))
+            if metrics is None:
+                continue
+            job["kiln"]["step"] = metrics["step"]
+            self._set(job, trained_tokens=run.trained_tokens)
+            self.store.add_event(job_id, f"Step {metrics['step']}/{run.total_steps}: {run.summary(metrics)}",
+                                 type_="metrics", data={**metrics, "total_steps": run.total_steps})
+            if run.step % spec.checkpoint_every == 0 and not run.done:
+                self._save_checkpoint(manager, run, job, metrics)
+        return True
+
+    def _make_run(self, spec: JobSpec) -> TrainingRun:
+        """The job's run: each method builds its own (`_RUNS`)."""
+        return _RUNS[spec.method](self, spec)
+
+    def _input(self, spec: JobSpec, purpose: str, read):
+        """A job's training or validation data through `read(file, param)`; None without it."""
+        file_id = spec.inputs.get(purpose)
+        return read(self.store.get_file(file_id), f"{purpose}_file") if file_id else None
+
+    def _sft_run(self, spec: JobSpec) -> SFTRun:
+        def read(file, param):
+            return self._examples(file, spec.config, param)
+
+        return SFTRun(self.model.params, self.model.config, self._input(spec, "training", read), spec.config,
+                      self._input(spec, "validation", read), remat=spec.remat, name=spec.id)
+
+    def _policy_run(self, spec: JobSpec, make) -> GRPORun:
+        """A GRPO or distillation run: make(ids, items, name) on the job's prompts; the
+        validation prompts are what a reinforcement run's reward is measured on."""
+        def read(file, param):
+            return self._prompts(file, spec.max_seq_len, param)
+
+        prompts = self._input(spec, "training", read)
+        run = make([p.ids for p in prompts], [p.item for p in prompts], f"{spec.adapter_name}:training")
+        run.validation = self._input(spec, "validation", read)
+        run.eval_interval, run.eval_samples = spec.eval_interval, spec.eval_samples
         return run
+
+    def _grpo_run(self, spec: JobSpec) -> GRPORun:
+        cls, extra = ((SubmittedRolloutsRun, {"take": lambda: self._take_submission(spec.id)})
+                      if spec.rollouts == "external" else (GRPORun, {}))
+
+        def make(ids, items, name):
+            reward = as_reward(spec.grader, self.judge) if spec.grader is not None else None
+            return cls(self.engine, ids, items, reward, spec.config, name=name, **extra)
+
+        return self._policy_run(spec, make)
+
+    def _opd_run(self, spec: JobSpec) -> OPDRun:
+        def make(ids, items, name):
+            teacher = self._teacher(spec.teacher, "method.distillation.teacher")
+            return OPDRun(self.engine, ids, teacher, spec.config, name=name, items=items)
+
+        return self._policy_run(spec, make)
 
     def submit_rollouts(self, job_id: str, body: dict, timeout: float = 600.0) -> dict:
         """Scored rollouts for a reinforcement job with `kiln.rollouts = "external"`: one training
@@ -628,26 +721,15 @@ class JobManager:
             out.append(Rollout(prompt.ids, ids, None, truncated, float(reward), c["text"]))
         return out
 
-    def _external_step(self, job_id: str, run, ownership) -> dict | None:
-        """The next submitted batch of scored rollouts, trained on (None while none waits)."""
+    def _take_submission(self, job_id: str):
+        """The next submitted batch of scored rollouts (groups, final, future); None after a
+        short wait while none waits."""
         with self._cv:
             waiting = self._submissions.get(job_id)
             if not waiting:
                 self._cv.wait(timeout=0.5)
                 return None
-            groups, final, future = waiting.pop(0)
-        try:
-            started = time.perf_counter()
-            metrics = run.train_step(groups, ownership)
-            metrics.update(step=run.step, train_seconds=time.perf_counter() - started)
-        except Exception as exc:
-            future.set_exception(exc)
-            raise
-        if final:
-            run.total_steps = run.step
-        future.set_result({"object": "fine_tuning.job.rollouts", "step": run.step, "final": final or run.done,
-                           "metrics": metrics})
-        return metrics
+            return waiting.pop(0)
 
     def judge(self, model: str, messages: list[dict], params: dict):
         """Model graders' judge: a model this process serves, the base or a loaded adapter."""
@@ -662,54 +744,6 @@ class JobManager:
             return adapter.weights
 
         return engine_judge(self.engine, adapter_weights)(model, messages, params)
-
-    def _evaluate_policy(self, job: dict, run, metrics: dict) -> None:
-        """Every `eval_interval` steps (and at the end), the policy's mean reward on the validation
-        prompts, `eval_samples` completions each: `valid_reward_mean`."""
-        hp = job["method"]["reinforcement"]["hyperparameters"]
-        if not run.validation or (run.step % hp["eval_interval"] and not run.done):
-            return
-        metrics["valid_reward_mean"] = run.evaluate([p.ids for p in run.validation],
-                                                    [p.item for p in run.validation], hp["eval_samples"])
-
-    def _grow_kv(self, job_id: str) -> None:
-        self.engine.resize_kv(self.kv_blocks)
-        self.store.add_event(job_id, f"KV pool grown back to {self.kv_blocks} blocks")
-
-    def _shrink_kv(self, job: dict, blocks: int) -> bool:
-        """The job's planned KV shrink. The job fails (insufficient_memory) if running requests
-        hold too many blocks for ten minutes; a cancel, pause or shutdown meanwhile ends the wait
-        (the training loop then acts on it)."""
-        job_id = job["id"]
-        self.store.add_event(job_id, f"Shrinking the KV pool from {self.kv_blocks} to {blocks} blocks "
-                                     "to make room for training")
-
-        def give_up() -> bool:
-            with self._cv:
-                return self._stopping or job_id in self._flags
-
-        if self.engine.resize_kv(blocks, KV_SHRINK_ATTEMPTS, give_up):
-            return True
-        if give_up():
-            return False
-        raise InsufficientMemory(
-            f"running requests kept holding more than {blocks - 1} KV blocks; the pool could not shrink")
-
-    def _serving_busy(self) -> bool:
-        snapshot = self.engine.snapshot
-        return snapshot["running"] + snapshot["waiting"] > 0 or self.engine.num_waiting() > 0
-
-    def _leave_time_to_serving(self, job_id: str, held: float) -> None:
-        """While requests are being served, waits after a training step so that serving gets
-        `[train] serving_share` of the accelerator's time: a stream then waits at most one
-        training step between two tokens, and most of its tokens not at all."""
-        share = self.settings.train.serving_share
-        deadline = time.monotonic() + held * share / (1.0 - share)
-        while time.monotonic() < deadline and self._serving_busy():
-            with self._cv:
-                if self._stopping or job_id in self._flags:
-                    return
-                self._cv.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _save_checkpoint(self, manager, run, job: dict, metrics: dict | None) -> None:
         import orbax.checkpoint as ocp
@@ -736,19 +770,13 @@ class JobManager:
         if manager.latest_step() != run.micro_step:
             self._save_checkpoint(manager, run, job, None)
 
-        def stopped() -> bool:
-            with self._cv:
-                return self._stopping or self._flags.get(job_id) == "cancel"
-
         try:
-            self._finish(job, run, stopped)
+            self._finish(job, run, lambda: self._interrupted(job_id, "cancel"))
         except GateStopped:
             with self._cv:
                 cancelled = self._flags.pop(job_id, None) == "cancel"
             if cancelled:
-                self._set(job, status="cancelled", finished_at=now())
-                self.store.add_event(job_id, "Fine-tuning job cancelled during its gate")
-                shutil.rmtree(self._checkpoint_dir(job_id).parent, ignore_errors=True)
+                self._cancelled(job, "Fine-tuning job cancelled during its gate")
             return False
         return True
 
@@ -794,3 +822,7 @@ class JobManager:
         self._set(job, status="succeeded", finished_at=now(), fine_tuned_model=artifact.name,
                   trained_tokens=run.trained_tokens)
         self.store.add_event(job["id"], "The job has successfully completed")
+
+
+_RUNS = {"supervised": JobManager._sft_run, "reinforcement": JobManager._grpo_run,
+         "distillation": JobManager._opd_run}

@@ -119,7 +119,7 @@ class OPDRun(GRPORun):
                for g, b in zip(gaps, batches, strict=True)]
         return out, {"reverse_kl": reverse_kl}
 
-    def run_step(self, ownership=None) -> dict:
+    def advance(self, ownership=None) -> dict:
         """Sample from the student, score with the teacher, train: one distillation step."""
         t0 = time.perf_counter()
         groups = self.sample(self.step_prompts())
@@ -131,7 +131,13 @@ class OPDRun(GRPORun):
                        tokens_per_second=tokens / (t2 - t0))
         for key in ("reward_mean", "reward_std"):
             metrics.pop(key, None)
+        self.held = metrics["train_seconds"]
         return metrics
+
+    run_step = advance
+
+    def summary(self, metrics: dict) -> str:
+        return f"reverse KL to the teacher={metrics['reverse_kl']:.4f}"
 
     def _manifest_config(self) -> dict:
         return {**self.config.to_json(), "teacher": self.teacher.name}

@@ -1,15 +1,15 @@
 """Supervised fine-tuning of a LoRA adapter on the frozen base weights.
 
-`SFTRun` holds a run's state (LoRA params, optimizer state, data position) and advances it one
-micro-batch at a time, so whoever drives it (the in-process `sft()` below, or a job between
-two serving steps) decides when each step happens. `sft()` runs a whole job in-process with a
-progress bar and saves the adapter to the store.
+`SFTRun` is a training run (see kiln.train.run) that advances one micro-batch at a time, so
+whoever drives it (the in-process `sft()` below, or a job between two serving steps) decides
+when each step happens. `sft()` runs a whole job in-process with the shared driver and saves
+the adapter to the store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import datetime
 import hashlib
 import math
 import time
@@ -21,11 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from kiln.config import KEYS
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits
 from kiln.train import losses
-from kiln.train.artifact import adapter_manifest, default_adapter_name
+from kiln.train.artifact import default_adapter_name
 from kiln.train.data import (
     Batch,
     DataError,
@@ -36,13 +35,10 @@ from kiln.train.data import (
     load_examples,
     make_batch,
 )
-from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
+from kiln.train.forward import forward_hidden, init_lora
 from kiln.train.optim import adamw, learning_rate_schedule
-
-
-def _default(name: str) -> Any:
-    value = KEYS[f"train.{name}"].default
-    return tuple(value) if isinstance(value, list) else value
+from kiln.train.run import LoraRun, adapter_store, drive
+from kiln.train.run import setting_default as _default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +113,18 @@ def _shape(batch: Batch) -> tuple[int, int, int]:
     return (*batch.tokens.shape, batch.loss_index.shape[0])
 
 
-class SFTRun:
-    """One SFT run over `params` (the serving arrays, never copied)."""
+class SFTRun(LoraRun):
+    """One SFT run over `params` (the serving arrays, never copied). name: what it holds
+    accelerator ownership as."""
+
+    kind = "sft"
+    method = "supervised"
+    counters = ("micro_step", "trained_tokens", "input_tokens")  # the data position is the micro-step
+    progress_keys = {"train_loss": "loss"}
 
     def __init__(self, params: dict, cfg: ModelConfig, examples: list[Example], config: SFTConfig,
-                 valid_examples: list[Example] | None = None, remat: bool = False):
-        self.params, self.cfg, self.config = params, cfg, config
+                 valid_examples: list[Example] | None = None, remat: bool = False, name: str = "sft"):
+        self.params, self.cfg, self.config, self.name = params, cfg, config, name
         self.examples, self.valid_examples = examples, valid_examples or []
         self.buckets = length_buckets(config.max_seq_len)
         self.batches_per_epoch = batches_per_epoch(len(examples), config.batch_size)
@@ -184,13 +186,23 @@ class SFTRun:
             self._executables[shape] = self._train_step.lower(self.lora, self.opt_state, self.params,
                                                               self._prepared).compile()
 
-    def train_micro_step(self) -> dict | None:
-        """Runs one micro-batch; returns the optimizer step's metrics when it completes one, with
-        the validation metrics when that step ends an epoch or the run."""
+    def advance(self, ownership=None) -> dict | None:
+        """Runs one micro-batch under `ownership` (compiling before, outside it); returns the
+        optimizer step's metrics when it completes one, with the validation metrics when that
+        step ends an epoch or the run."""
         if self.done:
             raise RuntimeError("the run is complete")
-        epoch = self.epoch
         self.prepare()
+        with ownership.write(f"training {self.name}") if ownership is not None else contextlib.nullcontext():
+            started = time.monotonic()
+            metrics = self._micro_step()
+            self.held = time.monotonic() - started
+        return metrics
+
+    train_micro_step = advance
+
+    def _micro_step(self) -> dict | None:
+        epoch = self.epoch
         batch, self._prepared = self._prepared, None
         step = self._executables[_shape(batch)]
         self.lora, self.opt_state, metrics = step(self.lora, self.opt_state, self.params, batch)
@@ -217,6 +229,9 @@ class SFTRun:
         self.last_metrics = {k: v for k, v in metrics.items() if k not in ("step", "epoch")}
         return metrics
 
+    def summary(self, metrics: dict) -> str:
+        return f"training loss={metrics['train_loss']:.4f}"
+
     def validate(self) -> dict:
         """valid_loss and valid_mean_token_accuracy over the validation set (token means)."""
         if not self.valid_examples:
@@ -230,31 +245,7 @@ class SFTRun:
         count = max(count, 1.0)
         return {"valid_loss": loss / count, "valid_mean_token_accuracy": correct / count}
 
-    def manifest(self, name: str, model, inputs: list[dict], training: dict):
-        """The adapter manifest of this run's result (see `artifact.adapter_manifest`)."""
-        c = self.config
-        return adapter_manifest(name, model, method="supervised", source="sft", config=c.to_json(), rank=c.lora_rank,
-                                alpha=c.lora_alpha, modules=c.target_modules, inputs=inputs, training=training,
-                                steps=self.total_steps, trained_tokens=self.trained_tokens,
-                                final_metrics=self.last_metrics)
-
-    def weights(self) -> dict[str, dict[str, np.ndarray]]:
-        return lora_to_numpy(self.lora)
-
-    def state(self) -> dict:
-        """What a checkpoint keeps: params, optimizer state, data position and counters (the
-        data order is a function of the seed and the epoch, so the position is the step)."""
-        count = lambda n: np.asarray(n, np.int64)  # noqa: E731
-        return {"lora": self.lora, "opt_state": self.opt_state, "micro_step": count(self.micro_step),
-                "trained_tokens": count(self.trained_tokens), "input_tokens": count(self.input_tokens),
-                "seed": count(self.config.seed)}
-
-    def restore(self, state: dict) -> None:
-        if int(state["seed"]) != self.config.seed:
-            raise ValueError("the checkpoint belongs to a run with another seed")
-        self.lora, self.opt_state = state["lora"], state["opt_state"]
-        self.micro_step = int(state["micro_step"])
-        self.trained_tokens, self.input_tokens = int(state["trained_tokens"]), int(state["input_tokens"])
+    def _restored(self) -> None:
         self._epoch_iter = self._prepared = None
 
 
@@ -291,9 +282,6 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
     for the default model. config: an SFTConfig (default: the [train] settings); keyword
     overrides replace its fields (e.g. n_epochs=1). Returns the metrics history (one entry per
     optimizer step; validation metrics at each epoch's end) and the saved artifact."""
-    from tqdm.auto import tqdm
-
-    from kiln.adapters.store import AdapterStore
     from kiln.config import resolve_settings
     from kiln.engine.setup import resolve_model
 
@@ -306,25 +294,9 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
     valid = (load_examples(validation, model.tokenizer, config.max_seq_len, "validation file")
              if validation is not None else None)
     run = SFTRun(model.params, model.config, examples, config, valid, remat=config.remat == "on")
-    started = datetime.datetime.now(datetime.UTC)
-    history: list[dict] = []
-    bar = tqdm(total=run.total_steps, desc=f"sft {name}", unit="step", disable=not progress)
-    while not run.done:
-        metrics = run.train_micro_step()
-        if metrics is None:
-            continue
-        history.append(metrics)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['train_loss']:.3f}")
-    bar.close()
-    artifact = None
-    if save:
-        store = store if isinstance(store, AdapterStore) else AdapterStore(store or settings.adapter_store())
-        inputs = [{"purpose": "training", "sha256": file_digest(data)}]
-        if validation is not None:
-            inputs.append({"purpose": "validation", "sha256": file_digest(validation)})
-        manifest = run.manifest(name, model, inputs, {
-            "started_at": started.isoformat(timespec="seconds"),
-            "finished_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")})
-        artifact = store.save(manifest, run.weights())
+    inputs = [{"purpose": "training", "sha256": file_digest(data)}] if save else []
+    if save and validation is not None:
+        inputs.append({"purpose": "validation", "sha256": file_digest(validation)})
+    history, artifact = drive(run, name=name, model=model, inputs=inputs,
+                              store=adapter_store(store, settings) if save else None, progress=progress)
     return SFTResult(history, artifact, run)

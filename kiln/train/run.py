@@ -1,0 +1,144 @@
+"""The training-run protocol that SFT, GRPO and on-policy distillation share, and the one driver
+that runs a run to its end in this process (the Python API and `kiln train`).
+
+A run holds its state (LoRA params, optimizer state, counters) and moves forward one `advance`
+at a time, so whoever drives it decides when each step happens: `drive` below, or a
+fine-tuning job between two serving steps (kiln.train.jobs).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Protocol
+
+import numpy as np
+
+from kiln.config import KEYS
+from kiln.train.artifact import adapter_manifest
+from kiln.train.forward import lora_to_numpy
+
+
+def setting_default(name: str) -> Any:
+    """The default of the `train.<name>` setting, as a config field holds it (lists as tuples)."""
+    value = KEYS[f"train.{name}"].default
+    return tuple(value) if isinstance(value, list) else value
+
+
+class TrainingRun(Protocol):
+    kind: str  # the trainer ("sft", "grpo", "opd"): logs, progress and provenance
+    total_steps: int  # optimizer steps in the whole run
+    step: int  # optimizer steps taken
+    micro_step: int  # what checkpoints are numbered by
+    trained_tokens: int
+    held: float  # seconds the last `advance` held accelerator ownership
+    progress_keys: dict[str, str]  # metric -> label shown on the progress bar
+
+    @property
+    def done(self) -> bool: ...
+
+    def prepare(self) -> None:
+        """Work that needs no accelerator ownership (a compile), done before `advance`."""
+
+    def advance(self, ownership=None) -> dict | None:
+        """Moves the run on, holding `ownership` (the engine's accelerator ownership, or None)
+        only while it touches device state; returns the metrics of an optimizer step it
+        completed, or None when this call completed none."""
+
+    def summary(self, metrics: dict) -> str:
+        """A step's metrics in a few words, for a job's events."""
+
+    def state(self) -> dict: ...
+
+    def restore(self, state: dict) -> None: ...
+
+    def manifest(self, name: str, model, inputs: list[dict], training: dict): ...
+
+    def weights(self) -> dict[str, dict[str, np.ndarray]]: ...
+
+    def close(self) -> None:
+        """Releases what the run holds in the engine (a policy's adapter slot)."""
+
+
+class LoraRun:
+    """What every run keeps alike: the LoRA params `lora`, the optimizer state `opt_state`, the
+    integer `counters` a checkpoint keeps (the data position among them) and the seed. A
+    subclass sets `kind`, `method`, `counters`, `config`, `total_steps` and `last_metrics`."""
+
+    kind: str
+    method: str  # the OpenAI method type of the manifest
+    counters: tuple[str, ...]
+    held = 0.0
+
+    def prepare(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def weights(self) -> dict[str, dict[str, np.ndarray]]:
+        return lora_to_numpy(self.lora)
+
+    def _manifest_config(self) -> dict:
+        return self.config.to_json()
+
+    def manifest(self, name: str, model, inputs: list[dict], training: dict):
+        """The adapter manifest of this run's result (see `artifact.adapter_manifest`)."""
+        c = self.config
+        return adapter_manifest(name, model, method=self.method, source=self.kind, config=self._manifest_config(),
+                                rank=c.lora_rank, alpha=c.lora_alpha, modules=c.target_modules, inputs=inputs,
+                                training=training, steps=self.total_steps, trained_tokens=self.trained_tokens,
+                                final_metrics=self.last_metrics)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: params, optimizer state, counters and the seed (a run's data
+        order is a function of the seed, so the counters place it)."""
+        count = lambda n: np.asarray(n, np.int64)  # noqa: E731
+        return {"lora": self.lora, "opt_state": self.opt_state,
+                **{name: count(getattr(self, name)) for name in self.counters}, "seed": count(self.config.seed)}
+
+    def restore(self, state: dict) -> None:
+        if int(state["seed"]) != self.config.seed:
+            raise ValueError("the checkpoint belongs to a run with another seed")
+        self.lora, self.opt_state = state["lora"], state["opt_state"]
+        for name in self.counters:
+            setattr(self, name, int(state[name]))
+        self._restored()
+
+    def _restored(self) -> None:
+        """After `restore`: what depends on the restored state."""
+
+
+def adapter_store(store, settings):
+    """`store` as an AdapterStore: one, a path, or None for the settings' store."""
+    from kiln.adapters.store import AdapterStore
+
+    return store if isinstance(store, AdapterStore) else AdapterStore(store or settings.adapter_store())
+
+
+def _timestamp() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def drive(run: TrainingRun, *, name: str, model, inputs: list[dict], store=None, ownership=None,
+          progress: bool = True) -> tuple[list[dict], Any]:
+    """Runs `run` to its end in this process with a progress bar, then releases what it holds in
+    the engine and, given an AdapterStore, saves its adapter there with its manifest. Returns
+    the metrics history (one entry per optimizer step) and the artifact (None when not saved)."""
+    from tqdm.auto import tqdm
+
+    started = _timestamp()
+    history: list[dict] = []
+    bar = tqdm(total=run.total_steps, desc=f"{run.kind} {name}", unit="step", disable=not progress)
+    while not run.done:
+        metrics = run.advance(ownership)
+        if metrics is None:
+            continue
+        history.append(metrics)
+        bar.update(1)
+        bar.set_postfix({label: f"{metrics[key]:.3f}" for key, label in run.progress_keys.items() if key in metrics})
+    bar.close()
+    run.close()
+    if store is None:
+        return history, None
+    manifest = run.manifest(name, model, inputs, {"started_at": started, "finished_at": _timestamp()})
+    return history, store.save(manifest, run.weights())
