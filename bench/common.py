@@ -120,7 +120,7 @@ def decode_step_args(core: EngineCore) -> tuple[StepBucket, tuple, RowSampling]:
                                tile_size=bucket.tile_size, table_columns=runner.table_columns)
     feed = TokenFeed(np.zeros(runner.feed_rows, np.int32), np.full(bucket.tokens, -1, np.int32))
     return bucket, (inputs, np.arange(bucket.rows, dtype=np.int32), np.full(bucket.tokens, -1, np.int32), None, feed), \
-        runner.sampling_arrays(rows, bucket.rows)
+        runner.layout.sampling_arrays(rows, bucket.rows)
 
 
 def bare_step(core: EngineCore) -> tuple[Callable[[], None], StepBucket]:

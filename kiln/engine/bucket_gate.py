@@ -86,7 +86,7 @@ def measure_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> dict
 
     rows = gate_batch(runner, bucket)
     inputs = _layout(runner, bucket, rows)
-    _, last_index, targets, _ = runner.padding_inputs(bucket)
+    _, last_index, targets, _ = runner.layout.padding_inputs(bucket)
     last_index[: len(rows)] = np.cumsum([len(r.tokens) for r in rows]) - 1
     # Only the blocks the rows use hold random K/V, and XLA's reference runs on a pool of just those
     # (renumbered 1..n; block 0 takes padding writes): the bucket's own executable needs a pool of
@@ -112,7 +112,7 @@ def measure_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> dict
     want = (np.asarray(want_logits), [np.asarray(x)[:, :, 1:] for x in want_kv])
     result = {"rows": len(rows), "tokens_equal": True, "max_logprob_error": 0.0, "max_k_error": 0.0,
               "max_v_error": 0.0, "why": None}
-    greedy = runner.sampling_arrays([], bucket.rows)  # padding rows sample greedily
+    greedy = runner.layout.sampling_arrays([], bucket.rows)  # padding rows sample greedily
     for i in range(2):
         logits, sampled, _, kv = executable(runner.params, KVCache(*kv_host), inputs, last_index, lora, greedy)
         why = _compare((logits, sampled, kv), want, len(rows), used, runner.backend.device, result)

@@ -40,10 +40,9 @@ from kiln.engine.buckets import BucketSet, StepBucket
 from kiln.engine.config import EngineConfig
 from kiln.engine.executables import ExecutableStore, executable_key
 from kiln.engine.faults import DeviceLossInjector, as_device_lost, first_line, is_device_loss
-from kiln.engine.grammar import MaskFiller
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.request import Request
-from kiln.engine.sampling import RowSampling, adjust_capacity
+from kiln.engine.step_inputs import StepLayout
 from kiln.engine.step_types import Batch, PendingStep, Rows, StepFailure, StepResult
 from kiln.engine.steps import (
     COUNTER,
@@ -54,9 +53,8 @@ from kiln.engine.steps import (
     sample_step,
 )
 from kiln.errors import BackendCannotRun, GraphCaptureDisabled, RequestFailed
-from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, StepInputs, init_kv_cache, table_width
+from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, init_kv_cache, table_width
 from kiln.models.lora import module_shapes
 
 __all__ = ["COUNTER", "Runner", "SamplerKey", "StepBucket"]
@@ -124,9 +122,8 @@ class Runner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.table_columns = table_width(self.max_blocks_per_seq, self.block_size)
-        self.history_len = max_model_len  # penalties see a row's whole prompt and output
-        self.adjust_width = adjust_capacity(len(eos_ids))
         self.feed_rows = max(self.buckets.sampler_rows)  # a TokenFeed holds the largest sampler's rows
+        self.layout = StepLayout(cfg, self.block_size, self.table_columns, max_model_len, eos_ids, self.feed_rows)
         self._empty_feed: jax.Array | None = None
         self.forwards: dict[StepBucket, Callable] = {}
         self.unprimed: set[StepBucket] = set()  # installed forward steps that have not run yet (see `prime`)
@@ -138,9 +135,7 @@ class Runner:
         self.deferred: list[StepBucket] = []  # LoRA steps a start left for the first adapter to build
         self.gate_failed: dict[StepBucket, str] = {}  # IREE buckets that failed their correctness gate, and why
         self.quarantined: str | None = None  # the route an accelerator failure took out of service, and why
-        self.masks = MaskFiller()
         self.device_loss = DeviceLossInjector(config.inject_device_loss_after_steps)  # [debug] fault injection
-        self._idle: dict[int, dict[str, jax.Array]] = {}  # per row count: the unused extras, on the device
         self._install_lock = threading.Lock()
         self._gate_lock = threading.Lock()
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
@@ -352,7 +347,7 @@ class Runner:
         turn runs before it is ready: `first_contact_steps`; the others pay it on their first use).
         The token sits past the first chunk of keys, so attention's loop over key chunks runs too."""
         t0 = time.perf_counter()
-        inputs, last_index, targets, feed = self.padding_inputs(bucket)
+        inputs, last_index, targets, feed = self.layout.padding_inputs(bucket)
         inputs.positions[0] = min(FIRST_KEYS + CHUNK_KEYS, self.max_model_len) - 1
         inputs.tile_tokens[0, 0] = 0
         lora = self.lora_slots.ensure_state() if bucket.lora else None
@@ -360,7 +355,7 @@ class Runner:
         try:
             row_logits, _, self.kv = self.forwards[bucket](self.params, self.kv, inputs, last_index, targets, lora,
                                                            feed)
-            sampled, _ = self.sampler_for(bucket.rows)(row_logits, self.sampling_arrays([], bucket.rows))
+            sampled, _ = self.sampler_for(bucket.rows)(row_logits, self.layout.sampling_arrays([], bucket.rows))
             np.asarray(sampled.tokens)
         except Exception as exc:  # priming is an optimisation: a failure is logged, never fatal
             if is_device_loss(exc):
@@ -385,21 +380,11 @@ class Runner:
             return None
         return jax.tree.map(_abstract, self.lora_slots.abstract_state())
 
-    def padding_inputs(self, bucket: StepBucket) -> tuple[StepInputs, np.ndarray, np.ndarray, TokenFeed]:
-        """Inputs of an all-padding batch of this bucket (what a compile sees): step inputs, last
-        index, prompt targets, an empty token feed."""
-        T, NT, QT = bucket.tokens, bucket.tiles, bucket.tile_size
-        zeros = lambda: np.zeros(T, np.int32)  # noqa: E731
-        inputs = StepInputs(zeros(), zeros(), zeros(), zeros(), np.full((NT, QT), T, np.int32),
-                            np.zeros((NT, self.table_columns), np.int32))
-        feed = TokenFeed(np.zeros(self.feed_rows, np.int32), np.full(T, -1, np.int32))
-        return inputs, np.zeros(bucket.rows, np.int32), np.full(T, -1, np.int32), feed
-
     def _compile_forward(self, bucket: StepBucket, abstract=None, gate: bool = True) -> Callable:
         """The forward executable of one bucket (any thread): loaded from disk, else compiled (and kept).
         An IREE module is checked by its correctness gate first (`gate`)."""
         params, kv = abstract or self.abstract
-        inputs, last_index, targets, feed = self.padding_inputs(bucket)
+        inputs, last_index, targets, feed = self.layout.padding_inputs(bucket)
         lora = self._lora_abstract(bucket)
         args = (params, kv, inputs, last_index, targets, lora, feed)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
@@ -409,7 +394,7 @@ class Runner:
 
     def _sampler_args(self, rows: int) -> tuple:
         row_logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
-        return row_logits, self.sampling_arrays([], rows)
+        return row_logits, self.layout.sampling_arrays([], rows)
 
     def _compile_sampler(self, key: SamplerKey) -> Callable:
         return self._compile_xla("sampler", sample_step, self._sampler_args(key.rows), {"feed_rows": self.feed_rows},
@@ -427,7 +412,7 @@ class Runner:
         """The bucket's forward pass and basic sampler as one IREE module, its logits, hidden states and
         KV kept on the device; checked against XLA's on a synthetic batch before it may serve (`check`)."""
         params, kv, inputs, last_index, _, lora, _ = args
-        args = (params, kv, inputs, last_index, lora, self.sampling_arrays([], bucket.rows))
+        args = (params, kv, inputs, last_index, lora, self.layout.sampling_arrays([], bucket.rows))
         executable = self.backend.compile(forward_sample_step, args, {"cfg": self.cfg}, device_outputs=(0, 2, 3))
         if not check:
             return executable
@@ -471,104 +456,6 @@ class Runner:
 
     def sampler_for(self, rows: int) -> Callable:
         return self._auxiliary_for(SamplerKey(rows))
-
-    # ---- inputs ------------------------------------------------------------------------------
-
-    def _idle_extras(self, rows: int) -> dict[str, jax.Array]:
-        """The sampler's extras for rows that use none of them, kept on the device: steps without
-        penalties, logit bias, banned ids or grammars pass these and copy nothing."""
-        idle = self._idle.get(rows)
-        if idle is None:
-            V = self.cfg.vocab_size
-            idle = {"adjust_ids": np.full((rows, self.adjust_width), V, np.int32),
-                    "adjust_values": np.zeros((rows, self.adjust_width), np.float32),
-                    "history": np.full((rows, self.history_len), V, np.int32),
-                    "allowed": np.full((rows, (V + 31) // 32), -1, np.int32)}
-            idle = self._idle[rows] = {k: jnp.asarray(v) for k, v in idle.items()}
-        return idle
-
-    def sampling_arrays(self, rows: Rows, R: int) -> RowSampling:
-        """The rows' sampling arrays, padded to R rows (masks come later: see `_run`)."""
-        f32 = lambda v: np.full(R, v, np.float32)  # noqa: E731
-        temperature, top_p, min_p = f32(0.0), f32(1.0), f32(0.0)
-        presence, frequency, repetition = f32(0.0), f32(0.0), f32(1.0)
-        top_k, step, prompt_len = np.zeros(R, np.int32), np.zeros(R, np.int32), np.zeros(R, np.int32)
-        seed = np.zeros((R, 2), np.uint32)
-        top_logprobs, constrained = np.zeros(R, bool), np.zeros(R, bool)
-        extras = dict(self._idle_extras(R))
-        adjust = [(sorted((r.params.logit_bias or {}).items()), self._banned(r)) for r, _ in rows]
-        if any(bias or banned for bias, banned in adjust):
-            V = self.cfg.vocab_size
-            ids, values = np.full((R, self.adjust_width), V, np.int32), np.zeros((R, self.adjust_width), np.float32)
-            for i, (bias, banned) in enumerate(adjust):
-                k = len(bias)
-                if k:
-                    ids[i, :k], values[i, :k] = [int(t) for t, _ in bias], [v for _, v in bias]
-                ids[i, k : k + len(banned)], values[i, k : k + len(banned)] = banned, -np.inf
-            extras["adjust_ids"], extras["adjust_values"] = ids, values
-        if any(r.params.needs_penalties for r, _ in rows):
-            history = np.full((R, self.history_len), self.cfg.vocab_size, np.int32)
-            for i, (r, _) in enumerate(rows):
-                if r.params.needs_penalties:
-                    ids = r.all_ids[: self.history_len]
-                    history[i, : len(ids)] = ids
-            extras["history"] = history
-        for i, (r, _) in enumerate(rows):
-            p = r.params
-            temperature[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
-            top_k[i] = max(p.top_k, 0)
-            presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            seed[i] = (r.seed & 0xFFFFFFFF, (r.seed >> 32) & 0xFFFFFFFF)
-            step[i] = r.num_output_ahead
-            prompt_len[i] = len(r.prompt_ids)
-            top_logprobs[i] = bool(p.logprobs)
-            constrained[i] = r.matcher is not None or bool(r.forced)
-        return RowSampling(temperature, top_k, top_p, min_p, presence, frequency, repetition, seed, step, top_logprobs,
-                           extras["adjust_ids"], extras["adjust_values"], extras["history"], prompt_len, constrained,
-                           extras["allowed"])
-
-    def _masks(self, rows: Rows, R: int) -> np.ndarray:
-        """The rows' allowed-token bitmasks: their grammars', or only their next forced token."""
-        constrained = [(r.matcher, i) for i, (r, _) in enumerate(rows) if r.matcher is not None]
-        allowed = self.masks.fill(constrained, R, self.cfg.vocab_size)
-        for i, (r, _) in enumerate(rows):
-            if r.forced:
-                allowed[i] = 0
-                allowed[i, r.forced[0] // 32] = np.uint32(1 << (r.forced[0] % 32)).view(np.int32)
-        return allowed
-
-    def _banned(self, r: Request) -> list[int]:
-        """Stop tokens are masked until min_tokens have been generated (not in constrained rows:
-        their grammar decides when they may end)."""
-        if r.num_output_ahead >= r.params.min_tokens or r.matcher is not None or r.forced:
-            return []
-        return sorted(set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self.eos_ids)))
-
-    def step_inputs(self, rows: Rows, bucket: StepBucket) -> tuple[StepInputs, np.ndarray, np.ndarray, np.ndarray]:
-        """The rows laid out in the bucket: step inputs, each row's last token index, prompt targets,
-        and the feed's source row of each token (-1: its id is in the inputs). A row's new tokens
-        start after what it has computed or has in flight; its last one, when a dispatched step is
-        still sampling it, comes from that step's feed."""
-        work, source = [], np.full(bucket.tokens, -1, np.int32)
-        last_index = np.zeros(bucket.rows, np.int32)
-        targets = np.full(bucket.tokens, -1, np.int32)
-        t = 0
-        for i, (r, n) in enumerate(rows):
-            start = r.num_scheduled
-            tokens = r.all_ids[start : start + n]
-            if len(tokens) < n:  # only ever the last token, pending in the step in flight
-                source[t + n - 1] = r.feed_row
-                tokens.append(0)
-            work.append(RowWork(tokens, start, r.block_ids, r.adapter_slot))
-            last_index[i] = t + n - 1
-            if r.params.prompt_logprobs is not None:
-                for j in range(n):
-                    if start + j + 1 < len(r.prompt_ids):
-                        targets[t + j] = r.prompt_ids[start + j + 1]
-            t += n
-        inputs = build_step_inputs(work, self.block_size, num_tokens=bucket.tokens, num_tiles=bucket.tiles,
-                                   tile_size=bucket.tile_size, table_columns=self.table_columns)
-        return inputs, last_index, targets, source
 
     # ---- step --------------------------------------------------------------------------------
 
@@ -625,7 +512,7 @@ class Runner:
         self.forwards.clear()
         self.unprimed.clear()
         self.gate_failed.clear()
-        self._idle.clear()
+        self.layout.drop_device_arrays()
         if failed.resident is not None:
             failed.resident.clear()
         self.backend = Backend(BackendChoice(
@@ -647,8 +534,8 @@ class Runner:
         return self._empty_feed
 
     def _launch(self, rows: Rows, bucket: StepBucket, forward: Callable, feed: jax.Array | None) -> PendingStep:
-        inputs, last_index, targets, source = self.step_inputs(rows, bucket)
-        rs = self.sampling_arrays(rows, bucket.rows)
+        inputs, last_index, targets, source = self.layout.step_inputs(rows, bucket)
+        rs = self.layout.sampling_arrays(rows, bucket.rows)
         lora = self.lora_slots.ensure_state() if bucket.lora else None
         sampler = self.sampler_for(bucket.rows)
         self.device_loss.before_step()
@@ -666,6 +553,6 @@ class Runner:
                                                   TokenFeed(self._feed(feed), source))
             self.unprimed.discard(bucket)  # its first run
         if rs.constrained.any():  # computed while the forward pass runs (dispatched asynchronously)
-            rs = rs._replace(allowed=self._masks(rows, bucket.rows))
+            rs = rs._replace(allowed=self.layout.masks_for(rows, bucket.rows))
         sampled, next_feed = sampler(row_logits, rs)
         return PendingStep(bucket, rows, sampled, prompt, targets, None if self.backend.is_iree else next_feed)

@@ -156,11 +156,11 @@ def test_seeded_constrained_sampling_is_reproducible_and_batch_independent(engin
 
 def test_unconstrained_batches_build_no_mask(engine):
     runner = engine._core.runner
-    before = runner.masks.steps
+    before = runner.layout.masks.steps
     run(engine, [[5, 6, 7], list(range(3, 60))], SamplingParams(max_tokens=4, temperature=0.5, top_k=3))
-    assert runner.masks.steps == before  # no mask was built, so none was sent or applied
+    assert runner.layout.masks.steps == before  # no mask was built, so none was sent or applied
     constrained(engine, GrammarSpec("regex", "[a-z]{3}"), [[5, 6, 7], [8]], max_tokens=4)
-    assert runner.masks.steps > before
+    assert runner.layout.masks.steps > before
 
 
 @pytest.mark.parametrize("spec, reason", [
