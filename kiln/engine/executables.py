@@ -19,12 +19,23 @@ import os
 import pickle
 import platform
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
 import jaxlib
 
 log = logging.getLogger("kiln.engine")
+
+_jax_cache_hits = threading.local()  # per compiling thread: how many executables JAX took from its cache
+
+
+def _count_jax_cache_hits(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # recorded on the thread that compiles
+        _jax_cache_hits.count = getattr(_jax_cache_hits, "count", 0) + 1
+
+
+jax.monitoring.register_event_listener(_count_jax_cache_hits)
 
 # the sources whose code becomes a step executable
 _SOURCES = ("models/decoder.py", "models/lora.py", "models/rope.py", "engine/sampling.py", "engine/steps.py")
@@ -63,6 +74,7 @@ class ExecutableStore:
         self.directory = directory
         self.loads = 0
         self.saves = 0
+        self.compiles = 0  # compiled here or taken from JAX's cache: not loaded from this store
 
     @classmethod
     def beside_jax_cache(cls) -> ExecutableStore:
@@ -87,6 +99,20 @@ class ExecutableStore:
             log.warning("stored step executable %s could not be loaded (%s); compiling it again", path.name, exc)
             return None
         self.loads += 1
+        return executable
+
+    def compile(self, key: str, lowered):
+        """`lowered` compiled, and stored under `key` unless JAX took it from its own persistent cache:
+        on XLA:CPU (jaxlib 0.10) an executable that was deserialized serializes again without some of
+        its kernels, and that copy fails at its first run ("Function add_multiply_fusion not found").
+        That happens after an upgrade that changed the step sources (so their keys) but not the
+        programs; such a step comes from JAX's cache at each start instead (tracing and lowering
+        again, about 0.6 s a step), until that cache is cleared."""
+        hits = getattr(_jax_cache_hits, "count", 0)
+        executable = lowered.compile()
+        self.compiles += 1
+        if getattr(_jax_cache_hits, "count", 0) == hits:
+            self.save(key, executable)
         return executable
 
     def save(self, key: str, executable) -> None:

@@ -404,8 +404,7 @@ class Runner:
         store_key = executable_key(name, args, (key, sorted(static.items(), key=lambda kv: kv[0])))
         executable = self.store.load(store_key)
         if executable is None:
-            executable = fn.lower(*args, **static).compile()
-            self.store.save(store_key, executable)
+            executable = self.store.compile(store_key, fn.lower(*args, **static))
         return executable
 
     def _compile_iree_forward(self, bucket: StepBucket, args, check: bool) -> Callable:

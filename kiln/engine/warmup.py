@@ -27,7 +27,7 @@ def build_step_set(runner, show_progress: bool = True, defer_lora: bool = False,
     built, loaded, deferred, seconds, memory mappings after. `on_progress(done, total)` after each."""
     start = time.monotonic()
     store = runner.store
-    loads, saves = store.loads, store.saves
+    loads, compiles = store.loads, store.compiles
     cache = runner.backend.cache
     iree_before = (cache.compiles, cache.hits) if cache is not None else (0, 0)
     todo = [k for k in runner.startup_set(defer_lora) if k not in runner.executables]
@@ -42,7 +42,7 @@ def build_step_set(runner, show_progress: bool = True, defer_lora: bool = False,
         if on_progress is not None:
             on_progress(0, len(todo))
         runner.warm(todo, workers=os.cpu_count() or 1, progress=progress)
-    built, loaded = store.saves - saves, store.loads - loads
+    built, loaded = store.compiles - compiles, store.loads - loads
     if cache is not None:
         built += cache.compiles - iree_before[0]
         loaded += cache.hits - iree_before[1]

@@ -3,14 +3,16 @@ engine publishes its prefix-cache blocks as vLLM-format KV events over ZMQ."""
 
 import asyncio
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import httpx
 import msgpack
 import zmq
-from server_process import suite_env
+from server_process import ServerProcess, suite_env
 
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
@@ -32,6 +34,23 @@ def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
     assert built1 == executables
     assert built2 == 0 and loaded2 == executables
     assert any((tmp_path / "cache" / "jax").iterdir())
+
+
+def test_steps_stored_again_after_an_upgrade_still_run(tmp_path, tiny_model):
+    """An upgrade that changes the step sources but not the programs finds its stored steps gone (their
+    keys changed) and JAX's own cache still full. The steps it stores then must run in the next start:
+    one that JAX loaded from its cache stores without some of its kernels on XLA:CPU."""
+    cache = tmp_path / "cache"
+    for start in ("first", "after the upgrade", "the next"):
+        server = ServerProcess(str(tiny_model.source), str(cache), KILN_MODEL_SERVED_MODEL_NAME="tiny")
+        try:
+            r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
+                           timeout=120)
+        finally:
+            server.stop()
+        assert r.status_code == 200, (start, r.text)
+        if start == "first":
+            shutil.rmtree(cache / "jax" / "kiln-steps")  # what a change to the step sources does to their keys
 
 
 def test_warmup_interrupted_with_ctrl_c_exits_quietly(tmp_path, tiny_model):
