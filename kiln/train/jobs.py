@@ -70,6 +70,42 @@ def _choose(value: Any, auto: Any, kind: type, lo: float, hi: float, param: str)
     return kind(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class _SharedOptions:
+    """A job request's options every method shares, checked (see JobManager._shared_options)."""
+
+    job_id: str
+    name: str
+    suffix: str | None
+    metadata: dict | None
+    seed: int
+    gate: GateSpec | None
+    auto_load: bool
+    checkpoint_every: int
+    max_seq_len: int
+    batch_size: int
+    rank: int
+    modules: list[str]
+    sft_defaults: SFTConfig
+    hyperparameters: dict  # OpenAI's object: n_epochs, batch_size, learning_rate_multiplier
+    common: dict  # the config fields every method's config takes
+
+
+@dataclasses.dataclass(frozen=True)
+class _MethodChoice:
+    """What a method makes of a request: its config, OpenAI's `method` object, and the memory plan's
+    shape (rows, sequence length, accumulation, rematerialisation, a teacher's weights)."""
+
+    config: SFTConfig | GRPOConfig | OPDConfig
+    method: dict
+    rows: int
+    seq_len: int
+    accumulation: int
+    remat: str
+    extra_bytes: int = 0
+    rollouts: str | None = None  # policy jobs only
+
+
 CONFIGS = {"supervised": SFTConfig, "reinforcement": GRPOConfig, "distillation": OPDConfig}
 
 
@@ -178,7 +214,8 @@ class JobManager:
     # ---- API -------------------------------------------------------------------------------
 
     def create(self, body: dict) -> dict:
-        """Validates a job request (400 on any problem, nothing stored) and queues it."""
+        """Validates a job request (400 on any problem, nothing stored) and queues it: the options
+        every method shares, then the method's own, then the memory plan."""
         base = body.get("model")
         if base != self.model.model_id:
             raise InvalidRequest(f"unknown base model {base!r}; this server fine-tunes {self.model.model_id!r}",
@@ -196,8 +233,42 @@ class JobManager:
         kiln = body.get("kiln") or {}
         if not isinstance(kiln, dict):
             raise InvalidRequest("kiln must be an object", param="kiln")
+        shared = self._shared_options(body, kind, hp, kiln)
+        validate = self._supervised if kind == "supervised" else self._policy
+        chosen = validate(kind, options, hp, kiln, shared, training, validation)
+        serving = self.serving_bytes
+        if chosen.extra_bytes:
+            serving = {**serving, "teacher_weights": chosen.extra_bytes}
+        plan = memory.plan(self.model.config, shared.rank, shared.modules, chosen.rows, chosen.seq_len,
+                           chosen.accumulation, serving, self.settings.train.memory_budget_bytes)
+        kv_pool = {"blocks": self.kv_blocks, "bytes_per_block": self.kv_block_bytes,
+                   "min_blocks": self.engine.min_kv_blocks}
+        plan.update(memory.admit(plan, chosen.remat,
+                                 kv_pool if self.settings.serving_profile.policy.dynamic_kv_resize else None))
+        s = shared
+        job = {
+            "object": "fine_tuning.job", "id": s.job_id, "model": base, "created_at": now(), "finished_at": None,
+            "fine_tuned_model": None, "organization_id": "kiln", "result_files": [], "status": "queued",
+            "training_file": training["id"], "validation_file": validation["id"] if validation else None,
+            "hyperparameters": chosen.method[kind]["hyperparameters"], "trained_tokens": None, "error": None,
+            "user_provided_suffix": s.suffix, "seed": s.seed, "estimated_finish": None, "integrations": [],
+            "metadata": s.metadata, "method": chosen.method,
+            "kiln": {"adapter_name": s.name, "auto_load": s.auto_load,
+                     "checkpoint_every": s.checkpoint_every, "config": chosen.config.to_json(), "plan": plan,
+                     "max_seq_len": s.max_seq_len, "gate": s.gate and s.gate.to_json(), "gate_result": None,
+                     "step": 0, "total_steps": None, "rollouts": chosen.rollouts},
+        }
+        JobSpec.from_job(job)  # what the worker reads back: it must, before the job is stored
+        self.store.put_job(job)
+        self.store.add_event(s.job_id, f"Validated training file: {training['id']}")
+        self.store.add_event(s.job_id, "Fine-tuning job queued")
+        with self._cv:
+            self._cv.notify_all()
+        return job
+
+    def _shared_options(self, body: dict, kind: str, hp: dict, kiln: dict) -> _SharedOptions:
+        """What every method's job request sets alike, checked in the order a client reads them."""
         sft_defaults = SFTConfig.from_settings(self.settings)
-        extra_bytes = 0  # a teacher model's weights
         defaults = sft_defaults if kind == "supervised" else GRPOConfig()
         lora = kiln.get("lora") or {}
         n_epochs = _choose(hp.get("n_epochs"), defaults.n_epochs, int, 1, 50, "hyperparameters.n_epochs")
@@ -232,86 +303,67 @@ class JobManager:
         auto_load = kiln.get("auto_load", True)
         if not isinstance(auto_load, bool):
             raise InvalidRequest("kiln.auto_load must be true or false", param="kiln.auto_load")
-        hyperparameters = {"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier}
-        common = dict(lora_rank=rank, lora_alpha=alpha, target_modules=tuple(modules),
-                      learning_rate=base_lr * multiplier, n_epochs=n_epochs, seed=seed)
-        if kind == "supervised":
-            config = SFTConfig(**common, batch_size=batch_size, max_seq_len=max_seq_len, **{
-                k: getattr(sft_defaults, k) for k in ("gradient_accumulation", "warmup_ratio", "lr_schedule",
-                                                      "weight_decay", "max_grad_norm", "remat")})
-            # the data must tokenize and train something
-            examples = self._examples(training, config, "training_file")
-            if validation:
-                self._examples(validation, config, "validation_file")
-            rows, seq_len, accumulation = batch_size, min(max_seq_len, max(len(e.ids) for e in examples)), \
-                config.gradient_accumulation
-            method_out = {"type": kind, kind: {"hyperparameters": hyperparameters}}
-            remat_setting = config.remat
-        else:
-            section = "grpo" if kind == "reinforcement" else "distillation"
-            rollouts = kiln.get("rollouts", "engine")
-            if rollouts not in ("engine", "external") or (rollouts == "external" and kind != "reinforcement"):
-                raise InvalidRequest("kiln.rollouts is \"engine\" or, for reinforcement, \"external\"",
-                                     param="kiln.rollouts")
-            if kind == "reinforcement":
-                for key, default, lo, hi, kind_ in (("eval_interval", 10, 1, 1 << 20, int),
-                                                    ("eval_samples", 1, 1, 64, int),
-                                                    ("compute_multiplier", 1.0, 0.25, 16, float)):
-                    hyperparameters[key] = _choose(hp.get(key), default, kind_, lo, hi, f"hyperparameters.{key}")
-                grader = options.get("grader")
-                if grader is None and rollouts == "external":
-                    details = {"grader": None}  # the client scores its rollouts
-                else:
-                    details = {"grader": graders.validate(grader, f"method.{kind}.grader").to_json()}
+        return _SharedOptions(
+            job_id=job_id, name=name, suffix=suffix, metadata=metadata, seed=seed, gate=gate, auto_load=auto_load,
+            checkpoint_every=checkpoint_every, max_seq_len=max_seq_len, batch_size=batch_size, rank=rank,
+            modules=modules, sft_defaults=sft_defaults,
+            hyperparameters={"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier},
+            common=dict(lora_rank=rank, lora_alpha=alpha, target_modules=tuple(modules),
+                        learning_rate=base_lr * multiplier, n_epochs=n_epochs, seed=seed))
+
+    def _supervised(self, kind: str, options: dict, hp: dict, kiln: dict, shared: _SharedOptions, training: dict,
+                    validation: dict | None) -> _MethodChoice:
+        """SFT's config; its data must tokenize and train something."""
+        d = shared.sft_defaults
+        config = SFTConfig(**shared.common, batch_size=shared.batch_size, max_seq_len=shared.max_seq_len, **{
+            k: getattr(d, k) for k in ("gradient_accumulation", "warmup_ratio", "lr_schedule", "weight_decay",
+                                       "max_grad_norm", "remat")})
+        examples = self._examples(training, config, "training_file")
+        if validation:
+            self._examples(validation, config, "validation_file")
+        return _MethodChoice(config, {"type": kind, kind: {"hyperparameters": shared.hyperparameters}},
+                             rows=shared.batch_size, seq_len=min(shared.max_seq_len, max(len(e.ids) for e in examples)),
+                             accumulation=config.gradient_accumulation, remat=config.remat)
+
+    def _policy(self, kind: str, options: dict, hp: dict, kiln: dict, shared: _SharedOptions, training: dict,
+                validation: dict | None) -> _MethodChoice:
+        """GRPO's or distillation's config: the grader or the teacher, the knobs, prompts that fit."""
+        section = "grpo" if kind == "reinforcement" else "distillation"
+        hyperparameters, extra_bytes = dict(shared.hyperparameters), 0
+        rollouts = kiln.get("rollouts", "engine")
+        if rollouts not in ("engine", "external") or (rollouts == "external" and kind != "reinforcement"):
+            raise InvalidRequest("kiln.rollouts is \"engine\" or, for reinforcement, \"external\"",
+                                 param="kiln.rollouts")
+        if kind == "reinforcement":
+            for key, default, lo, hi, kind_ in (("eval_interval", 10, 1, 1 << 20, int),
+                                                ("eval_samples", 1, 1, 64, int),
+                                                ("compute_multiplier", 1.0, 0.25, 16, float)):
+                hyperparameters[key] = _choose(hp.get(key), default, kind_, lo, hi, f"hyperparameters.{key}")
+            grader = options.get("grader")
+            if grader is None and rollouts == "external":
+                details = {"grader": None}  # the client scores its rollouts
             else:
-                teacher = self._teacher(options.get("teacher"), f"method.{kind}.teacher")
-                details, extra_bytes = {"teacher": teacher.name}, self._teacher_bytes(teacher)
-            config = self._policy_config(GRPOConfig if kind == "reinforcement" else OPDConfig, section,
-                                         kiln.get(section) or {}, common, batch_size,
-                                         hyperparameters.get("compute_multiplier", 1.0))
-            if rollouts == "external":  # no engine logprobs to correct against
-                config = dataclasses.replace(config, importance_sampling_cap=0.0)
-            prompts = self._prompts(training, max_seq_len, "training_file")
-            if validation:
-                self._prompts(validation, max_seq_len, "validation_file")
-            rows, accumulation = config.micro_batch_rows, 1
-            seq_len = max(len(p.ids) for p in prompts) + config.max_completion_tokens
-            if seq_len > self.engine.max_model_len:
-                raise InvalidRequest(f"the longest prompt ({seq_len - config.max_completion_tokens} tokens) and "
-                                     f"max_completion_tokens ({config.max_completion_tokens}) exceed the "
-                                     f"{self.engine.max_model_len}-token context", code="invalid_hyperparameter",
-                                     param=f"kiln.{section}.max_completion_tokens")
-            method_out = {"type": kind, kind: {**details, "hyperparameters": hyperparameters}}
-            remat_setting = "off"
-        serving = self.serving_bytes
-        if extra_bytes:
-            serving = {**serving, "teacher_weights": extra_bytes}
-        plan = memory.plan(self.model.config, rank, modules, rows, seq_len, accumulation, serving,
-                           self.settings.train.memory_budget_bytes)
-        kv_pool = {"blocks": self.kv_blocks, "bytes_per_block": self.kv_block_bytes,
-                   "min_blocks": self.engine.min_kv_blocks}
-        plan.update(memory.admit(plan, remat_setting,
-                                 kv_pool if self.settings.serving_profile.policy.dynamic_kv_resize else None))
-        job = {
-            "object": "fine_tuning.job", "id": job_id, "model": base, "created_at": now(), "finished_at": None,
-            "fine_tuned_model": None, "organization_id": "kiln", "result_files": [], "status": "queued",
-            "training_file": training["id"], "validation_file": validation["id"] if validation else None,
-            "hyperparameters": hyperparameters, "trained_tokens": None, "error": None, "user_provided_suffix": suffix,
-            "seed": seed, "estimated_finish": None, "integrations": [], "metadata": metadata,
-            "method": method_out,
-            "kiln": {"adapter_name": name, "auto_load": auto_load,
-                     "checkpoint_every": checkpoint_every, "config": config.to_json(), "plan": plan,
-                     "max_seq_len": max_seq_len, "gate": gate and gate.to_json(), "gate_result": None, "step": 0,
-                     "total_steps": None,
-                     "rollouts": kiln.get("rollouts", "engine") if kind != "supervised" else None},
-        }
-        JobSpec.from_job(job)  # what the worker reads back: it must, before the job is stored
-        self.store.put_job(job)
-        self.store.add_event(job_id, f"Validated training file: {training['id']}")
-        self.store.add_event(job_id, "Fine-tuning job queued")
-        with self._cv:
-            self._cv.notify_all()
-        return job
+                details = {"grader": graders.validate(grader, f"method.{kind}.grader").to_json()}
+        else:
+            teacher = self._teacher(options.get("teacher"), f"method.{kind}.teacher")
+            details, extra_bytes = {"teacher": teacher.name}, self._teacher_bytes(teacher)
+        config = self._policy_config(GRPOConfig if kind == "reinforcement" else OPDConfig, section,
+                                     kiln.get(section) or {}, shared.common, shared.batch_size,
+                                     hyperparameters.get("compute_multiplier", 1.0))
+        if rollouts == "external":  # no engine logprobs to correct against
+            config = dataclasses.replace(config, importance_sampling_cap=0.0)
+        prompts = self._prompts(training, shared.max_seq_len, "training_file")
+        if validation:
+            self._prompts(validation, shared.max_seq_len, "validation_file")
+        seq_len = max(len(p.ids) for p in prompts) + config.max_completion_tokens
+        if seq_len > self.engine.max_model_len:
+            raise InvalidRequest(f"the longest prompt ({seq_len - config.max_completion_tokens} tokens) and "
+                                 f"max_completion_tokens ({config.max_completion_tokens}) exceed the "
+                                 f"{self.engine.max_model_len}-token context", code="invalid_hyperparameter",
+                                 param=f"kiln.{section}.max_completion_tokens")
+        return _MethodChoice(config, {"type": kind, kind: {**details, "hyperparameters": hyperparameters}},
+                             rows=config.micro_batch_rows, seq_len=seq_len, accumulation=1, remat="off",
+                             extra_bytes=extra_bytes, rollouts=rollouts)
 
     def _policy_config(self, cls, section: str, knobs: dict, common: dict, prompts_per_step: int,
                        compute_multiplier: float) -> GRPOConfig:
