@@ -87,7 +87,12 @@ def test_sigterm_drains_and_every_stream_ends_with_done(server):
         assert started.wait(120)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
-    health = httpx.get(server.url + "/health", timeout=30)
+    try:
+        health = httpx.get(server.url + "/health", timeout=30)
+    except httpx.ConnectError:  # seen once in a full run: keep what the server said for the next one
+        code, out = server.stop()
+        pytest.fail(f"the port closed right after SIGTERM (exit {code}; streams: "
+                    f"{[(n, events[-2:]) for n, events, _, _ in streams]}):\n{out[-4000:]}")
     assert health.status_code == 503 and health.json()["status"] == "draining"
     refused = httpx.post(server.url + "/v1/chat/completions", json=chat(4, stream=False), timeout=30)
     assert refused.status_code == 503 and refused.headers["retry-after"]
