@@ -118,7 +118,7 @@ def decode_step_args(core: EngineCore) -> tuple[StepBucket, tuple, RowSampling]:
     work = [RowWork([r.all_ids[r.num_computed - 1]], r.num_computed - 1, r.block_ids) for r, _ in rows]
     inputs = build_step_inputs(work, runner.block_size, num_tokens=bucket.tokens, num_tiles=bucket.tiles,
                                tile_size=bucket.tile_size, table_columns=runner.table_columns)
-    feed = TokenFeed(np.zeros(runner.feed_rows, np.int32), np.full(bucket.tokens, -1, np.int32))
+    feed = TokenFeed(np.zeros(runner.layout.feed_rows, np.int32), np.full(bucket.tokens, -1, np.int32))
     return bucket, (inputs, np.arange(bucket.rows, dtype=np.int32), np.full(bucket.tokens, -1, np.int32), None, feed), \
         runner.layout.sampling_arrays(rows, bucket.rows)
 

@@ -80,7 +80,7 @@ def main():
     runner = core.runner
     row_logits = jax.ShapeDtypeStruct((shape.rows, cfg.vocab_size), jax.numpy.float32)
     hlo = (forward_step.lower(runner.params, runner.kv, *args, cfg=cfg, prompt_logprobs=False).compile().as_text()
-           + sample_step.lower(row_logits, rs, feed_rows=runner.feed_rows).compile().as_text())
+           + sample_step.lower(row_logits, rs, feed_rows=runner.layout.feed_rows).compile().as_text())
     scopes, trace = breakdown(hlo, run, args.trace_dir)
     core.close()
 

@@ -135,7 +135,7 @@ def open_iree(route: str, cache_dir: Path) -> Backend:
 
 
 def select_backend(requested: str, cache_dir: Path, model_dtype: str = "float32",
-                 capabilities: dict | None = None) -> Backend:
+                   capabilities: dict | None = None) -> Backend:
     """The route to serve with. `requested` is xla, vulkan or iree-cpu (fatal BackendUnavailable when it cannot
     run here) or `auto`. `capabilities` stands in for probing the Vulkan device (tests)."""
     from kiln.errors import BackendUnavailable
@@ -147,8 +147,8 @@ def select_backend(requested: str, cache_dir: Path, model_dtype: str = "float32"
         route = open_iree(requested, cache_dir)
         if need not in route.choice.capabilities["dtypes"]:
             raise BackendUnavailable(f"route {requested}: the device does not support {model_dtype} weights "
-                                   f"(it offers {', '.join(route.choice.capabilities['dtypes'])}); "
-                                   "load the model as float32 (model.dtype)")
+                                     f"(it offers {', '.join(route.choice.capabilities['dtypes'])}); "
+                                     "load the model as float32 (model.dtype)")
         route.choice = dataclasses.replace(route.choice, reason="requested")
         return route
     xla = xla_capabilities()

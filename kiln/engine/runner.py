@@ -8,10 +8,10 @@ while this one runs, whose rows may take their last token from this step's sampl
 (a `TokenFeed`). It never splits or reorders what the scheduler planned.
 
 The whole set is built (or loaded from disk, see executables.py) by `warm` before a server
-reports ready (what the serving profile calls graph capture). An engine used without warming (tests, scripts) builds a
-step's executable the first time it needs it, which only live compiling allows; when the serving
-profile forbids it, nothing new compiles: a batch runs in a built bucket that fits or fails with
-GraphCaptureDisabled (`fits` tells the scheduler beforehand).
+reports ready (what the serving profile calls graph capture). An engine used without warming
+(tests, scripts) builds a step's executable the first time it needs it, which only live compiling
+allows; when the serving profile forbids it, nothing new compiles: a batch runs in a built bucket
+that fits or fails with GraphCaptureDisabled (`fits` tells the scheduler beforehand).
 
 A failed step fails only its own rows (RequestFailed, code accelerator_error); one that took
 the donated KV state with it (any failure found when its results are fetched: the steps
@@ -122,8 +122,9 @@ class Runner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.table_columns = table_width(self.max_blocks_per_seq, self.block_size)
-        self.feed_rows = max(self.buckets.sampler_rows)  # a TokenFeed holds the largest sampler's rows
-        self.layout = StepLayout(cfg, self.block_size, self.table_columns, max_model_len, eos_ids, self.feed_rows)
+        # a TokenFeed holds the largest sampler's rows
+        self.layout = StepLayout(cfg, self.block_size, self.table_columns, max_model_len, eos_ids,
+                                 feed_rows=max(self.buckets.sampler_rows))
         self._empty_feed: jax.Array | None = None
         self.forwards: dict[StepBucket, Callable] = {}
         self.unprimed: set[StepBucket] = set()  # installed forward steps that have not run yet (see `prime`)
@@ -317,8 +318,7 @@ class Runner:
             return runnable[0]
         candidates = self._candidates(rows)
         if candidates and all(b in self.gate_failed for b in candidates):
-            raise BackendCannotRun(f"no step bucket of the {self.backend.name} route that fits this batch passed its "
-                                   f"correctness gate ({self.gate_failed[candidates[0]]})")
+            raise self._no_passing_bucket(self.gate_failed[candidates[0]])
         counts = [n for _, n in rows]
         raise GraphCaptureDisabled(f"no built step bucket fits {len(rows)} rows of {sum(counts)} new tokens, and "
                                    "live graph capture is disabled")
@@ -397,8 +397,8 @@ class Runner:
         return row_logits, self.layout.sampling_arrays([], rows)
 
     def _compile_sampler(self, key: SamplerKey) -> Callable:
-        return self._compile_xla("sampler", sample_step, self._sampler_args(key.rows), {"feed_rows": self.feed_rows},
-                                 key)
+        return self._compile_xla("sampler", sample_step, self._sampler_args(key.rows),
+                                 {"feed_rows": self.layout.feed_rows}, key)
 
     def _compile_xla(self, name: str, fn, args, static: dict, key) -> Callable:
         store_key = executable_key(name, args, (key, sorted(static.items(), key=lambda kv: kv[0])))
@@ -426,6 +426,10 @@ class Runner:
             raise BucketFailedGate(bucket, why)
         return executable
 
+    def _no_passing_bucket(self, why: str) -> BackendCannotRun:
+        return BackendCannotRun(f"no step bucket of the {self.backend.name} route that fits this batch passed "
+                                f"its correctness gate ({why})")
+
     def _gate_failed(self, exc: BucketFailedGate) -> None:
         self.gate_failed[exc.shape] = exc.why
         log.warning("route %s: step bucket %s failed its correctness gate (%s); its batches run in a bigger "
@@ -439,8 +443,7 @@ class Runner:
                 forward = self._build(bucket)
             except BucketFailedGate as exc:
                 self._gate_failed(exc)
-                raise BackendCannotRun(f"no step bucket of the {self.backend.name} route that fits this batch "
-                                       f"passed its correctness gate ({exc.why})") from None
+                raise self._no_passing_bucket(exc.why) from None
             self._install(bucket, forward)
             self.compile_waits += 1
             log.info("built step bucket %s in %.1fs (the step waited)", bucket.describe(), time.perf_counter() - t0)
@@ -529,7 +532,7 @@ class Runner:
         if feed is not None:
             return feed
         if self._empty_feed is None:
-            self._empty_feed = jnp.zeros(self.feed_rows, jnp.int32)
+            self._empty_feed = jnp.zeros(self.layout.feed_rows, jnp.int32)
         return self._empty_feed
 
     def _launch(self, rows: Rows, bucket: StepBucket, forward: Callable, feed: jax.Array | None) -> PendingStep:
