@@ -144,9 +144,10 @@ def runtime(request: Request) -> dict[str, Any]:
     st = server_state(request)
     jobs = st.jobs.snapshot()
     free, source = memory.available_bytes(st.settings.train.memory_budget_bytes)
-    held = {**{f"{k}_bytes": v for k, v in st.jobs.serving_bytes.items()}, "training_bytes": jobs["training_bytes"]}
-    kv = {"blocks": st.engine.snapshot["kv_blocks_total"] + 1, "configured_blocks": st.jobs.kv_blocks,
-          "block_bytes": st.jobs.kv_block_bytes}
+    share = st.jobs.share
+    held = {**{f"{k}_bytes": v for k, v in share.serving_bytes.items()}, "training_bytes": jobs["training_bytes"]}
+    kv = {"blocks": st.engine.snapshot["kv_blocks_total"] + 1, "configured_blocks": share.kv_blocks,
+          "block_bytes": share.kv_block_bytes}
     return {"object": "runtime", "serving_profile": st.profile.profile.value,
             "memory": {**held, "available_bytes": free, "budget_source": source, "kv_pool": kv},
             "jobs": {"running": jobs["running"], "queued": jobs["queued"]},

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -198,7 +199,6 @@ class JobManager:
         self.current: str | None = None
         self._teacher_models: dict[str, object] = {}  # train.teachers loaded so far, by name
         self.share = ServingShare(settings, engine)
-        self.kv_blocks, self.kv_block_bytes = self.share.kv_blocks, self.share.kv_block_bytes
         for job in store.list_jobs(ACTIVE):  # a restart: running jobs resume from their checkpoints
             if job["status"] == "running":
                 store.add_event(job["id"], "Kiln restarted; the job resumes from its last checkpoint")
@@ -236,12 +236,12 @@ class JobManager:
         shared = self._shared_options(body, kind, hp, kiln)
         validate = self._supervised if kind == "supervised" else self._policy
         chosen = validate(kind, options, hp, kiln, shared, training, validation)
-        serving = self.serving_bytes
+        serving = self.share.serving_bytes
         if chosen.extra_bytes:
             serving = {**serving, "teacher_weights": chosen.extra_bytes}
         plan = memory.plan(self.model.config, shared.rank, shared.modules, chosen.rows, chosen.seq_len,
                            chosen.accumulation, serving, self.settings.train.memory_budget_bytes)
-        kv_pool = {"blocks": self.kv_blocks, "bytes_per_block": self.kv_block_bytes,
+        kv_pool = {"blocks": self.share.kv_blocks, "bytes_per_block": self.share.kv_block_bytes,
                    "min_blocks": self.engine.min_kv_blocks}
         plan.update(memory.admit(plan, chosen.remat,
                                  kv_pool if self.settings.serving_profile.policy.dynamic_kv_resize else None))
@@ -495,11 +495,6 @@ class JobManager:
         if self._thread.is_alive():
             self._thread.join(timeout=600)
 
-    @property
-    def serving_bytes(self) -> dict:
-        """What serving holds now: weights, the KV pool (at its current size), adapter slots."""
-        return self.share.serving_bytes
-
     def snapshot(self) -> dict:
         """Jobs now: the running one (with its planned bytes) and the queue, oldest first."""
         queued = [j["id"] for j in reversed(self.store.list_jobs(("queued",)))]
@@ -615,14 +610,14 @@ class JobManager:
         import orbax.checkpoint as ocp
 
         job_id, spec = job["id"], JobSpec.from_job(job)
+        event = functools.partial(self.store.add_event, job_id)
         run = self._make_run(spec)
         manager = ocp.CheckpointManager(self._checkpoint_dir(job_id).absolute(),
                                         options=ocp.CheckpointManagerOptions(max_to_keep=2))
         shrunk = False
         try:
             if spec.kv_resize_to:
-                shrunk = self.share.shrink_kv(spec.kv_resize_to, lambda: self._interrupted(job_id),
-                                              lambda message: self.store.add_event(job_id, message))
+                shrunk = self.share.shrink_kv(spec.kv_resize_to, lambda: self._interrupted(job_id), event)
             if manager.latest_step() is not None:
                 run.restore(manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(run.state())))
                 self.store.add_event(job_id, f"Resumed from the checkpoint at step {run.step}")
@@ -632,7 +627,7 @@ class JobManager:
             if not self._train(job, spec, run, manager):
                 return
             if shrunk:  # before the job reads as finished
-                self.share.grow_kv(lambda message: self.store.add_event(job_id, message))
+                self.share.grow_kv(event)
                 shrunk = False
             if spec.gate and not self._finish_gated(job, run, manager):
                 return
@@ -646,7 +641,7 @@ class JobManager:
                                                         code="job_not_active", param="fine_tuning_job_id"))
             run.close()
             if shrunk:
-                self.share.grow_kv(lambda message: self.store.add_event(job_id, message))
+                self.share.grow_kv(event)
 
     def _train(self, job: dict, spec: JobSpec, run: TrainingRun, manager) -> bool:
         """Advances the run to its end, a step at a time between serving steps, acting on a
