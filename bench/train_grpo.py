@@ -53,7 +53,7 @@ def kiln_grpo(model, chats, args) -> dict:
         timed = []
         for i in range(args.warmup + args.steps):
             t0 = time.perf_counter()
-            m = run.run_step(engine.ownership)
+            m = run.advance(engine.ownership)
             if i >= args.warmup:
                 timed.append((time.perf_counter() - t0, m["rollout_seconds"], m["train_seconds"]))
         return {"step": sum(t[0] for t in timed) / len(timed), "rollout": sum(t[1] for t in timed) / len(timed),

@@ -31,13 +31,13 @@ def kiln_sft(model, examples, args) -> dict:
                        batch_size=args.batch_size, max_seq_len=args.max_seq_len, warmup_ratio=0.0)
     run = SFTRun(model.params, model.config, examples, config)
     for _ in range(args.warmup):
-        run.train_micro_step()
+        run.advance()
     tokens0, seconds, compile_seconds = run.input_tokens, 0.0, 0.0
     for _ in range(args.steps):
         t0 = time.perf_counter()
         run.prepare()  # the next batch, compiled once per new shape (a one-time cost, reported apart)
         t1 = time.perf_counter()
-        run.train_micro_step()  # returns host floats: the step has finished
+        run.advance()  # returns host floats: the step has finished
         compile_seconds += t1 - t0
         seconds += time.perf_counter() - t1
     return {"tokens_per_second": (run.input_tokens - tokens0) / seconds, "seconds_per_step": seconds / args.steps,

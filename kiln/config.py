@@ -192,6 +192,12 @@ SCHEMA: tuple[Key, ...] = (
 # fmt: on
 
 KEYS: dict[str, Key] = {k.dotted: k for k in SCHEMA}
+
+
+def setting_default(dotted: str) -> Any:
+    """A setting's default as a frozen config dataclass holds it (lists as tuples)."""
+    value = KEYS[dotted].default
+    return tuple(value) if isinstance(value, list) else value
 SECTIONS: dict[str, dict[str, Key]] = {}
 for _k in SCHEMA:
     SECTIONS.setdefault(_k.section, {})[_k.name] = _k

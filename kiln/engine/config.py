@@ -3,36 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from kiln.config import KEYS, Settings
-
-
-def _default(dotted: str) -> Any:
-    value = KEYS[dotted].default
-    return tuple(value) if isinstance(value, list) else value
+from kiln.config import Settings, setting_default
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    num_kv_blocks: int = _default("engine.num_kv_blocks")
-    block_size: int = _default("engine.block_size")
-    max_num_seqs: int = _default("engine.max_num_seqs")
-    max_num_batched_tokens: int = _default("engine.max_num_batched_tokens")
-    max_model_len: int = _default("engine.max_model_len")  # 0: min(model's positions, pool capacity)
-    enable_prefix_caching: bool = _default("engine.enable_prefix_caching")
-    async_scheduling: str = _default("engine.async_scheduling")  # auto | on | off
-    decode_row_buckets: tuple[int, ...] = _default("engine.decode_row_buckets")
-    prefill_token_buckets: tuple[int, ...] = _default("engine.prefill_token_buckets")
-    kv_events_endpoint: str = _default("engine.kv_events_endpoint")
-    kv_events_replay_endpoint: str = _default("engine.kv_events_replay_endpoint")
-    kv_events_encoding: str = _default("engine.kv_events_encoding")
-    seed: int = _default("engine.seed")
-    max_loras: int = _default("adapters.max_loras")
-    max_lora_rank: int = _default("adapters.max_lora_rank")
+    num_kv_blocks: int = setting_default("engine.num_kv_blocks")
+    block_size: int = setting_default("engine.block_size")
+    max_num_seqs: int = setting_default("engine.max_num_seqs")
+    max_num_batched_tokens: int = setting_default("engine.max_num_batched_tokens")
+    max_model_len: int = setting_default("engine.max_model_len")  # 0: min(model's positions, pool capacity)
+    enable_prefix_caching: bool = setting_default("engine.enable_prefix_caching")
+    async_scheduling: str = setting_default("engine.async_scheduling")  # auto | on | off
+    decode_row_buckets: tuple[int, ...] = setting_default("engine.decode_row_buckets")
+    prefill_token_buckets: tuple[int, ...] = setting_default("engine.prefill_token_buckets")
+    kv_events_endpoint: str = setting_default("engine.kv_events_endpoint")
+    kv_events_replay_endpoint: str = setting_default("engine.kv_events_replay_endpoint")
+    kv_events_encoding: str = setting_default("engine.kv_events_encoding")
+    seed: int = setting_default("engine.seed")
+    max_loras: int = setting_default("adapters.max_loras")
+    max_lora_rank: int = setting_default("adapters.max_lora_rank")
     allow_live_compile: bool = True  # the serving profile's live_graph_capture
     resident_prefill: bool = False  # the serving profile's vulkan_resident_prefill (experimental only)
-    inject_device_loss_after_steps: int = _default("debug.inject_device_loss_after_steps")  # 0: never
+    inject_device_loss_after_steps: int = setting_default("debug.inject_device_loss_after_steps")  # 0: never
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:

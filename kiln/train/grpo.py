@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kiln.config import setting_default
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.params import SamplingParams
 from kiln.graders.engine_judge import base_model_judge
@@ -52,7 +53,6 @@ from kiln.train.data import bucket, length_buckets
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
 from kiln.train.run import LoraRun, adapter_store, drive
-from kiln.train.run import setting_default as _default
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SEQUENCE_BUCKETS = length_buckets(1 << 16)  # four per octave: a step pads by at most a quarter
@@ -63,14 +63,14 @@ SCALE_REWARDS = ("group", "batch", "none")
 class GRPOConfig:
     # the LoRA shape, regularisation and seed default to the [train] settings' defaults; the
     # optimisation schedule has its own (see above)
-    lora_rank: int = _default("lora_rank")
-    lora_alpha: float = _default("lora_alpha")
-    target_modules: tuple[str, ...] = _default("target_modules")
+    lora_rank: int = setting_default("train.lora_rank")
+    lora_alpha: float = setting_default("train.lora_alpha")
+    target_modules: tuple[str, ...] = setting_default("train.target_modules")
     learning_rate: float = 1e-5
     lr_schedule: str = "constant"
     warmup_ratio: float = 0.0
-    weight_decay: float = _default("weight_decay")
-    max_grad_norm: float = _default("max_grad_norm")
+    weight_decay: float = setting_default("train.weight_decay")
+    max_grad_norm: float = setting_default("train.max_grad_norm")
     n_epochs: int = 1
     max_steps: int = 0  # 0: n_epochs over the prompts
     prompts_per_step: int = 8
@@ -88,7 +88,7 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     ignore_eos: bool = False  # benchmarks: every completion runs to max_completion_tokens
     micro_batch_rows: int = 16  # sequences per forward/backward; a step accumulates them all
-    seed: int = _default("seed")
+    seed: int = setting_default("train.seed")
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -430,8 +430,6 @@ class GRPORun(LoraRun):
             metrics["valid_reward_mean"] = self.evaluate([p.ids for p in self.validation],
                                                          [p.item for p in self.validation], self.eval_samples)
         return metrics
-
-    run_step = advance
 
     def summary(self, metrics: dict) -> str:
         return f"reward={metrics['reward_mean']:.4f}"

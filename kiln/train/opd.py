@@ -134,8 +134,6 @@ class OPDRun(GRPORun):
         self.held = metrics["train_seconds"]
         return metrics
 
-    run_step = advance
-
     def summary(self, metrics: dict) -> str:
         return f"reverse KL to the teacher={metrics['reverse_kl']:.4f}"
 

@@ -13,15 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kiln.config import KEYS
 from kiln.train.artifact import adapter_manifest
 from kiln.train.forward import lora_to_numpy
-
-
-def setting_default(name: str) -> Any:
-    """The default of the `train.<name>` setting, as a config field holds it (lists as tuples)."""
-    value = KEYS[f"train.{name}"].default
-    return tuple(value) if isinstance(value, list) else value
 
 
 class TrainingRun(Protocol):

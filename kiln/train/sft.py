@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from kiln.config import setting_default
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits
 from kiln.train import losses
@@ -38,25 +39,24 @@ from kiln.train.data import (
 from kiln.train.forward import forward_hidden, init_lora
 from kiln.train.optim import adamw, learning_rate_schedule
 from kiln.train.run import LoraRun, adapter_store, drive
-from kiln.train.run import setting_default as _default
 
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    lora_rank: int = _default("lora_rank")
-    lora_alpha: float = _default("lora_alpha")
-    target_modules: tuple[str, ...] = _default("target_modules")
-    learning_rate: float = _default("learning_rate")
-    n_epochs: int = _default("n_epochs")
-    batch_size: int = _default("batch_size")
-    gradient_accumulation: int = _default("gradient_accumulation")
-    max_seq_len: int = _default("max_seq_len")
-    warmup_ratio: float = _default("warmup_ratio")
-    lr_schedule: str = _default("lr_schedule")
-    weight_decay: float = _default("weight_decay")
-    max_grad_norm: float = _default("max_grad_norm")
-    remat: str = _default("remat")
-    seed: int = _default("seed")
+    lora_rank: int = setting_default("train.lora_rank")
+    lora_alpha: float = setting_default("train.lora_alpha")
+    target_modules: tuple[str, ...] = setting_default("train.target_modules")
+    learning_rate: float = setting_default("train.learning_rate")
+    n_epochs: int = setting_default("train.n_epochs")
+    batch_size: int = setting_default("train.batch_size")
+    gradient_accumulation: int = setting_default("train.gradient_accumulation")
+    max_seq_len: int = setting_default("train.max_seq_len")
+    warmup_ratio: float = setting_default("train.warmup_ratio")
+    lr_schedule: str = setting_default("train.lr_schedule")
+    weight_decay: float = setting_default("train.weight_decay")
+    max_grad_norm: float = setting_default("train.max_grad_norm")
+    remat: str = setting_default("train.remat")
+    seed: int = setting_default("train.seed")
 
     @classmethod
     def from_settings(cls, settings, **overrides) -> SFTConfig:
@@ -198,8 +198,6 @@ class SFTRun(LoraRun):
             metrics = self._micro_step()
             self.held = time.monotonic() - started
         return metrics
-
-    train_micro_step = advance
 
     def _micro_step(self) -> dict | None:
         epoch = self.epoch

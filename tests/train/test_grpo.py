@@ -72,7 +72,7 @@ def test_each_step_publishes_a_new_policy_version(policy_engine):
     run = GRPORun(policy_engine, random_prompts(2, seed=2), [None] * 2,
                   lambda texts, items: [len(t) for t in texts], config, name="policy-versions")
     first = run.adapter
-    metrics = run.run_step(policy_engine.ownership)
+    metrics = run.advance(policy_engine.ownership)
     assert run.adapter is not first and first.retired and run.adapter.version == "step-1"
     resident = policy_engine.at_boundary(policy_engine._core.lora_slots.resident).result()
     assert [r["version"] for r in resident if r["adapter"] == "policy-versions"] == ["step-1"]

@@ -38,7 +38,7 @@ def sft_teacher(model, ps):
     run = SFTRun(model.params, model.config, load_examples(text, model.tokenizer, 64),
                  SFTConfig(lora_rank=8, lora_alpha=16, batch_size=8, n_epochs=30, learning_rate=1e-2, warmup_ratio=0))
     while not run.done:
-        metrics = run.train_micro_step()
+        metrics = run.advance()
     assert metrics["train_loss"] < 0.05
     return AdapterWeights("teacher", "v1", run.weights(), 2.0, 8)
 
@@ -51,7 +51,7 @@ def test_the_student_closes_the_gap_to_the_teacher(policy_engine, expressive_mod
     config = OPDConfig(lora_rank=8, lora_alpha=16, num_generations=4, prompts_per_step=4, max_completion_tokens=8,
                        learning_rate=1e-2, max_steps=16, micro_batch_rows=16, jsd_beta=1.0, jsd_coef=100.0, seed=1)
     run = OPDRun(policy_engine, ps, teacher, config, name="student")
-    gaps = [run.run_step(policy_engine.ownership)["reverse_kl"] for _ in range(config.max_steps)]
+    gaps = [run.advance(policy_engine.ownership)["reverse_kl"] for _ in range(config.max_steps)]
     assert np.mean(gaps[-4:]) < 0.8 * np.mean(gaps[:4]), gaps
     assert run.done and run.trained_tokens > 0
     policy_engine.retire_adapter(run.adapter).result()

@@ -95,7 +95,7 @@ def test_one_length_with_different_trained_counts_compiles_a_step_each(tiny_mode
     examples = load_examples(jsonl(records), tiny_model.tokenizer, 64)
     run = SFTRun(tiny_model.params, tiny_model.config, examples, SFTConfig(lora_rank=4, batch_size=1, n_epochs=2))
     while not run.done:
-        run.train_micro_step()
+        run.advance()
     assert run.shapes == {(1, 48, 32), (1, 48, 48)}  # same rows and length, trained positions bucketed apart
 
 
@@ -107,7 +107,7 @@ def test_training_never_copies_the_base_weights(tiny_model):
     before = sum(x.nbytes for x in jax.live_arrays())
     run = SFTRun(tiny_model.params, tiny_model.config, examples, config)
     while not run.done:
-        run.train_micro_step()
+        run.advance()
     assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(run.params)] == pointers
     state_bytes = sum(x.nbytes for x in jax.tree.leaves((run.lora, run.opt_state)))
     grown = sum(x.nbytes for x in jax.live_arrays()) - before
