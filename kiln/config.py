@@ -254,13 +254,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
     try:
         return read_toml(path)
     except TomlFileError as e:
-        raise ConfigError(
-            {
-                "missing": f"config file {path} does not exist",
-                "unreadable": f"cannot read config file {path}: {e.detail}",
-                "invalid": f"config file {path} is not valid TOML: {e.detail}",
-            }[e.problem]
-        ) from None
+        raise ConfigError(str(e)) from None
 
 
 def _toml_values(path: Path, doc: dict[str, Any]) -> list[tuple[Key, Any]]:

@@ -30,6 +30,14 @@ class KilnError(Exception):
     default_code: ClassVar[str | None] = None
     default_param: ClassVar[str | None] = None
 
+    def __init_subclass__(cls, *, status: int | None = None, type: str | None = None,
+                          code: str | None = None, param: str | None = None, **kwargs: Any):
+        """`class QueueFull(KilnError, status=429, type=..., code=...)`: what a subclass changes, on one line."""
+        super().__init_subclass__(**kwargs)
+        for attr, value in (("status", status), ("type", type), ("default_code", code), ("default_param", param)):
+            if value is not None:
+                setattr(cls, attr, value)
+
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
@@ -50,138 +58,89 @@ class KilnError(Exception):
 # ---- validation: nothing else changes ------------------------------------------------------
 
 
-class InvalidRequest(KilnError):
+class InvalidRequest(KilnError, status=400, type="invalid_request_error"):
     """Malformed body or bad parameter."""
 
-    status = 400
-    type = "invalid_request_error"
 
-
-class UnprocessableRequest(KilnError):
+class UnprocessableRequest(KilnError, status=422, type="invalid_request_error"):
     """Well-formed but semantically invalid."""
 
-    status = 422
-    type = "invalid_request_error"
 
-
-class TemplateError(InvalidRequest):
+class TemplateError(InvalidRequest, param="messages"):
     """The chat template cannot render these messages."""
 
-    default_param = "messages"
 
-
-class DataError(InvalidRequest):
+class DataError(InvalidRequest, code="invalid_training_file", param="training_file"):
     """A training or prompt file Kiln cannot train on (the message names the line)."""
 
-    default_code = "invalid_training_file"
-    default_param = "training_file"
 
-
-class InsufficientMemory(KilnError):
+class InsufficientMemory(KilnError, status=400, type="invalid_request_error", code="insufficient_memory"):
     """A training job that does not fit beside serving, even with the KV pool shrunk."""
 
-    status = 400
-    type = "invalid_request_error"
-    default_code = "insufficient_memory"
 
-
-class InvalidAdapter(InvalidRequest):
+class InvalidAdapter(InvalidRequest, code="invalid_adapter"):
     """An adapter directory or artifact that Kiln cannot read or serve."""
 
-    default_code = "invalid_adapter"
+
+class Unauthorized(KilnError, status=401, type="authentication_error", code="invalid_api_key"):
+    """A missing or wrong API key."""
 
 
-class Unauthorized(KilnError):
-    status = 401
-    type = "authentication_error"
-    default_code = "invalid_api_key"
-
-
-class NotFound(KilnError):
+class NotFound(KilnError, status=404, type="not_found_error", code="not_found"):
     """Unknown model, adapter, job, ...; pass a specific code such as "model_not_found"."""
 
-    status = 404
-    type = "not_found_error"
-    default_code = "not_found"
+
+class AdapterNotFound(NotFound, code="adapter_not_found"):
+    """No adapter of that name is registered."""
 
 
-class AdapterNotFound(NotFound):
-    default_code = "adapter_not_found"
-
-
-class PayloadTooLarge(KilnError):
-    status = 413
-    type = "invalid_request_error"
-    default_code = "payload_too_large"
+class PayloadTooLarge(KilnError, status=413, type="invalid_request_error", code="payload_too_large"):
+    """A body over server.max_request_body_bytes."""
 
 
 # ---- admission: the request was not started -----------------------------------------------
 
 
-class QueueFull(KilnError):
+class QueueFull(KilnError, status=429, type="rate_limit_error", code="queue_full"):
     """The waiting queue is at server.max_waiting_requests."""
 
-    status = 429
-    type = "rate_limit_error"
-    default_code = "queue_full"
 
-
-class AdmissionRejected(KilnError):
+class AdmissionRejected(KilnError, status=503, type="service_unavailable"):
     """Admission refused (profile, memory, engine state); the code says why."""
 
-    status = 503
-    type = "service_unavailable"
 
-
-class BackendCannotRun(AdmissionRejected):
+class BackendCannotRun(AdmissionRejected, code="route_unsupported"):
     """The chosen backend route cannot run this request's step correctly."""
 
-    default_code = "route_unsupported"
 
-
-class GraphCaptureDisabled(AdmissionRejected):
+class GraphCaptureDisabled(AdmissionRejected, code="graph_capture_disabled"):
     """No compiled step bucket fits the batch and the serving profile forbids compiling one."""
-
-    default_code = "graph_capture_disabled"
 
 
 # ---- failures after admission -------------------------------------------------------------
 
 
-class RequestFailed(KilnError):
+class RequestFailed(KilnError, status=500, type="internal_error"):
     """This request failed (500); other requests go on."""
 
-    status = 500
-    type = "internal_error"
 
-
-class DeviceLost(KilnError):
+class DeviceLost(KilnError, status=503, type="service_unavailable", code="device_lost"):
     """The accelerator is gone: every request gets 503 until the process restarts."""
-
-    status = 503
-    type = "service_unavailable"
-    default_code = "device_lost"
 
 
 # ---- startup --------------------------------------------------------------------------------
 
 
-class ConfigError(KilnError):
+class ConfigError(KilnError, type="configuration_error"):
     """A fatal configuration error; the message names the source and the value."""
 
-    type = "configuration_error"
 
-
-class BackendUnavailable(KilnError):
+class BackendUnavailable(KilnError, type="route_unavailable"):
     """A backend route cannot run here: what is missing and how to get it."""
 
-    type = "route_unavailable"
 
-
-class ModelLoadError(KilnError):
+class ModelLoadError(KilnError, type="model_load_error"):
     """A model cannot be loaded; the message names the file and, where known, the tensor."""
-
-    type = "model_load_error"
 
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
         self.file = file

@@ -1,6 +1,7 @@
 """Serving profiles: one immutable, process-wide GPU ownership policy.
 
-Implements spec/kiln-serving-profiles.txt to the letter. A profile is chosen once at startup
+The profiles, their JSON and their log lines follow Kiln's serving-profile specification to the
+letter (docs/serving-profiles.md). A profile is chosen once at startup
 (default, TOML [server] serving_profile, or KILN_SERVER_SERVING_PROFILE) and never by a request.
 """
 
@@ -64,39 +65,21 @@ class EffectivePolicy:
         return asdict(self)
 
 
-# The spec's "Exact policy" table, one column per profile.
+# The exact policy table: one row per field, one column per profile (stable, experimental, maintenance).
+_POLICY_TABLE: dict[str, tuple[Any, Any, Any]] = {
+    "inference_admission": (True, True, False),
+    "training_gpu_ownership": (True, True, True),
+    "adapter_weight_transitions": (True, True, True),
+    "dynamic_kv_resize": (True, True, True),
+    "allocator_reclaim": (True, True, True),
+    "live_graph_capture": (True, True, False),
+    "vulkan_resident_prefill": (False, True, False),
+    "exclusive_gpu_behavior": (WRITER_PRIORITY, WRITER_PRIORITY, INFERENCE_DISABLED),
+}
 POLICIES: Mapping[ServingProfile, EffectivePolicy] = MappingProxyType(
     {
-        ServingProfile.STABLE: EffectivePolicy(
-            inference_admission=True,
-            training_gpu_ownership=True,
-            adapter_weight_transitions=True,
-            dynamic_kv_resize=True,
-            allocator_reclaim=True,
-            live_graph_capture=True,
-            vulkan_resident_prefill=False,
-            exclusive_gpu_behavior=WRITER_PRIORITY,
-        ),
-        ServingProfile.EXPERIMENTAL: EffectivePolicy(
-            inference_admission=True,
-            training_gpu_ownership=True,
-            adapter_weight_transitions=True,
-            dynamic_kv_resize=True,
-            allocator_reclaim=True,
-            live_graph_capture=True,
-            vulkan_resident_prefill=True,
-            exclusive_gpu_behavior=WRITER_PRIORITY,
-        ),
-        ServingProfile.MAINTENANCE: EffectivePolicy(
-            inference_admission=False,
-            training_gpu_ownership=True,
-            adapter_weight_transitions=True,
-            dynamic_kv_resize=True,
-            allocator_reclaim=True,
-            live_graph_capture=False,
-            vulkan_resident_prefill=False,
-            exclusive_gpu_behavior=INFERENCE_DISABLED,
-        ),
+        profile: EffectivePolicy(**{name: row[column] for name, row in _POLICY_TABLE.items()})
+        for column, profile in enumerate(ServingProfile)  # declared in the table's column order
     }
 )
 

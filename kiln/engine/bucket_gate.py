@@ -15,7 +15,7 @@ import dataclasses
 import hashlib
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,24 @@ from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import KVCache
 
 if TYPE_CHECKING:
+    from kiln.engine.backends import Backend
     from kiln.engine.buckets import StepBucket
-    from kiln.engine.runner import Runner
+    from kiln.engine.step_inputs import StepLayout
+    from kiln.models.config import ModelConfig
+
+
+class GatedRunner(Protocol):
+    """What a gate reads of the runner whose step it checks (kiln/engine/runner.py's Runner)."""
+
+    cfg: ModelConfig
+    params: Any
+    backend: Backend
+    layout: StepLayout
+    abstract: tuple
+    block_size: int
+    num_blocks: int
+    max_blocks_per_seq: int
+    table_columns: int
 
 LOGPROB_TOL = 2e-3
 # Another greedy token than XLA's passes only in a tie: its logprob this close to XLA's choice's.
@@ -43,7 +59,7 @@ def gate_signature() -> str:
     return hashlib.sha256(f"{LOGPROB_TOL} {TIE_TOL} {KV_RTOL} ".encode() + Path(__file__).read_bytes()).hexdigest()[:16]
 
 
-def gate_batch(runner: Runner, bucket: StepBucket) -> list[RowWork]:
+def gate_batch(runner: GatedRunner, bucket: StepBucket) -> list[RowWork]:
     """Rows that fill the bucket: as many rows as fit, each with as many new tokens as fit, at
     random positions of their blocks (attention also reads the context before them)."""
     rng = np.random.default_rng(hash((bucket.kind, bucket.tokens, bucket.rows)) & 0xFFFFFFFF)
@@ -60,7 +76,7 @@ def gate_batch(runner: Runner, bucket: StepBucket) -> list[RowWork]:
     return rows
 
 
-def check_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> str | None:
+def check_bucket(runner: GatedRunner, bucket: StepBucket, executable, lora) -> str | None:
     """None if the bucket's executable agrees with XLA on a synthetic batch; else what differed. A
     module that fails on the device fails its gate (IREE 3.13 on lavapipe refuses some of the default
     settings' modules: "transient buffer has no staged Vulkan backing"); a lost device is raised."""
@@ -72,12 +88,12 @@ def check_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> str | 
         return f"the module failed on the device: {first_line(exc)}"
 
 
-def _layout(runner: Runner, bucket: StepBucket, rows: list[RowWork]):
+def _layout(runner: GatedRunner, bucket: StepBucket, rows: list[RowWork]):
     return build_step_inputs(rows, runner.block_size, num_tokens=bucket.tokens, num_tiles=bucket.tiles,
                              tile_size=bucket.tile_size, table_columns=runner.table_columns)
 
 
-def measure_bucket(runner: Runner, bucket: StepBucket, executable, lora) -> dict:
+def measure_bucket(runner: GatedRunner, bucket: StepBucket, executable, lora) -> dict:
     """The bucket's executable (forward pass and sampling) against XLA's forward on a synthetic batch,
     called twice (a module whose state changes with a call fails the second): whether the greedy
     tokens agree (of its logits and of its own sampler), the largest logprob and K/V differences,

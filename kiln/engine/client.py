@@ -33,9 +33,9 @@ from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.grammar import GrammarCompiler
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.metrics import EngineMetrics
-from kiln.engine.output import Delta
 from kiln.engine.ownership import Ownership
 from kiln.engine.params import SamplingParams
+from kiln.engine.request import Delta
 from kiln.engine.warmup import build_step_set, prime_first_contact
 from kiln.errors import DeviceLost, KilnError
 from kiln.models.loader import LoadedModel

@@ -33,11 +33,10 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.grammar import GrammarCompiler
 from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.metrics import EngineMetrics
-from kiln.engine.output import Delta
 from kiln.engine.ownership import Ownership
 from kiln.engine.pacing import StepClock
 from kiln.engine.params import SamplingParams
-from kiln.engine.request import Request
+from kiln.engine.request import Delta, Request
 from kiln.engine.runner import Runner
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.step_types import Batch, PendingStep, StepFailure

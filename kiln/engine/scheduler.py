@@ -31,8 +31,7 @@ from collections.abc import Callable
 from kiln.engine.block_pool import BlockPool, block_hashes
 from kiln.engine.config import EngineConfig
 from kiln.engine.lora_slots import LoraSlots
-from kiln.engine.output import Delta, OutputState, TokenLogprob
-from kiln.engine.request import Request, Status
+from kiln.engine.request import Delta, OutputState, Request, Status, TokenLogprob
 from kiln.engine.step_types import Batch, RowOutput, Rows, StepFailure, StepPlan
 from kiln.errors import KilnError, RequestFailed
 from kiln.models.tokenizer import KilnTokenizer

@@ -12,8 +12,7 @@ import jax
 import numpy as np
 
 from kiln.engine.buckets import StepBucket
-from kiln.engine.output import Delta, TokenLogprob
-from kiln.engine.request import Request, Status
+from kiln.engine.request import Delta, Request, Status, TokenLogprob
 from kiln.engine.sampling import Sampled
 from kiln.engine.steps import PromptLogprobs
 from kiln.errors import KilnError

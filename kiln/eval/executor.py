@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kiln.engine.output import Delta
+from kiln.engine.request import Delta
 from kiln.errors import KilnError
 from kiln.eval.outcome import criterion_result, make_outcome, sample_object, usage
 from kiln.eval.suite import Suite, as_sample

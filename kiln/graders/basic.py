@@ -31,13 +31,26 @@ UNSUPPORTED_METRICS = {"cosine": "needs an embeddings model, which Kiln does not
 
 
 @dataclasses.dataclass(kw_only=True)
-class StringCheckGrader(Grader):
+class _ComparingGrader(Grader):
+    """Renders `input` and `reference` for a sample and scores the two texts."""
+
+    input: str
+    reference: str
+
+    def _grade(self, sample: dict, item: Any, judge: Judge | None) -> GradeResult:
+        text = templates.render(self.input, sample, item)
+        return GradeResult(self._score(text, templates.render(self.reference, sample, item)))
+
+    def _score(self, text: str, reference: str) -> float:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(kw_only=True)
+class StringCheckGrader(_ComparingGrader):
     """1.0 when the check holds, else 0.0: eq / ne compare exactly; like is a case-sensitive
     "input contains reference", ilike the same ignoring case."""
 
     type: ClassVar[str] = "string_check"
-    input: str
-    reference: str
     operation: str
 
     @classmethod
@@ -45,10 +58,8 @@ class StringCheckGrader(Grader):
         return cls(name=f.text("name"), input=f.text("input", template=True),
                    reference=f.text("reference", template=True), operation=f.choice("operation", OPERATIONS))
 
-    def _grade(self, sample: dict, item: Any, judge: Judge | None) -> GradeResult:
-        text = templates.render(self.input, sample, item)
-        reference = templates.render(self.reference, sample, item)
-        return GradeResult(1.0 if string_check(text, reference, self.operation) else 0.0)
+    def _score(self, text: str, reference: str) -> float:
+        return 1.0 if string_check(text, reference, self.operation) else 0.0
 
 
 def string_check(text: str, reference: str, operation: str) -> bool:
@@ -64,13 +75,11 @@ def string_check(text: str, reference: str, operation: str) -> bool:
 
 
 @dataclasses.dataclass(kw_only=True)
-class TextSimilarityGrader(Grader):
+class TextSimilarityGrader(_ComparingGrader):
     """A similarity in [0, 1] between the rendered input and reference. Evals pass a sample
     when the score reaches `pass_threshold` (see `Grader.passed`)."""
 
     type: ClassVar[str] = "text_similarity"
-    input: str
-    reference: str
     evaluation_metric: str
 
     @classmethod
@@ -82,10 +91,8 @@ class TextSimilarityGrader(Grader):
                    reference=f.text("reference", template=True), evaluation_metric=f.choice("evaluation_metric",
                                                                                             METRICS))
 
-    def _grade(self, sample: dict, item: Any, judge: Judge | None) -> GradeResult:
-        text = templates.render(self.input, sample, item)
-        reference = templates.render(self.reference, sample, item)
-        return GradeResult(similarity(text, reference, self.evaluation_metric))
+    def _score(self, text: str, reference: str) -> float:
+        return similarity(text, reference, self.evaluation_metric)
 
 
 def similarity(text: str, reference: str, metric: str) -> float:

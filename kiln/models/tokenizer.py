@@ -10,46 +10,29 @@ import jinja2
 from tokenizers import Tokenizer
 
 from kiln.errors import ModelLoadError, TemplateError
-from kiln.templates import chat_template_environment
-
-
-def _token_str(value: Any) -> str | None:
-    if isinstance(value, dict):  # AddedToken serialised form
-        return value.get("content")
-    return value
+from kiln.templates import chat_template_environment, default_chat_template, read_tokenizer_dir, token_text
 
 
 class KilnTokenizer:
     def __init__(self, tokenizer: Tokenizer, config: dict):
         self.tokenizer = tokenizer
         self.config = config
-        self.bos_token = _token_str(config.get("bos_token"))
-        self.eos_token = _token_str(config.get("eos_token"))
-        self.unk_token = _token_str(config.get("unk_token"))
-        self.pad_token = _token_str(config.get("pad_token"))
+        self.bos_token = token_text(config.get("bos_token"))
+        self.eos_token = token_text(config.get("eos_token"))
+        self.unk_token = token_text(config.get("unk_token"))
+        self.pad_token = token_text(config.get("pad_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
         self.add_eos = bool(config.get("add_eos_token", False))
         self.bos_token_id = self.tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self.tokenizer.token_to_id(self.eos_token) if self.eos_token else None
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: use "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = default_chat_template(config)
         self.chat_template: str | None = template
         self._compiled = chat_template_environment(TemplateError).from_string(template) if template else None
         self.special_ids = {i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> KilnTokenizer:
-        path = model_dir / "tokenizer.json"
-        try:
-            tok = Tokenizer.from_file(str(path))
-        except Exception as exc:  # tokenizers raises a generic Exception
-            raise ModelLoadError(f"cannot load tokenizer: {exc}", file=str(path)) from exc
-        cfg_path = model_dir / "tokenizer_config.json"
-        config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        if not config.get("chat_template") and (model_dir / "chat_template.jinja").exists():
-            config["chat_template"] = (model_dir / "chat_template.jinja").read_text()
-        return cls(tok, config)
+        return cls(*read_tokenizer_dir(model_dir, ModelLoadError))
 
     def save(self, model_dir: Path) -> None:
         self.tokenizer.save(str(model_dir / "tokenizer.json"))

@@ -384,17 +384,10 @@ def kubernetes_credentials_available(env: Mapping[str, str] | None = None) -> bo
 
 def _read_toml(path: Path, named_by: str = "") -> dict[str, Any]:
     """The parsed file; named_by is `config: key` when another file names this one."""
-    where = f"{named_by} = {_show(path)}: file" if named_by else "config file"
     try:
-        return read_toml(path)
+        return read_toml(path, f"{named_by} = {_show(path)}: file" if named_by else "config file")
     except TomlFileError as e:
-        raise RouterConfigError(
-            {
-                "missing": f"{where} {path} does not exist",
-                "unreadable": f"{where} {path}: cannot read it: {e.detail}",
-                "invalid": f"{path}: not valid TOML: {e.detail}",
-            }[e.problem]
-        ) from None
+        raise RouterConfigError(str(e)) from None
 
 
 def _fail(path: Path, key: str, value: Any, reason: str) -> RouterConfigError:

@@ -90,7 +90,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.idle_s = float(config.body_idle_timeout_secs)
         self.ttl_s = float(config.body_ttl_secs)
 
-    async def _pick(self, request: PickInput, context: grpc.aio.ServicerContext) -> router_pb2.PickResponse:
+    async def _pick(self, context: grpc.aio.ServicerContext, sent: Any, **fields: Any) -> router_pb2.PickResponse:
+        """Pick for `fields` and what every call sends (`sent`: its tenant, inference pool and request id)."""
+        request = PickInput(
+            tenant=sent.tenant, inference_pool=sent.inference_pool, request_id=sent.request_id, **fields
+        )
         try:
             return _response(await self.core.pick(request))
         except PickError as e:
@@ -110,15 +114,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             body = {"messages": [{"role": m.role, "content": m.content} for m in request.messages]}
         else:
             body = {"prompt": request.prompt} if request.prompt else None
-        pick = PickInput(
-            model=request.model,
-            token_ids=list(request.token_ids) or None,
-            body=body,
-            tenant=request.tenant,
-            inference_pool=request.inference_pool,
-            request_id=request.request_id,
-        )
-        return await self._pick(pick, context)
+        return await self._pick(context, request, model=request.model, token_ids=list(request.token_ids) or None,
+                                body=body)
 
     @_guarded
     async def PushBody(self, request_iterator: AsyncIterator[router_pb2.BodyChunk], context: Any) -> Any:
@@ -138,14 +135,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self.core.metrics.body_rejections.labels(e.reason).inc()
             await self._fail(context, BODY_CODES[e.reason], e.message, tenant)
             raise
-        pick = PickInput(
-            model=body["model"],
-            body=body,
-            tenant=received.tenant,
-            inference_pool=received.inference_pool,
-            request_id=received.request_id,
-        )
-        return await self._pick(pick, context)
+        return await self._pick(context, received, model=body["model"], body=body)
 
     @_guarded
     async def Feedback(self, request: router_pb2.FeedbackRequest, context: grpc.aio.ServicerContext) -> Any:

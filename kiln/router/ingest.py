@@ -31,9 +31,10 @@ import time
 
 import zmq
 
+from kiln.kv_wire import MEDIUM_GPU
 from kiln.router.config import RouterConfig, Worker, WorkerSet
 from kiln.router.kv_index import KVIndex
-from kiln.router.kv_wire import MEDIUM_GPU, Batch, Cleared, Malformed, Removed, Stored, Unknown, decode_payload
+from kiln.router.kv_wire import Batch, Cleared, Malformed, Removed, Stored, Unknown, decode_payload
 
 log = logging.getLogger("kiln.router.ingest")
 

@@ -25,26 +25,19 @@ from typing import Any
 import msgspec
 
 from kiln import kv_wire as wire
-from kiln.kv_wire import MEDIUM_GPU, BlockHash
+from kiln.kv_wire import BlockHash
 
 # The events as ingest applies them: checked, whichever form they came in, block hashes in a tuple.
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Stored:
+class Stored(wire.BlockStored):
+    """A BlockStored as ingest applies it: checked, its block hashes a tuple."""
+
     block_hashes: tuple[BlockHash, ...]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = MEDIUM_GPU
-    lora_name: str | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Removed:
+class Removed(wire.BlockRemoved):
     block_hashes: tuple[BlockHash, ...]
-    medium: str | None = MEDIUM_GPU
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -59,68 +59,53 @@ class RouterMetrics:
         self.tenant_label = tenant_labeller(config.metrics.tenant_labels)
         tenant = ("tenant",) if self.tenant_label is not None else ()
         r = self.registry
-        self.picks = Counter(
-            PREFIX + "picks",
-            "Workers picked, by worker set, worker and reason",
-            ("workerset", "worker", "reason", *tenant),
-            registry=r,
+
+        def counter(name: str, doc: str, labels: tuple[str, ...]) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, labels: tuple[str, ...], buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+
+        self.picks = counter(
+            "picks", "Workers picked, by worker set, worker and reason", ("workerset", "worker", "reason", *tenant)
         )
-        self.pick_failures = Counter(
-            PREFIX + "pick_failures",
-            "Pick and PushBody calls answered with an error, by gRPC status code",
-            ("code", *tenant),
-            registry=r,
+        self.pick_failures = counter(
+            "pick_failures", "Pick and PushBody calls answered with an error, by gRPC status code", ("code", *tenant)
         )
-        self.pick_seconds = Histogram(
-            PREFIX + "pick_seconds", "Time to pick a worker (tokenizing included)", buckets=PICK_BUCKETS_S, registry=r
-        )
+        self.pick_seconds = histogram("pick_seconds", "Time to pick a worker (tokenizing included)", (), PICK_BUCKETS_S)
         # Signed, so the buckets show a bias; Prometheus keeps no _sum of a histogram with negative
         # buckets, so the absolute error has its own (its _sum / _count is the mean absolute error).
-        self.prediction_error = Histogram(
-            PREFIX + "prediction_error_ms",
+        self.prediction_error = histogram(
+            "prediction_error_ms",
             "Observed time to first token minus the predicted latency, from Feedback",
             ("workerset",),
-            buckets=ERROR_BUCKETS_MS,
-            registry=r,
+            ERROR_BUCKETS_MS,
         )
-        self.prediction_abs_error = Histogram(
-            PREFIX + "prediction_abs_error_ms",
+        self.prediction_abs_error = histogram(
+            "prediction_abs_error_ms",
             "Absolute difference of observed time to first token and predicted latency, from Feedback",
             ("workerset",),
-            buckets=tuple(b for b in ERROR_BUCKETS_MS if b > 0),
-            registry=r,
+            tuple(b for b in ERROR_BUCKETS_MS if b > 0),
         )
-        self.ttft = Histogram(
-            PREFIX + "ttft_ms",
-            "Observed time to first token, from Feedback, by worker set and worker",
-            ("workerset", "worker", *tenant),
-            buckets=LATENCY_BUCKETS_MS,
-            registry=r,
+        per_worker = ("workerset", "worker", *tenant)
+        self.ttft = histogram(
+            "ttft_ms", "Observed time to first token, from Feedback, by worker set and worker", per_worker,
+            LATENCY_BUCKETS_MS,
         )
-        self.e2e = Histogram(
-            PREFIX + "e2e_ms",
+        self.e2e = histogram(
+            "e2e_ms",
             "Observed end-to-end latency (request sent to last token), from Feedback, by worker set and worker",
-            ("workerset", "worker", *tenant),
-            buckets=LATENCY_BUCKETS_MS,
-            registry=r,
+            per_worker,
+            LATENCY_BUCKETS_MS,
         )
-        self.feedback = Counter(
-            PREFIX + "feedback",
-            "Feedback calls: ok, failed (the request failed) or unknown (no pick held)",
-            ("outcome",),
-            registry=r,
+        self.feedback = counter(
+            "feedback", "Feedback calls: ok, failed (the request failed) or unknown (no pick held)", ("outcome",)
         )
-        self.tokenize_failures = Counter(
-            PREFIX + "tokenize_failures",
-            "Prompts that could not be tokenized and were routed on load alone",
-            ("workerset",),
-            registry=r,
+        self.tokenize_failures = counter(
+            "tokenize_failures", "Prompts that could not be tokenized and were routed on load alone", ("workerset",)
         )
-        self.body_rejections = Counter(
-            PREFIX + "body_rejections",
-            "Streamed bodies refused: too_large, budget, idle, ttl or invalid",
-            ("reason",),
-            registry=r,
+        self.body_rejections = counter(
+            "body_rejections", "Streamed bodies refused: too_large, budget, idle, ttl or invalid", ("reason",)
         )
         if snapshot is not None:
             r.register(_StateCollector(snapshot))

@@ -201,15 +201,22 @@ class _Follower:
     res: type
     what: str
 
-    def __init__(self, client: AsyncClient, core: RouterCore, namespace: str | None, retry_s: float) -> None:
+    def __init__(self, client: AsyncClient, core: RouterCore, config: RouterConfig, status: StatusWriter, *,
+                 retry_s: float = RETRY_S) -> None:
         self.client = client
         self.core = core
-        self.namespace = namespace or "*"
+        self.config = config
+        self.status = status
+        self.namespace = self._namespace(config) or "*"
         self.retry_s = retry_s
         self.listed = False
         self.failing: str | None = None
         self.known: dict[tuple[str, str], str] = {}  # (namespace, name) -> the spec as last applied (JSON)
         self._task: asyncio.Task | None = None
+
+    @staticmethod
+    def _namespace(config: RouterConfig) -> str | None:
+        raise NotImplementedError
 
     @property
     def where(self) -> str:
@@ -317,19 +324,13 @@ class WorkerSetWatcher(_Follower):
     res = InferenceWorkerSet
     what = "InferenceWorkerSet"
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        core: RouterCore,
-        config: RouterConfig,
-        status: StatusWriter,
-        *,
-        retry_s: float = RETRY_S,
-    ) -> None:
-        super().__init__(client, core, config.kubernetes.namespace, retry_s)
-        self.config = config
-        self.status = status
-        selector = config.kubernetes.selector
+    @staticmethod
+    def _namespace(config: RouterConfig) -> str | None:
+        return config.kubernetes.namespace
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        selector = self.config.kubernetes.selector
         self._selector = parse_selector(selector) if selector else None
         self.derived: dict[tuple[str, str], _Derived] = {}
 
@@ -470,17 +471,12 @@ class PoolWatcher(_Follower):
     res = InferencePool
     what = "InferencePool"
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        core: RouterCore,
-        config: RouterConfig,
-        status: StatusWriter,
-        *,
-        retry_s: float = RETRY_S,
-    ) -> None:
-        super().__init__(client, core, config.policy.namespace, retry_s)
-        self.status = status
+    @staticmethod
+    def _namespace(config: RouterConfig) -> str | None:
+        return config.policy.namespace
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.pools: dict[tuple[str, str], Pool] = {}
 
     def _listed(self) -> None:

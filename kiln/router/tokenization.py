@@ -34,7 +34,7 @@ import jinja2
 from tokenizers import Tokenizer
 
 from kiln.router.config import RouterConfig, RouterConfigError, Worker, WorkerSet
-from kiln.templates import chat_template_environment
+from kiln.templates import chat_template_environment, default_chat_template, read_tokenizer_dir, token_text
 
 if TYPE_CHECKING:
     from kiln.router.scrape import Scraper, WorkerHealth
@@ -73,44 +73,26 @@ class TokenizeConfigError(RouterConfigError):
 # ---- local tokenizers -----------------------------------------------------------------------------
 
 
-def _token_str(value: Any) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value  # an AddedToken's serialised form
-
-
 class LocalTokenizer:
     """A model's `tokenizer.json`, with the chat template and special tokens of its tokenizer config."""
 
     def __init__(self, tokenizer: Tokenizer, config: dict[str, Any], source: Path) -> None:
         self.tokenizer = tokenizer
         self.source = source
-        self.tokens = {k: _token_str(config.get(k)) or "" for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.tokens = {k: token_text(config.get(k)) or "" for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
         self.bos_id = tokenizer.token_to_id(self.tokens["bos_token"]) if self.tokens["bos_token"] else None
         self.eos_id = tokenizer.token_to_id(self.tokens["eos_token"]) if self.tokens["eos_token"] else None
         self.add_bos = bool(config.get("add_bos_token", False))
         self.add_eos = bool(config.get("add_eos_token", False))
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: the default one
-            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        template = default_chat_template(config)
         env = chat_template_environment(lambda message: InvalidBody(f"chat template: {message}"))
-        self.template = env.from_string(template) if isinstance(template, str) else None
+        self.template = env.from_string(template) if template else None
 
     @classmethod
     def load(cls, model_dir: Path) -> LocalTokenizer:
-        path = model_dir / "tokenizer.json"
+        tokenizer, config = read_tokenizer_dir(model_dir, TokenizeConfigError)
         try:
-            tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception
-            raise TokenizeConfigError(f"cannot load tokenizer {path}: {e}") from None
-        config: dict[str, Any] = {}
-        if (config_path := model_dir / "tokenizer_config.json").is_file():
-            try:
-                config = json.loads(config_path.read_text())
-            except ValueError as e:
-                raise TokenizeConfigError(f"{config_path}: not valid JSON: {e}") from None
-        if not config.get("chat_template") and (jinja := model_dir / "chat_template.jinja").is_file():
-            config["chat_template"] = jinja.read_text()
-        try:
-            return cls(tokenizer, config, path)
+            return cls(tokenizer, config, model_dir / "tokenizer.json")
         except jinja2.TemplateError as e:
             raise TokenizeConfigError(f"{model_dir}: the chat template does not compile: {e}") from None
 

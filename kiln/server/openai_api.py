@@ -10,8 +10,8 @@ import time
 import uuid
 from typing import Any, ClassVar
 
-from kiln.engine.output import Delta, TokenLogprob
 from kiln.engine.params import SamplingParams
+from kiln.engine.request import Delta, TokenLogprob
 from kiln.errors import InvalidRequest
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.server.chat_output import OutputReader, StreamedChoice

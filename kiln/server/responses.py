@@ -17,8 +17,8 @@ from litestar import Response
 from litestar.response import Stream
 
 from kiln.engine.client import RequestStream
-from kiln.engine.output import Delta
 from kiln.engine.params import SamplingParams
+from kiln.engine.request import Delta
 from kiln.errors import KilnError
 from kiln.server import openai_api as oa
 from kiln.server.state import Lineage, ServerState
