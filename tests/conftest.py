@@ -44,6 +44,17 @@ def tiny_model(tmp_path_factory, kiln_cache):
 
 
 @pytest.fixture(scope="session")
+def tiny_server(tiny_model, kiln_cache):
+    """One server of the tiny model, served as "tiny-llama" with the suite's settings, shared by every
+    module whose tests only read from a server (requests, graders, renders)."""
+    from server_process import ServerProcess
+
+    srv = ServerProcess(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME="tiny-llama")
+    yield srv
+    srv.stop_cleanly()
+
+
+@pytest.fixture(scope="session")
 def expressive_model(tmp_path_factory, kiln_cache):
     """The tiny llama with larger initial weights: at the default init its logits cannot
     exceed about +-1.3, so no adapter could make a reply likely."""

@@ -42,7 +42,7 @@ from kiln.train import memory
 from kiln.train.data import encode_prompt, load_examples, load_prompts
 from kiln.train.grpo import GRPOConfig, GRPORun, Rollout, as_reward
 from kiln.train.opd import OPDConfig, OPDRun, Teacher
-from kiln.train.run import TrainingRun
+from kiln.train.run import TrainingRun, advance_to_end
 from kiln.train.serving_share import ServingShare
 from kiln.train.sft import SFTConfig, SFTRun
 from kiln.train.store import TrainingStore, new_id, now
@@ -647,30 +647,34 @@ class JobManager:
         """Advances the run to its end, a step at a time between serving steps, acting on a
         cancel, pause or shutdown at each boundary; False if one stopped it."""
         job_id = job["id"]
-        while not run.done:
+
+        def stop() -> bool:
             with self._cv:
                 action = self._flags.pop(job_id, None)
                 stopping = self._stopping
             if action == "cancel":
                 self._cancelled(job, "Fine-tuning job cancelled")
-                return False
+                return True
             if action == "pause" or stopping:
                 self._save_checkpoint(manager, run, job, None)
                 if action == "pause":
                     self._set(job, status="paused")
                     self.store.add_event(job_id, f"Fine-tuning job paused at step {run.step}")
-                return False  # on shutdown the job stays running: it resumes at the next start
-            metrics = run.advance(self.engine.ownership)  # compiles outside ownership, then takes it
-            self.share.leave_time(run.held, self._cv, lambda: self._interrupted(job_id))
-            if metrics is None:
-                continue
+                return True  # on shutdown the job stays running: it resumes at the next start
+            return False
+
+        def on_step(metrics: dict) -> None:
             job["kiln"]["step"] = metrics["step"]
             self._set(job, trained_tokens=run.trained_tokens)
             self.store.add_event(job_id, f"Step {metrics['step']}/{run.total_steps}: {run.summary(metrics)}",
                                  type_="metrics", data={**metrics, "total_steps": run.total_steps})
             if run.step % spec.checkpoint_every == 0 and not run.done:
                 self._save_checkpoint(manager, run, job, metrics)
-        return True
+
+        # (advance compiles outside ownership, then takes it; serving gets its share of time between)
+        return advance_to_end(run, self.engine.ownership, stop=stop, on_step=on_step,
+                              between=lambda: self.share.leave_time(run.held, self._cv,
+                                                                    lambda: self._interrupted(job_id)))
 
     def _make_run(self, spec: JobSpec) -> TrainingRun:
         """The job's run: each method builds its own (`_RUNS`)."""

@@ -1,14 +1,15 @@
-"""The training-run protocol that SFT, GRPO and on-policy distillation share, and the one driver
-that runs a run to its end in this process (the Python API and `kiln train`).
+"""The training-run protocol that SFT, GRPO and on-policy distillation share, and the one loop that
+runs a run to its end (`advance_to_end`): under `drive` for the Python API and `kiln train`, and
+under a fine-tuning job's worker between two serving steps (kiln.train.jobs).
 
 A run holds its state (LoRA params, optimizer state, counters) and moves forward one `advance`
-at a time, so whoever drives it decides when each step happens: `drive` below, or a
-fine-tuning job between two serving steps (kiln.train.jobs).
+at a time, so whoever drives it decides when each step happens.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -112,6 +113,21 @@ def _timestamp() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
+def advance_to_end(run: TrainingRun, ownership=None, *, on_step: Callable[[dict], None] = lambda metrics: None,
+                   stop: Callable[[], bool] = lambda: False, between: Callable[[], None] = lambda: None) -> bool:
+    """Advances `run` until it is done: `stop()` is asked before each advance (True ends the run here,
+    and this returns False), `between()` runs after each advance, and `on_step(metrics)` after each
+    optimizer step."""
+    while not run.done:
+        if stop():
+            return False
+        metrics = run.advance(ownership)
+        between()
+        if metrics is not None:
+            on_step(metrics)
+    return True
+
+
 def drive(run: TrainingRun, *, name: str, model, inputs: list[dict], store=None, ownership=None,
           progress: bool = True) -> tuple[list[dict], Any]:
     """Runs `run` to its end in this process with a progress bar, then releases what it holds in
@@ -122,13 +138,13 @@ def drive(run: TrainingRun, *, name: str, model, inputs: list[dict], store=None,
     started = _timestamp()
     history: list[dict] = []
     bar = tqdm(total=run.total_steps, desc=f"{run.kind} {name}", unit="step", disable=not progress)
-    while not run.done:
-        metrics = run.advance(ownership)
-        if metrics is None:
-            continue
+
+    def on_step(metrics: dict) -> None:
         history.append(metrics)
         bar.update(1)
         bar.set_postfix({label: f"{metrics[key]:.3f}" for key, label in run.progress_keys.items() if key in metrics})
+
+    advance_to_end(run, ownership, on_step=on_step)
     bar.close()
     run.close()
     if store is None:

@@ -15,7 +15,6 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
 
 from kiln import graders
 from kiln.errors import InvalidRequest
@@ -528,10 +527,8 @@ def test_errors_carry_every_openai_flag():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, kiln_cache):
-    srv = ServerProcess(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL)
-    yield srv
-    srv.stop_cleanly()
+def server(tiny_server):
+    return tiny_server  # the session's shared tiny-model server (served as MODEL)
 
 
 @pytest.fixture(scope="module")

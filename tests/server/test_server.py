@@ -12,10 +12,8 @@ MODEL = "tiny-llama"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, kiln_cache):
-    srv = ServerProcess(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL)
-    yield srv
-    srv.stop_cleanly()
+def server(tiny_server):
+    return tiny_server  # the session's shared tiny-model server (served as MODEL)
 
 
 @pytest.fixture(scope="module")
