@@ -3,9 +3,11 @@
 Same weights (the default SmolLM2-135M GGUF, dequantized), same prompts, greedy, one run,
 printed as a table. Kiln's column times prefill + N decode steps exactly as generate does;
 the 'decode' columns time the decode steps alone. `--layer-loop` compares the two ways the
-decoder can run its layers (see kiln.models.loader.default_layer_loop).
+decoder can run its layers (see kiln.models.loader.default_layer_loop); `--quantization none,int8`
+runs each weight format in turn, in the same run (kiln.models.quant).
 
     python bench/model_step.py [--new-tokens 32] [--batches 1,8,32] [--layer-loop unrolled|scan] [--dtype auto]
+                               [--quantization none,int8]
 """
 
 from __future__ import annotations
@@ -62,12 +64,15 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layer-loop", choices=("unrolled", "scan"), default=None, help="default: per backend")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none", help="weight formats to run, comma-separated: none,int8")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     new = args.new_tokens
 
-    model = load_model(show_progress=False, layer_loop=args.layer_loop, dtype=args.dtype)
+    models = [load_model(show_progress=False, layer_loop=args.layer_loop, dtype=args.dtype, quantization=q)
+              for q in args.quantization.split(",")]
+    model = models[0]
     loop = "unrolled" if isinstance(model.params["layers"], list) else "scan"
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}, layers {loop}; "
           f"{new} new tokens")
@@ -81,7 +86,7 @@ def main():
         pass
 
     rows = []
-    for b in batches:
+    for model, b in ((m, b) for b in batches for m in models):
         prompts = chat_prompts(model.tokenizer, b)
         kiln_generate(model, prompts, new)  # compile these shapes
         total, decode = min(kiln_generate(model, prompts, new) for _ in range(2))
@@ -93,16 +98,16 @@ def main():
             hf_tps, hf_step_tps = b * new / hf_total, b * (new - 1) / (hf_total - hf_first)
         if llm is not None and b == 1:
             cpp_tps = new / min(llama_cpp_generate(llm, prompts[0], new) for _ in range(2))
-        rows.append((b, b * new / total, hf_tps, b * (new - 1) / decode, hf_step_tps, cpp_tps))
+        rows.append((model.quantization, b, b * new / total, hf_tps, b * (new - 1) / decode, hf_step_tps, cpp_tps))
 
-    header = (f"{'batch':>5} | {'kiln tok/s':>10} | {'hf tok/s':>9} | {'ratio':>6} | "
+    header = (f"{'weights':>7} | {'batch':>5} | {'kiln tok/s':>10} | {'hf tok/s':>9} | {'ratio':>6} | "
               f"{'kiln decode':>11} | {'hf decode':>9} | {'ratio':>6} | {'llama.cpp Q4_1':>14}")
     print(f"{header}\n{'-' * len(header)}")
     fmt = lambda x: f"{x:.1f}" if x else "n/a"  # noqa: E731
     ratio = lambda a, b: f"{a / b:.2f}x" if b else "n/a"  # noqa: E731
-    for b, k, h, ks, hs, c in rows:
+    for q, b, k, h, ks, hs, c in rows:
         cpp = fmt(c) if llm is not None else "not installed"
-        print(f"{b:>5} | {k:>10.1f} | {fmt(h):>9} | {ratio(k, h):>6} | {ks:>11.1f} | {fmt(hs):>9} | "
+        print(f"{q:>7} | {b:>5} | {k:>10.1f} | {fmt(h):>9} | {ratio(k, h):>6} | {ks:>11.1f} | {fmt(hs):>9} | "
               f"{ratio(ks, hs):>6} | {cpp:>14}")
     print("tok/s: prefill + all new tokens (what a user waits for); decode: the per-token steps after the first token")
 

@@ -132,6 +132,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("model", "path", "str", "", None, "HF directory or GGUF file; empty = the embedded default model"),
     Key("model", "dtype", "str", "auto", one_of("auto", "float32", "bfloat16", "float16"),
         "parameter and KV dtype; auto = bfloat16 on accelerators, float32 on CPU"),
+    Key("model", "quantization", "str", "none", one_of("none", "int8"),
+        "linear weights' format: none = the model's dtype; int8 = weight-only, per output channel"),
     Key("model", "served_model_name", "str", "", None, "model id in the API; empty = the model's id"),
     Key("engine", "block_size", "int", 16, power_of_two(8, 256), "tokens per KV block"),
     Key("engine", "num_kv_blocks", "int", 1024, at_least(1), "KV blocks in the pool"),

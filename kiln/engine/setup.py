@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.warmup import build_step_set
+from kiln.errors import BackendUnavailable
 from kiln.models.loader import LoadedModel, load_model
 
 log = logging.getLogger("kiln.engine")
@@ -31,7 +33,8 @@ def configure_compilation_cache(directory: Path) -> None:
 def load_model_from_settings(settings: Settings, show_progress: bool = True) -> LoadedModel:
     m = settings.model
     return load_model(m.path or None, dtype=m.dtype, show_progress=show_progress,
-                      model_id=m.served_model_name or None, cache_root=settings.cache_dir())
+                      model_id=m.served_model_name or None, cache_root=settings.cache_dir(),
+                      quantization=m.quantization)
 
 
 def resolve_model(model, settings: Settings, show_progress: bool = True) -> LoadedModel:
@@ -41,12 +44,20 @@ def resolve_model(model, settings: Settings, show_progress: bool = True) -> Load
         return load_model_from_settings(settings, show_progress)
     if isinstance(model, LoadedModel):
         return model
-    return load_model(model, dtype=settings.model.dtype, show_progress=show_progress, cache_root=settings.cache_dir())
+    return load_model(model, dtype=settings.model.dtype, show_progress=show_progress, cache_root=settings.cache_dir(),
+                      quantization=settings.model.quantization)
 
 
 def select_backend_from_settings(settings: Settings, model: LoadedModel) -> Backend:
     """The backend route ([backend] route); BackendUnavailable when one asked for cannot run here."""
-    route = select_backend(settings.backend.route, settings.iree_cache_dir(), str(model.dtype))
+    requested, quantized = settings.backend.route, model.quantization != "none"
+    if quantized and requested not in ("auto", "xla"):  # (quantized steps are verified on XLA only)
+        raise BackendUnavailable(f"route {requested}: model.quantization = {model.quantization} runs on the xla "
+                                 "route only; set backend.route = xla or model.quantization = none")
+    route = select_backend(requested, settings.iree_cache_dir(), str(model.dtype))
+    if quantized and route.is_iree:
+        route = select_backend("xla", settings.iree_cache_dir(), str(model.dtype))
+        route.choice = dataclasses.replace(route.choice, reason=f"auto: {model.quantization} weights run on XLA")
     log.info("backend route %s (%s)", route.name, route.choice.reason)
     return route
 

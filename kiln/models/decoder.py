@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kiln.models import rope
+from kiln.models import quant, rope
 from kiln.models.config import ModelConfig
 from kiln.models.lora import layer_weights, lora_delta, slot_weights
 
@@ -115,10 +115,12 @@ def _as_operand(x: jax.Array, w: jax.Array) -> jax.Array:
     return x.astype(w.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight) -> jax.Array:
     """x @ w in w's dtype with float32 accumulation and result: activations stay float32 and a
     bfloat16 weight is read as is (XLA:CPU multiplies bfloat16 operands into float32 fast, while
-    mixed or all-bfloat16 products take slow paths)."""
+    mixed or all-bfloat16 products take slow paths). A quantized weight dequantizes in the step."""
+    if quant.is_quantized(w):
+        return quant.matmul(x, w)
     return jnp.matmul(_as_operand(x, w), w, preferred_element_type=jnp.float32)[: x.shape[0]]
 
 

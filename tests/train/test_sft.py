@@ -14,6 +14,7 @@ from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.params import SamplingParams
 from kiln.errors import DataError
+from kiln.models.loader import load_model
 from kiln.train.data import epoch_batches, length_buckets, load_examples
 from kiln.train.sft import SFTConfig, SFTRun, sft
 
@@ -203,3 +204,24 @@ def test_kiln_train_sft_from_the_shell(expressive_model, kiln_cache, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "kiln", "train", "sft", *args[:1], str(tmp_path / "missing.jsonl"),
                           *args[2:]], env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1 and "missing.jsonl" in bad.stdout + bad.stderr
+
+
+def test_sft_on_int8_weights_teaches_a_reply_served_on_them(expressive_model, kiln_cache, tmp_path):
+    """QLoRA: the base frozen in int8 (kiln.models.quant), the LoRA params and optimizer state in float32;
+    the adapter serves on the int8 base it was trained on."""
+    q8 = load_model(expressive_model.source, show_progress=False, quantization="int8", model_id="tiny-llama")
+    questions = ["hello", "what is this?", "who are you", "tell me a joke", "ping", "name a colour", "2+2", "bye"]
+    train = tmp_path / "train.jsonl"
+    train.write_text(jsonl([{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": REPLY}]}
+                            for q in questions]))
+    store = AdapterStore(tmp_path / "store")
+    result = sft(str(train), "q8-adapter", model=q8, store=store, progress=False,
+                 config=SFTConfig(lora_rank=8, lora_alpha=16.0, learning_rate=1e-2, n_epochs=12, batch_size=4,
+                                  warmup_ratio=0.1, max_seq_len=64))
+    assert result.history[-1]["train_loss"] < 0.1 * result.history[0]["train_loss"]
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves((result.run.lora, result.run.opt_state))
+               if np.issubdtype(leaf.dtype, np.floating))
+    tok = q8.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "ping"}]))
+    expected = tok.encode(REPLY, add_special_tokens=False) + [tok.eos_token_id]
+    assert serve_greedy(q8, store, "q8-adapter", prompt, len(expected))[0] == expected
