@@ -102,15 +102,18 @@ class ExecutableStore:
         return executable
 
     def compile(self, key: str, lowered):
-        """`lowered` compiled, and stored under `key` unless JAX took it from its own persistent cache:
-        on XLA:CPU (jaxlib 0.10) an executable that was deserialized serializes again without some of
-        its kernels, and that copy fails at its first run ("Function add_multiply_fusion not found").
-        That happens after an upgrade that changed the step sources (so their keys) but not the
-        programs; such a step comes from JAX's cache at each start instead (tracing and lowering
-        again, about 0.6 s a step), until that cache is cleared."""
+        """`lowered` compiled, and stored under `key`. On XLA:CPU (jaxlib 0.10) an executable that JAX
+        took from its own persistent cache serializes again without some of its kernels, and that copy
+        fails at its first run ("Function add_multiply_fusion not found"). That happens after an
+        upgrade that changed the step sources (so their keys here) but not the programs. Such a step
+        is compiled once more under an option that changes only JAX's cache key (it disables a pass
+        that does not exist), and that complete executable is stored, so the next start loads it."""
         hits = getattr(_jax_cache_hits, "count", 0)
         executable = lowered.compile()
         self.compiles += 1
+        if getattr(_jax_cache_hits, "count", 0) != hits and self.directory is not None:
+            hits = getattr(_jax_cache_hits, "count", 0)
+            executable = lowered.compile(compiler_options={"xla_disable_hlo_passes": f"kiln-fresh-{key[:16]}"})
         if getattr(_jax_cache_hits, "count", 0) == hits:
             self.save(key, executable)
         return executable

@@ -38,17 +38,21 @@ def test_second_warmup_process_compiles_nothing(tmp_path, tiny_model):
 
 def test_steps_stored_again_after_an_upgrade_still_run(tmp_path, tiny_model):
     """An upgrade that changes the step sources but not the programs finds its stored steps gone (their
-    keys changed) and JAX's own cache still full. The steps it stores then must run in the next start:
-    one that JAX loaded from its cache stores without some of its kernels on XLA:CPU."""
+    keys changed) and JAX's own cache still full. The steps it stores then must run in the next start
+    (one that JAX loaded from its cache stores without some of its kernels on XLA:CPU), and that start
+    loads them all instead of building them again."""
     cache = tmp_path / "cache"
     for start in ("first", "after the upgrade", "the next"):
         server = ServerProcess(str(tiny_model.source), str(cache), KILN_MODEL_SERVED_MODEL_NAME="tiny")
         try:
             r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4},
                            timeout=120)
+            startup = httpx.get(server.url + "/v1/config").json()["step_set"]["startup"]
         finally:
             server.stop()
         assert r.status_code == 200, (start, r.text)
+        if start == "the next":
+            assert startup["built"] == 0 and startup["loaded"] == startup["executables"] > 0, startup
         if start == "first":
             shutil.rmtree(cache / "jax" / "kiln-steps")  # what a change to the step sources does to their keys
 
