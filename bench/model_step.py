@@ -73,9 +73,11 @@ def main():
     models = [load_model(show_progress=False, layer_loop=args.layer_loop, dtype=args.dtype, quantization=q)
               for q in args.quantization.split(",")]
     model = models[0]
-    loop = "unrolled" if isinstance(model.params["layers"], list) else "scan"
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}, layers {loop}; "
-          f"{new} new tokens")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}; {new} new tokens")
+    for m in models:
+        weights = sum(x.nbytes for x in jax.tree.leaves(m.params)) / 2**20
+        layout = "unrolled" if isinstance(m.params["layers"], list) else "scan"
+        print(f"weights {m.quantization}: {weights:.0f} MiB on the device, layers {layout}")
     hf = None if args.skip_hf else load_transformers()
     llm = None
     try:

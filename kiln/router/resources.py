@@ -200,6 +200,7 @@ class _Follower:
 
     res: type
     what: str
+    section: str  # the configuration section whose `namespace` it watches
 
     def __init__(self, client: AsyncClient, core: RouterCore, config: RouterConfig, status: StatusWriter, *,
                  retry_s: float = RETRY_S) -> None:
@@ -207,16 +208,12 @@ class _Follower:
         self.core = core
         self.config = config
         self.status = status
-        self.namespace = self._namespace(config) or "*"
+        self.namespace = getattr(config, self.section).namespace or "*"
         self.retry_s = retry_s
         self.listed = False
         self.failing: str | None = None
         self.known: dict[tuple[str, str], str] = {}  # (namespace, name) -> the spec as last applied (JSON)
         self._task: asyncio.Task | None = None
-
-    @staticmethod
-    def _namespace(config: RouterConfig) -> str | None:
-        raise NotImplementedError
 
     @property
     def where(self) -> str:
@@ -323,10 +320,7 @@ class WorkerSetWatcher(_Follower):
 
     res = InferenceWorkerSet
     what = "InferenceWorkerSet"
-
-    @staticmethod
-    def _namespace(config: RouterConfig) -> str | None:
-        return config.kubernetes.namespace
+    section = "kubernetes"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -470,10 +464,7 @@ class PoolWatcher(_Follower):
 
     res = InferencePool
     what = "InferencePool"
-
-    @staticmethod
-    def _namespace(config: RouterConfig) -> str | None:
-        return config.policy.namespace
+    section = "policy"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
