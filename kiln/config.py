@@ -194,15 +194,16 @@ SCHEMA: tuple[Key, ...] = (
 # fmt: on
 
 KEYS: dict[str, Key] = {k.dotted: k for k in SCHEMA}
+SECTIONS: dict[str, dict[str, Key]] = {}
+for _k in SCHEMA:
+    SECTIONS.setdefault(_k.section, {})[_k.name] = _k
 
 
 def setting_default(dotted: str) -> Any:
     """A setting's default as a frozen config dataclass holds it (lists as tuples)."""
     value = KEYS[dotted].default
     return tuple(value) if isinstance(value, list) else value
-SECTIONS: dict[str, dict[str, Key]] = {}
-for _k in SCHEMA:
-    SECTIONS.setdefault(_k.section, {})[_k.name] = _k
+
 
 # The only keys the command line may set, with their flags.
 COMMAND_LINE_OPTIONS: dict[str, str] = {"server.host": "--host", "server.port": "--port", "model.path": "--model"}

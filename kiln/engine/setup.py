@@ -50,14 +50,16 @@ def resolve_model(model, settings: Settings, show_progress: bool = True) -> Load
 
 def select_backend_from_settings(settings: Settings, model: LoadedModel) -> Backend:
     """The backend route ([backend] route); BackendUnavailable when one asked for cannot run here."""
-    requested, quantized = settings.backend.route, model.quantization != "none"
-    if quantized and requested not in ("auto", "xla"):  # (quantized steps are verified on XLA only)
+    requested = settings.backend.route
+    if model.quantization == "none":
+        route = select_backend(requested, settings.iree_cache_dir(), str(model.dtype))
+    elif requested in ("auto", "xla"):  # (quantized steps are verified on XLA only: no IREE route is probed)
+        route = select_backend("xla", settings.iree_cache_dir(), str(model.dtype))
+        if requested == "auto":
+            route.choice = dataclasses.replace(route.choice, reason=f"auto: {model.quantization} weights run on XLA")
+    else:
         raise BackendUnavailable(f"route {requested}: model.quantization = {model.quantization} runs on the xla "
                                  "route only; set backend.route = xla or model.quantization = none")
-    route = select_backend(requested, settings.iree_cache_dir(), str(model.dtype))
-    if quantized and route.is_iree:
-        route = select_backend("xla", settings.iree_cache_dir(), str(model.dtype))
-        route.choice = dataclasses.replace(route.choice, reason=f"auto: {model.quantization} weights run on XLA")
     log.info("backend route %s (%s)", route.name, route.choice.reason)
     return route
 

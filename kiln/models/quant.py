@@ -36,14 +36,6 @@ class Int8Weight(NamedTuple):
     q: jax.Array  # int8 [..., in, out]
     scale: jax.Array  # float32 [..., out]
 
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.q.shape
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
-
 
 def quantize_int8(w: np.ndarray) -> Int8Weight:
     """Symmetric int8 per output channel: scale = max|w| / 127 over the input axis (-2)."""
