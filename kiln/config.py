@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,28 @@ def non_negative(value: float) -> float:
     return value
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def memory_amount(value: str) -> str:
+    """auto, a fraction in (0, 1], or bytes with an optional unit; normalized to "auto", "0.5" or a byte count."""
+    text = value.strip().lower().replace(" ", "")
+    if text == "auto":
+        return text
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)([a-z]*)", text)
+    if not match or match[2] not in _UNITS:
+        raise ValueError("expected auto, a fraction such as 0.9, or bytes such as 8GiB or 536870912")
+    number, unit = float(match[1]), match[2]
+    if not unit and "." in match[1]:
+        if not 0 < number <= 1:
+            raise ValueError("a fraction of free memory is a number above 0 and at most 1")
+        return repr(number)
+    if number * _UNITS[unit] < 1:
+        raise ValueError("expected at least one byte")
+    return str(int(number * _UNITS[unit]))
+
+
 def lora_modules(value: list[str]) -> list[str]:
     known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     if not value or any(m not in known for m in value) or len(set(value)) != len(value):
@@ -136,7 +159,10 @@ SCHEMA: tuple[Key, ...] = (
         "linear weights' format: none = the model's dtype; int8 = weight-only, per output channel"),
     Key("model", "served_model_name", "str", "", None, "model id in the API; empty = the model's id"),
     Key("engine", "block_size", "int", 16, power_of_two(8, 256), "tokens per KV block"),
-    Key("engine", "num_kv_blocks", "int", 1024, at_least(1), "KV blocks in the pool"),
+    Key("engine", "num_kv_blocks", "int", 0, at_least(0), "KV blocks in the pool; 0 = sized by kv_cache_memory"),
+    Key("engine", "kv_cache_memory", "str", "auto", memory_amount,
+        "KV pool budget: bytes (\"8GiB\"), a fraction (\"0.5\") of the memory free after the weights, or auto "
+        "(0.9 of it on accelerators; on the CPU at most 2 GiB, taken as blocks are written)"),
     Key("engine", "max_num_seqs", "int", 32, at_least(1), "most running sequences per step"),
     Key("engine", "max_num_batched_tokens", "int", 512, at_least(1), "token budget per step"),
     Key("engine", "max_model_len", "int", 0, at_least(0), "context limit; 0 = derive from the model"),

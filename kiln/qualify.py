@@ -194,7 +194,7 @@ def qualify(settings: Settings, route_name: str, max_tokens: int = 16, n_prompts
         "versions": versions(choice.capabilities),
         "model": {"id": model.model_id, "source": model.source, "weights_digest": model.weights_digest,
                   "dtype": "float32", "vocab_size": model.config.vocab_size},
-        "engine": {"num_kv_blocks": config.num_kv_blocks, "block_size": config.block_size,
+        "engine": {"num_kv_blocks": engine.config.num_kv_blocks, "block_size": config.block_size,
                    "decode_row_buckets": list(config.decode_row_buckets),
                    "prefill_token_buckets": list(config.prefill_token_buckets),
                    "max_num_batched_tokens": config.max_num_batched_tokens,

@@ -31,6 +31,7 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.grammar import GrammarCompiler
+from kiln.engine.kv_pool import KVPoolSize, resident_bytes
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.ownership import Ownership
@@ -285,6 +286,17 @@ class AsyncEngine:
     def step_set(self) -> list[str]:
         """Every compiled step of the engine's bounded set, described."""
         return [key.describe() for key in self._core.runner.executable_set()]
+
+    @property
+    def kv_pool(self) -> KVPoolSize:
+        """The pool's configured size and why (a training job's resize may hold it smaller for a while)."""
+        return self._core.kv_pool
+
+    @property
+    def kv_resident_bytes(self) -> int | None:
+        """The pool's bytes in host memory now (on the CPU only the blocks ever written); None on accelerators."""
+        kv = self._core.runner.kv
+        return resident_bytes(kv) if all(d.platform == "cpu" for x in kv for d in x.devices()) else None
 
     @property
     def kv_block_bytes(self) -> int:

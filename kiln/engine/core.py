@@ -31,6 +31,7 @@ from kiln.engine.backends import XLA, Backend
 from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import EngineConfig
 from kiln.engine.grammar import GrammarCompiler
+from kiln.engine.kv_pool import size_pool
 from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.ownership import Ownership
@@ -61,9 +62,16 @@ class EngineCore:
         backend = backend or XLA
         # the experimental profile's resident prefill, where the route keeps KV on a Vulkan device
         self.resident_prefill = config.resident_prefill and backend.name == "vulkan" and backend.is_iree
-        self.config = config
         self.metrics = metrics
         cfg = model.config
+        self.ownership = Ownership()
+        # adapter slots first: an accelerator's pool is sized from what is free after them
+        self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype)
+        self.kv_pool = size_pool(cfg, config, model.dtype, config.max_model_len or cfg.max_position_embeddings,
+                                 on_host=backend.is_iree)
+        log.info("KV pool: %d blocks of %d tokens, %.0f MiB (%s)", self.kv_pool.blocks, config.block_size,
+                 self.kv_pool.blocks * self.kv_pool.block_bytes / (1 << 20), self.kv_pool.reason)
+        self.config = config = dataclasses.replace(config, num_kv_blocks=self.kv_pool.blocks)
         capacity = (config.num_kv_blocks - 1) * config.block_size
         self.max_model_len = min(cfg.max_position_embeddings, capacity, config.max_model_len or capacity)
         tok_eos = model.tokenizer.eos_token_id
@@ -80,8 +88,6 @@ class EngineCore:
                               config.enable_prefix_caching and backend.reuses_prefixes,
                               on_stored=self._on_stored if self.publisher else None,
                               on_removed=self._on_removed if self.publisher else None)
-        self.ownership = Ownership()
-        self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype)
         self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, model.dtype,
                              backend)
         self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,

@@ -40,6 +40,7 @@ from kiln.engine.buckets import BucketSet, StepBucket
 from kiln.engine.config import EngineConfig
 from kiln.engine.executables import ExecutableStore, executable_key
 from kiln.engine.faults import DeviceLossInjector, as_device_lost, first_line, is_device_loss
+from kiln.engine.kv_pool import release_pages
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.request import Request
 from kiln.engine.step_inputs import StepLayout
@@ -116,7 +117,7 @@ class Runner:
         self.eos_ids = eos_ids
         self.lora_slots = lora_slots
         self.kv_dtype = jnp.dtype(kv_dtype)
-        self.kv = init_kv_cache(cfg, self.num_blocks, self.block_size, self.kv_dtype)
+        self.kv = self._empty_kv()
         self.buckets = BucketSet(config.decode_row_buckets, config.prefill_token_buckets, config.max_num_seqs,
                                  config.max_num_batched_tokens)
         self.max_model_len = max_model_len
@@ -241,9 +242,21 @@ class Runner:
 
     # ---- KV state ----------------------------------------------------------------------------
 
+    def _empty_kv(self) -> KVCache:
+        """A zeroed pool. On the CPU its pages go back to the OS array by array (so a start never
+        holds all of it), and come back as steps write blocks: resident memory follows the KV in use."""
+        shapes = jax.eval_shape(lambda: init_kv_cache(self.cfg, self.num_blocks, self.block_size, self.kv_dtype))
+
+        def zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+            x = jnp.zeros(shape.shape, shape.dtype).block_until_ready()
+            release_pages([x])
+            return x
+
+        return KVCache(*(zeros(s) for s in shapes))
+
     def reset_kv(self) -> None:
         """A fresh, empty KV state (after a failed step consumed the donated one)."""
-        self.kv = init_kv_cache(self.cfg, self.num_blocks, self.block_size, self.kv_dtype)
+        self.kv = self._empty_kv()
 
     def installed_buckets(self) -> list[StepBucket]:
         """The forward buckets built for the current pool (engine thread)."""

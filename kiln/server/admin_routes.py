@@ -95,10 +95,12 @@ def config(request: Request) -> dict[str, Any]:
     st = server_state(request)
     model = {"id": st.model_id, "weights_digest": st.engine.model.weights_digest,
              "max_model_len": st.engine.max_model_len}
+    kv_pool = {**st.engine.kv_pool.to_json(), "blocks_now": st.engine.snapshot["kv_blocks_total"] + 1,
+               "resident_bytes": st.engine.kv_resident_bytes}
     steps = {"executables": st.engine.step_set(), "startup": st.step_set}
     backend = st.engine.route_info()
     return {**st.settings.to_json(), "model": model, "backend": backend, "step_set": steps,
-            "version": __version__}
+            "kv_pool": kv_pool, "version": __version__}
 
 
 @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")

@@ -194,6 +194,9 @@ def test_health_and_config(server):
     cfg = httpx.get(server.url + "/v1/config").json()
     assert cfg["serving_profile"]["profile"] == "stable"
     assert cfg["settings"]["model"]["served_model_name"] == {"value": MODEL, "source": "environment"}
+    pool = cfg["kv_pool"]  # the suite's servers name a block count
+    assert (pool["blocks"], pool["blocks_now"], pool["reason"]) == (128, 128, "[engine] num_kv_blocks")
+    assert pool["bytes"] == 128 * pool["block_bytes"] and 0 < pool["resident_bytes"] <= pool["bytes"]
 
 
 def test_sigterm_drains_in_flight_requests(tiny_model, kiln_cache):

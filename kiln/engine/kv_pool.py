@@ -1,0 +1,158 @@
+"""How many blocks the paged KV pool gets, and why; and, on the CPU, handing its untouched pages
+back to the OS so that only the blocks requests have written take resident memory.
+
+The pool is sized from `[engine] kv_cache_memory` unless `[engine] num_kv_blocks` names a count:
+- bytes (`"8GiB"`, `"536870912"`), or a fraction (`"0.5"`) of the memory free once the weights and
+  adapter slots are placed (the device's allocator on an accelerator, the host's available memory
+  on the CPU);
+- `auto`: on an accelerator 0.9 of that free memory, as vLLM's `gpu_memory_utilization`; on the
+  CPU a modest share of the host (at most 2 GiB): its pages are only taken as blocks are written,
+  so the pool's resident size grows with the traffic, not with the setting.
+`auto` never exceeds what `max_num_seqs` sequences of the longest length can fill. A budget that
+cannot hold one longest sequence is a startup error.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import mmap
+import sys
+
+import jax
+
+from kiln.errors import ConfigError
+
+ACCELERATOR_AUTO_FRACTION = 0.9
+CPU_AUTO_BYTES = 2 << 30  # ...or an eighth of the host's memory, whichever is less
+BLOCK_ROUNDING = 64  # budget-sized pools round down to this many blocks, so that a start's step shapes repeat
+_MADV_DONTNEED = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPoolSize:
+    blocks: int  # block 0 included (the padding target)
+    block_size: int  # tokens per block
+    block_bytes: int  # every layer's K and V of one block
+    reason: str
+
+    @property
+    def tokens(self) -> int:
+        return (self.blocks - 1) * self.block_size
+
+    def to_json(self) -> dict:
+        return {"blocks": self.blocks, "block_size": self.block_size, "tokens": self.tokens,
+                "bytes": self.blocks * self.block_bytes, "block_bytes": self.block_bytes, "reason": self.reason}
+
+
+def block_bytes(cfg, block_size: int, kv_dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jax.numpy.dtype(kv_dtype).itemsize
+
+
+def free_memory(on_host: bool) -> tuple[int, str]:
+    """Bytes free for the pool now, and where the number comes from."""
+    device = jax.devices()[0]
+    stats = None if on_host or device.platform == "cpu" else device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), f"free {device.device_kind} memory"
+    return _meminfo()["MemAvailable"], "available host memory"
+
+
+def _meminfo() -> dict[str, int]:
+    with open("/proc/meminfo") as f:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+
+
+def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool) -> KVPoolSize:
+    """The pool for these settings. `max_len`: the longest sequence the engine must hold (the
+    configured max_model_len, else the model's positions); `on_host`: the pool lives in host memory."""
+    bs = config.block_size
+    per_block = block_bytes(cfg, bs, kv_dtype)
+    if config.num_kv_blocks > 0:
+        return KVPoolSize(config.num_kv_blocks, bs, per_block, "[engine] num_kv_blocks")
+    one_sequence = -(-max_len // bs) + 1
+    setting = config.kv_cache_memory
+    if setting == "auto":
+        if on_host or jax.devices()[0].platform == "cpu":
+            budget = min(CPU_AUTO_BYTES, _meminfo()["MemTotal"] // 8)
+            why = f"auto: {_size(budget)} of host memory (pages are taken as blocks are written)"
+        else:
+            free, source = free_memory(on_host)
+            budget = int(free * ACCELERATOR_AUTO_FRACTION)
+            why = f"auto: {ACCELERATOR_AUTO_FRACTION} of {_size(free)} {source}"
+        blocks = min(_rounded(budget // per_block), config.max_num_seqs * (one_sequence - 1) + 1)
+        if blocks == config.max_num_seqs * (one_sequence - 1) + 1:
+            why += f"; capped at {config.max_num_seqs} sequences of {max_len} tokens"
+    elif "." in setting:
+        free, source = free_memory(on_host)
+        budget = int(free * float(setting))
+        blocks = _rounded(budget // per_block)
+        why = f"[engine] kv_cache_memory = {setting} of {_size(free)} {source}"
+    else:
+        budget = int(setting)
+        blocks = budget // per_block
+        why = f"[engine] kv_cache_memory = {_size(budget)}"
+    if blocks < one_sequence:
+        raise ConfigError(
+            f"[engine] kv_cache_memory: a KV pool of {_size(budget)} ({why}) holds {blocks} blocks of "
+            f"{_size(per_block)}, but one {max_len}-token sequence needs {one_sequence} blocks "
+            f"({_size(one_sequence * per_block)}); raise kv_cache_memory or lower [engine] max_model_len")
+    return KVPoolSize(blocks, bs, per_block, why)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _rounded(blocks: int) -> int:
+    return blocks - blocks % BLOCK_ROUNDING if blocks >= 2 * BLOCK_ROUNDING else blocks
+
+
+def release_pages(arrays) -> int:
+    """Hands the whole pages inside these zero-filled CPU arrays back to the OS (they read as zeros
+    again, and take memory only once written); returns the bytes released. Only for buffers of
+    private anonymous memory, which XLA:CPU's are, and only while they hold nothing but zeros."""
+    released = 0
+    if not sys.platform.startswith("linux"):  # elsewhere MADV_DONTNEED need not zero the pages
+        return 0
+    for x in arrays:
+        if x.is_deleted() or {d.platform for d in x.devices()} != {"cpu"}:
+            continue
+        start = x.unsafe_buffer_pointer()
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = (start + x.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo and _libc().madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+            released += hi - lo
+    return released
+
+
+def resident_bytes(arrays) -> int | None:
+    """Bytes of these CPU arrays' pages that are in memory (mincore), None where that cannot be read:
+    the KV pool's share of the process's resident memory."""
+    if not sys.platform.startswith("linux"):
+        return None
+    total = 0
+    for x in arrays:
+        try:
+            start, size = x.unsafe_buffer_pointer(), x.nbytes
+        except (RuntimeError, ValueError):  # deleted, or not a single-device buffer
+            return None
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        pages = -(-(start + size - lo) // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        if _libc().mincore(lo, pages * mmap.PAGESIZE, vec) != 0:  # unmapped since: the pool was replaced
+            return None
+        total += sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE
+    return total
+
+
+@functools.cache
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc

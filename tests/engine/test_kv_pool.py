@@ -1,0 +1,95 @@
+"""The KV pool's size from a memory budget, and on the CPU its untouched pages left to the OS."""
+
+import dataclasses
+import os
+
+import pytest
+from test_engine import SMALL, prompts_of, run
+
+from kiln.config import resolve_settings
+from kiln.engine.client import AsyncEngine
+from kiln.engine.config import EngineConfig
+from kiln.engine.kv_pool import BLOCK_ROUNDING, block_bytes, size_pool
+from kiln.engine.params import SamplingParams
+from kiln.errors import ConfigError
+
+MiB = 1 << 20
+
+
+def test_kv_cache_memory_setting_is_parsed_and_checked():
+    def resolved(text):
+        return resolve_settings(env={"KILN_ENGINE_KV_CACHE_MEMORY": text}).engine.kv_cache_memory
+
+    assert resolved("auto") == "auto"
+    assert resolved("8GiB") == str(8 << 30)
+    assert resolved("512 MB") == str(512 * 10**6)
+    assert resolved("536870912") == "536870912"
+    assert resolved("0.5") == "0.5"
+    for bad in ("1.5", "0.0", "lots", "-1GiB", "12 parsecs"):
+        with pytest.raises(ConfigError, match="engine.kv_cache_memory"):
+            resolved(bad)
+    assert resolve_settings(env={}).engine.num_kv_blocks == 0  # sized from the budget unless a count is set
+
+
+def test_pool_sizes_from_each_form_of_the_setting(tiny_model):
+    cfg, config = tiny_model.config, EngineConfig(**SMALL)
+    per_block = block_bytes(cfg, 16, "float32")
+    assert per_block == 2 * cfg.num_layers * cfg.num_kv_heads * 16 * cfg.head_dim * 4
+
+    def size(**kw):
+        return size_pool(cfg, dataclasses.replace(config, **kw), "float32", max_len=256, on_host=False)
+
+    explicit = size(num_kv_blocks=100)
+    assert (explicit.blocks, explicit.reason) == (100, "[engine] num_kv_blocks")
+    exact = size(kv_cache_memory=str(300 * per_block + per_block // 2))
+    assert exact.blocks == 300 and "kv_cache_memory" in exact.reason
+    assert exact.to_json()["tokens"] == 299 * 16 and exact.to_json()["bytes"] == 300 * per_block
+    # auto on the CPU: never more than max_num_seqs sequences of the longest length can fill
+    auto = size()
+    assert auto.blocks == config.max_num_seqs * (256 // 16) + 1 and "capped" in auto.reason
+    # a fraction of the host's available memory, rounded so that starts repeat their step shapes
+    share = size(kv_cache_memory="0.001")
+    assert share.blocks % BLOCK_ROUNDING == 0 and "available host memory" in share.reason
+
+
+def test_a_budget_that_cannot_hold_one_sequence_is_refused_with_the_numbers(tiny_model):
+    config = dataclasses.replace(EngineConfig(**SMALL), kv_cache_memory=str(5 * block_bytes(tiny_model.config, 16,
+                                                                                             "float32")))
+    with pytest.raises(ConfigError) as caught:
+        size_pool(tiny_model.config, config, "float32", max_len=256, on_host=False)
+    message = str(caught.value)
+    assert "[engine] kv_cache_memory" in message and "holds 5 blocks" in message and "needs 17 blocks" in message
+    assert "max_model_len" in message
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="page residency is read on Linux")
+def test_untouched_pool_pages_take_no_memory_and_written_blocks_read_back(tiny_model):
+    """A pool of 64 MiB per array on the CPU: resident only where requests wrote blocks, and the
+    tokens it serves equal those of a small pool's engine."""
+    blocks = 64 * MiB // (block_bytes(tiny_model.config, 16, "float32") // 2)
+    big = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=blocks, **SMALL))
+    try:
+        pool_bytes = 2 * 64 * MiB
+        assert big.kv_resident_bytes < pool_bytes // 50, "a fresh pool is resident"
+        prompts, params = prompts_of(6, seed=11), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        got = [ids for ids, _, _ in run(big, prompts, params)]
+        written = big.kv_resident_bytes
+        assert 0 < written < pool_bytes // 10, written
+    finally:
+        big.shutdown()
+    small = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=64, **SMALL))
+    try:
+        assert got == [ids for ids, _, _ in run(small, prompts, params)]
+    finally:
+        small.shutdown()
+
+
+def test_a_server_whose_budget_is_too_small_stops_at_start_naming_it(tiny_model, kiln_cache):
+    from server_process import ServerProcess
+
+    with pytest.raises(RuntimeError, match="server exited early") as caught:
+        ServerProcess(tiny_model.source, str(kiln_cache), KILN_ENGINE_NUM_KV_BLOCKS="0",
+                      KILN_ENGINE_KV_CACHE_MEMORY="64KiB")
+    said = str(caught.value)
+    assert "kiln: error: [engine] kv_cache_memory: a KV pool of 64.0 KiB" in said and "needs 17 blocks" in said
+    assert "Traceback" not in said
