@@ -64,7 +64,7 @@ def main():
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layer-loop", choices=("unrolled", "scan"), default=None, help="default: per backend")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantization", default="none", help="weight formats to run, comma-separated: none,int8")
+    ap.add_argument("--quantization", default="none", help="weight formats to run, comma-separated: none,int8,int4")
     ap.add_argument("--skip-hf", action="store_true")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]

@@ -101,15 +101,35 @@ def backend_choice(settings: Settings) -> dict:
     return {**route.choice.to_json(), "available": True}
 
 
+def quantization_choice(settings: Settings, backend: dict) -> dict:
+    """The weights' format `kiln serve` would hold the layers in, and why (reads the model file's
+    header, loads no weights)."""
+    from kiln.errors import KilnError
+    from kiln.models.loader import auto_quantization
+
+    if (setting := settings.model.quantization) != "auto":
+        return {"value": setting, "source": "[model] quantization"}
+    if backend["available"] and backend["route"] != "xla":
+        return {"value": "none", "source": f"auto: the {backend['route']} route runs float weights"}
+    try:
+        value, source = auto_quantization(settings.model.path or None)
+    except KilnError as exc:
+        return {"value": None, "source": f"unresolved: {exc}"}
+    return {"value": value, "source": source}
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     backend = backend_choice(settings)
+    quantization = quantization_choice(settings, backend)
     if args.json:
-        print(json.dumps({**settings.to_json(), "backend": backend}, indent=2))
+        print(json.dumps({**settings.to_json(), "backend": backend, "model": {"quantization": quantization}},
+                         indent=2))
     else:
         print(format_settings(settings))
         state = "" if backend["available"] else "unavailable: "
         print(f"backend route: {backend['route']} ({state}{backend['reason']})")
+        print(f"weights: {quantization['value']} ({quantization['source']})")
     return 0
 
 

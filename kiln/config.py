@@ -155,8 +155,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("model", "path", "str", "", None, "HF directory or GGUF file; empty = the embedded default model"),
     Key("model", "dtype", "str", "auto", one_of("auto", "float32", "bfloat16", "float16"),
         "parameter and KV dtype; auto = bfloat16 on accelerators, float32 on CPU"),
-    Key("model", "quantization", "str", "none", one_of("none", "int8"),
-        "linear weights' format: none = the model's dtype; int8 = weight-only, per output channel"),
+    Key("model", "quantization", "str", "auto", one_of("auto", "none", "int8", "int4"),
+        "layers' linear weights: none = the model's dtype; int8 or int4 = weight-only, in groups of 32 inputs; "
+        "auto = a GGUF file's own format (Q8_0: int8, Q4_0/Q4_1: int4) off IREE routes, else none"),
     Key("model", "served_model_name", "str", "", None, "model id in the API; empty = the model's id"),
     Key("engine", "block_size", "int", 16, power_of_two(8, 256), "tokens per KV block"),
     Key("engine", "num_kv_blocks", "int", 0, at_least(0), "KV blocks in the pool; 0 = sized by kv_cache_memory"),

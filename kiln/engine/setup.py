@@ -17,7 +17,7 @@ from kiln.engine.core import EngineCore
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.warmup import build_step_set
 from kiln.errors import BackendUnavailable
-from kiln.models.loader import LoadedModel, load_model
+from kiln.models.loader import LoadedModel, load_model, resolve_dtype
 
 log = logging.getLogger("kiln.engine")
 
@@ -30,11 +30,21 @@ def configure_compilation_cache(directory: Path) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def load_model_from_settings(settings: Settings, show_progress: bool = True) -> LoadedModel:
+def load_model_from_settings(settings: Settings, show_progress: bool = True, route: Backend | None = None
+                             ) -> LoadedModel:
+    """The configured model. With `[model] quantization = auto` a GGUF file keeps its own layer format,
+    except on an IREE `route`, which runs float weights."""
     m = settings.model
-    return load_model(m.path or None, dtype=m.dtype, show_progress=show_progress,
-                      model_id=m.served_model_name or None, cache_root=settings.cache_dir(),
-                      quantization=m.quantization)
+    quantization = m.quantization
+    if quantization == "auto" and route is not None and route.is_iree:
+        quantization = "none"
+    model = load_model(m.path or None, dtype=m.dtype, show_progress=show_progress,
+                       model_id=m.served_model_name or None, cache_root=settings.cache_dir(), quantization=quantization)
+    if m.quantization != "auto":
+        model.quantization_source = "[model] quantization"
+    elif quantization != m.quantization:
+        model.quantization_source = f"auto: the {route.name} route runs float weights"
+    return model
 
 
 def resolve_model(model, settings: Settings, show_progress: bool = True) -> LoadedModel:
@@ -64,10 +74,24 @@ def select_backend_from_settings(settings: Settings, model: LoadedModel) -> Back
     return route
 
 
+def load_model_and_route(settings: Settings, show_progress: bool = True) -> tuple[LoadedModel, Backend]:
+    """The model and the backend route it runs on. With quantization = auto and a route other than
+    xla the route is chosen first (an IREE route takes the model's float weights)."""
+    route = None
+    if settings.model.quantization == "auto" and settings.backend.route != "xla":
+        route = select_backend(settings.backend.route, settings.iree_cache_dir(), resolve_dtype(settings.model.dtype))
+    model = load_model_from_settings(settings, show_progress, route)
+    if route is None:
+        route = select_backend_from_settings(settings, model)
+    else:
+        log.info("backend route %s (%s)", route.name, route.choice.reason)
+    log.info("weights: %s (%s)", model.quantization, model.quantization_source)
+    return model, route
+
+
 def build_engine(settings: Settings, show_progress: bool = True) -> AsyncEngine:
     configure_compilation_cache(settings.compilation_dir())
-    model = load_model_from_settings(settings, show_progress)
-    route = select_backend_from_settings(settings, model)
+    model, route = load_model_and_route(settings, show_progress)
     return AsyncEngine(model, EngineConfig.from_settings(settings), EngineMetrics(model.model_id), route)
 
 
@@ -76,8 +100,7 @@ def warmup(settings: Settings) -> int:
     the next start only loads it."""
     start = time.monotonic()
     configure_compilation_cache(settings.compilation_dir())
-    model = load_model_from_settings(settings)
-    backend = select_backend_from_settings(settings, model)
+    model, backend = load_model_and_route(settings)
     core = EngineCore(model, EngineConfig.from_settings(settings), backend=backend)
     try:
         done = build_step_set(core.runner)

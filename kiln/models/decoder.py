@@ -115,7 +115,7 @@ def _as_operand(x: jax.Array, w: jax.Array) -> jax.Array:
     return x.astype(w.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight | quant.Int4Weight) -> jax.Array:
     """x @ w in w's dtype with float32 accumulation and result: activations stay float32 and a
     bfloat16 weight is read as is (XLA:CPU multiplies bfloat16 operands into float32 fast, while
     mixed or all-bfloat16 products take slow paths). A quantized weight dequantizes in the step."""

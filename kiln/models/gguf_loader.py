@@ -1,4 +1,5 @@
-"""Loads GGUF files: metadata -> config, dequantized tensors -> HF layout, tokenizer -> tokenizer.json.
+"""Loads GGUF files: metadata -> config, dequantized tensors -> HF layout, tokenizer -> tokenizer.json;
+and Q8_0/Q4_0/Q4_1 layer weights as Kiln's int8/int4 as stored (`stored_layers`).
 
 llama.cpp's converter permutes the Q/K rows of `llama` models for interleaved RoPE;
 we undo that so the weights match HF's rotate-half layout.
@@ -16,6 +17,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from kiln.errors import ModelLoadError
 from kiln.models.config import ModelConfig
+from kiln.models.quant import GROUP, LINEAR, Int4Weight, Int8Weight, int4_from_levels
 from kiln.models.weights import build_params
 
 ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -41,6 +43,8 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# the GGUF types each quantization holds as stored
+_STORED_AS = {"int8": (GGMLQuantizationType.Q8_0,), "int4": (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp defines them.
@@ -63,6 +67,11 @@ def _pre_tokenizer(pre: str):
         pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
+
+
+def _nibbles(qs: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
+    """Q4_x block bytes [out, blocks, 16] as levels [out, in]."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n_out, n_in)
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -160,6 +169,56 @@ class GGUFModel:
             heads = self.config.num_heads if gguf_name.endswith("attn_q.weight") else self.config.num_kv_heads
             w = unpermute_qk(w, heads)
         return w
+
+    def stored_quantization(self) -> tuple[str, str]:
+        """The quantization that holds this file's layer weights as stored, and why: int8 for Q8_0,
+        int4 for Q4_0/Q4_1, none (float) for float types or a mix."""
+        types = {t.tensor_type for name, t in self.tensors.items()
+                 if (m := _BLK.match(name)) and _LAYER_NAMES.get(m.group(2), "..").split(".")[1] in LINEAR}
+        names = ", ".join(sorted(t.name for t in types))
+        for quantization, stored in _STORED_AS.items():
+            if types and types <= set(stored):
+                return quantization, f"auto: the GGUF file's layers are {names}"
+        return "none", f"auto: the GGUF file's layers are {names}, held as float"
+
+    def stored_layers(self, quantization: str) -> dict[str, Int8Weight | Int4Weight]:
+        """The layers' linear weights that the file stores in `quantization`'s own blocks (int8: Q8_0;
+        int4: Q4_0, Q4_1), as Kiln's quantized weights (stacked per name) without a trip through
+        float. A name some layer stores in another type is left out (the loader quantizes it from float)."""
+        types = _STORED_AS.get(quantization, ())
+        out = {}
+        for gguf_suffix, hf_suffix in _LAYER_NAMES.items():
+            name = hf_suffix.split(".")[1]
+            if name not in LINEAR:
+                continue
+            tensors = [self.tensors.get(f"blk.{i}.{gguf_suffix}") for i in range(self.config.num_layers)]
+            if all(t is not None and t.tensor_type in types for t in tensors):
+                layers = [self._stored(t, gguf_suffix) for t in tensors]
+                out[name] = type(layers[0])(*(np.stack(parts) for parts in zip(*layers, strict=True)))
+        return out
+
+    def _stored(self, t, gguf_suffix: str) -> Int8Weight | Int4Weight:
+        """One Q8_0/Q4_0/Q4_1 tensor ([out, in] in the file) as [in, out]. Block j of a row holds input
+        rows 32j..32j+31 after its float16 scale (and Q4_1's float16 offset): Q8_0 as 32 int8, Q4_x
+        as 16 bytes, rows 0-15 in the low nibbles and 16-31 in the high."""
+        n_out, n_in = (int(x) for x in reversed(t.shape))
+        blocks = np.asarray(t.data).reshape(n_out, n_in // GROUP, -1)
+
+        def f16(at: int) -> np.ndarray:
+            return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+        scale = f16(0)
+        if t.tensor_type == GGMLQuantizationType.Q8_0:
+            parts = [blocks[..., 2:].copy().view(np.int8).reshape(n_out, n_in), scale]
+        elif t.tensor_type == GGMLQuantizationType.Q4_1:
+            parts = [_nibbles(blocks[..., 4:], n_out, n_in), scale, f16(2)]
+        else:  # Q4_0: levels 0..15 around 8
+            parts = [_nibbles(blocks[..., 2:], n_out, n_in), scale, -8.0 * scale]
+        if self.arch == "llama" and gguf_suffix in ("attn_q.weight", "attn_k.weight"):
+            heads = self.config.num_heads if gguf_suffix == "attn_q.weight" else self.config.num_kv_heads
+            parts = [unpermute_qk(a, heads) for a in parts]
+        parts = [np.ascontiguousarray(a.T) for a in parts]
+        return Int8Weight(*parts) if t.tensor_type == GGMLQuantizationType.Q8_0 else int4_from_levels(*parts)
 
     def load_params(self, dtype, progress=None) -> dict:
         names = self.hf_names()

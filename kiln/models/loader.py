@@ -54,6 +54,15 @@ class LoadedModel:
     source: str
     dtype: str
     quantization: str = "none"  # the linear weights' format (kiln.models.quant)
+    quantization_source: str = "asked"  # why: asked, or auto's reason
+
+
+def auto_quantization(path: str | Path | None) -> tuple[str, str]:
+    """What `quantization = auto` holds a model's layers in, and why: a GGUF file's own format (the
+    default model's too), float for a checkpoint directory. Reads the file's header only."""
+    if path is None or Path(path).suffix == ".gguf":
+        return GGUFModel(Path(path) if path else default_model_path()).stored_quantization()
+    return "none", "auto: a float checkpoint"
 
 
 def cache_dir() -> Path:
@@ -165,18 +174,19 @@ def load_model(
 
     `layer_loop` ("unrolled" | "scan", default: per backend, see `default_layer_loop`) decides
     whether layers are held stacked or one dict per layer; a mesh always uses stacked layers.
-    `quantization` ("none" | "int8", see kiln.models.quant) is applied on the host, before the
-    weights reach the accelerator."""
+    `quantization` ("none" | "int8" | "int4", see kiln.models.quant, or "auto": a GGUF file's own layer
+    format, float for a checkpoint) is applied on the host, before the
+    weights reach the accelerator; a GGUF file's Q8_0 (int8) or Q4_0/Q4_1 (int4) layer weights are taken as stored."""
     dtype = resolve_dtype(dtype)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)} or auto")
+    gguf_path = default_model_path() if path is None else Path(path) if Path(path).suffix == ".gguf" else None
     if path is None:
-        gguf_path = default_model_path()
         model_dir, digest = convert_gguf(gguf_path, show_progress, cache_root)
         model_id, source = model_id or DEFAULT_MODEL_ID, str(gguf_path)
     else:
         p = Path(path)
-        if p.suffix == ".gguf":
+        if gguf_path is not None:
             model_dir, digest = convert_gguf(p, show_progress, cache_root)
             model_id, source = model_id or p.stem, str(p)
         elif p.is_dir():
@@ -184,10 +194,15 @@ def load_model(
             model_id, source = model_id or p.name, str(p)
         else:
             raise ModelLoadError("model path is neither a .gguf file nor a model directory", file=str(p))
+    quantization_source = "asked"
+    if quantization == "auto":
+        quantization, quantization_source = auto_quantization(path)
     np_dtype = jnp.dtype(DTYPES[dtype])
     cfg, params, generation = load_hf_dir(model_dir, np_dtype, show_progress, label=model_id)
     if quantization != "none" and mesh is not None:
         raise ConfigError("model.quantization: quantized weights do not run sharded over a mesh yet; use none")
+    if quantization != "none" and gguf_path is not None:  # Q8_0 (int8) or Q4_0/Q4_1 (int4) layers as stored
+        params = {**params, "layers": {**params["layers"], **GGUFModel(gguf_path).stored_layers(quantization)}}
     params = quantize_params(params, quantization)
     tokenizer = KilnTokenizer.from_dir(model_dir)
     digest = digest or _dir_digest(model_dir)
@@ -200,4 +215,5 @@ def load_model(
         if (layer_loop or ("scan" if quantization != "none" else default_layer_loop())) == "unrolled":
             params = unstack_layers(params)
         params = jax.device_put(params)
-    return LoadedModel(model_id, cfg, params, tokenizer, generation, digest, source, dtype, quantization)
+    return LoadedModel(model_id, cfg, params, tokenizer, generation, digest, source, dtype, quantization,
+                       quantization_source)

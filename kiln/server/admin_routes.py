@@ -93,8 +93,9 @@ def health_v1(request: Request) -> Response:
 @get("/v1/config", sync_to_thread=False)
 def config(request: Request) -> dict[str, Any]:
     st = server_state(request)
-    model = {"id": st.model_id, "weights_digest": st.engine.model.weights_digest,
-             "max_model_len": st.engine.max_model_len}
+    loaded = st.engine.model
+    model = {"id": st.model_id, "weights_digest": loaded.weights_digest, "max_model_len": st.engine.max_model_len,
+             "quantization": {"value": loaded.quantization, "source": loaded.quantization_source}}
     kv_pool = {**st.engine.kv_pool.to_json(), "blocks_now": st.engine.snapshot["kv_blocks_total"] + 1,
                "resident_bytes": st.engine.kv_resident_bytes}
     steps = {"executables": st.engine.step_set(), "startup": st.step_set}

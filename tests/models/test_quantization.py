@@ -1,5 +1,6 @@
-"""Weight-only int8 quantization: the round trip's bound, the logits' distance from float32, greedy
-agreement, and the quantized weights' layouts (stacked under scan, one dict per layer)."""
+"""Weight-only int8 and int4 quantization: the round trips' bounds, GGUF's Q4_0/Q4_1 blocks taken as
+stored (against gguf's own dequantizer), the logits' distance from float32, greedy agreement, and the
+quantized weights' layouts (stacked under scan, one dict per layer)."""
 
 import asyncio
 
@@ -16,11 +17,15 @@ from kiln.errors import ConfigError
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.generate import greedy_generate
-from kiln.models.loader import layer_param, load_model
-from kiln.models.quant import Int8Weight, dequantize, quantize_int8
+from kiln.models.loader import auto_quantization, layer_param, load_model
+from kiln.models.gguf_loader import GGUFModel
+from kiln.models.quant import Int4Weight, Int8Weight, dequantize, quantize_int4, quantize_int8, quantize_params
 
-# a logprob of the int8 model stays this close to float32's (measured at most 0.007 on these tiny models)
-LOGPROB_BOUND = 0.05
+# how close a quantized model's logprobs stay to float32's (measured at most 0.007 for int8 and
+# 0.09 for int4 on these tiny models; greedy picks agree at 90% of int4's positions), and the
+# weight type each format holds
+LOGPROB_BOUND = {"int8": 0.05, "int4": 0.3}
+WEIGHT = {"int8": Int8Weight, "int4": Int4Weight}
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
@@ -37,32 +42,78 @@ def logprobs(model, ids):
     return np.asarray(jax.nn.log_softmax(np.asarray(out, np.float32), axis=-1))
 
 
-def test_int8_round_trip_is_within_half_a_step_per_channel():
+def test_int8_round_trip_is_within_half_a_step_per_group():
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((3, 40, 24)).astype(np.float32) * rng.random(24).astype(np.float32)
+    w = rng.standard_normal((3, 64, 24)).astype(np.float32) * rng.random(24).astype(np.float32)
     w[..., 5] = 0.0  # an all-zero channel stays exactly zero
+    w[:, 7, 2] = 40.0  # an outlier coarsens only its own group
     q = quantize_int8(w)
-    assert q.q.dtype == np.int8 and q.scale.shape == (3, 24) and np.abs(q.q).max() <= 127
+    assert q.q.dtype == np.int8 and q.scale.shape == (3, 2, 24) and np.abs(q.q).max() <= 127
     err = np.abs(dequantize(q) - w)
-    assert np.all(err <= q.scale[:, None, :] / 2 + 1e-7)
+    assert np.all(err <= np.repeat(q.scale, 32, axis=-2) / 2 + 1e-6)
     assert np.all(dequantize(q)[..., 5] == 0.0)
+    assert np.all(q.scale[:, 1, 2] < 40.0 / 127)
+    per_channel = quantize_int8(w[:, :40], group=32)  # rows that groups of 32 do not divide: one group
+    assert per_channel.scale.shape == (3, 1, 24)
 
 
+def test_int4_round_trip_is_within_half_a_step_per_group():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2, 64, 24)).astype(np.float32) * rng.random(24).astype(np.float32)
+    w[..., 3] = 0.25  # a constant channel comes back exactly
+    q = quantize_int4(w)
+    assert q.packed.dtype == np.uint8 and q.packed.shape == (2, 32, 24)
+    assert q.scale.shape == q.offset.shape == (2, 2, 24)
+    err = np.abs(dequantize(q) - w)
+    assert np.all(err <= np.repeat(q.scale, 32, axis=-2) / 2 + 1e-6)
+    assert np.all(dequantize(q)[..., 3] == 0.25)
+
+
+def test_int4_needs_input_rows_that_groups_divide():
+    params = {"layers": {"q_proj": np.zeros((2, 48, 64), np.float32)}}
+    with pytest.raises(ConfigError, match="int4: q_proj has 48 input rows, which groups of 32 do not divide"):
+        quantize_params(params, "int4")
+
+
+@pytest.mark.parametrize(("qtype", "quantization"), [("Q8_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4")])
+def test_gguf_blocks_load_as_stored(tmp_path, kiln_cache, qtype, quantization):
+    """The file's own levels, scales and offsets: dequantized, exactly what gguf's dequantizer makes of
+    them (through which the float model is converted), Q/K rows un-permuted alike."""
+    import gguf
+
+    hf = make_hf_model("llama", vocab_size=260, seed=7)
+    path = write_gguf(hf, tmp_path / f"{qtype}.gguf", quant=gguf.GGMLQuantizationType[qtype])
+    stored = GGUFModel(path).stored_layers(quantization)
+    assert sorted(stored) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert GGUFModel(path).stored_layers("int4" if quantization == "int8" else "int8") == {}
+    ref = load_model(path, show_progress=False, layer_loop="scan")
+    for name, w in stored.items():
+        assert isinstance(w, WEIGHT[quantization])
+        np.testing.assert_allclose(dequantize(w), np.asarray(ref.params["layers"][name]), rtol=0, atol=1e-6)
+    loaded = load_model(path, show_progress=False, quantization=quantization)
+    for name, w in stored.items():
+        assert all(np.array_equal(np.asarray(a), b) for a, b in zip(loaded.params["layers"][name], w, strict=True))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
-def test_int8_logits_stay_near_float32_and_greedy_agrees(model_file, kiln_cache, layer_loop):
+def test_quantized_logits_stay_near_float32_and_greedy_agrees(model_file, kiln_cache, layer_loop, quantization):
     ref = load_model(model_file, show_progress=False, layer_loop=layer_loop)
-    q8 = load_model(model_file, show_progress=False, layer_loop=layer_loop, quantization="int8")
-    assert q8.quantization == "int8" and isinstance(layer_param(q8.params, "q_proj", 1), Int8Weight)
-    assert not isinstance(q8.params.get("lm_head"), Int8Weight)  # the head keeps the model's dtype
+    qm = load_model(model_file, show_progress=False, layer_loop=layer_loop, quantization=quantization)
+    assert qm.quantization == quantization and isinstance(layer_param(qm.params, "q_proj", 1), WEIGHT[quantization])
+    assert not isinstance(qm.params.get("lm_head"), WEIGHT[quantization])  # the head keeps the model's dtype
     rng = np.random.default_rng(1)
-    agree, worst = 0, 0.0
-    prompts = [rng.integers(0, 260, 24).tolist() for _ in range(8)]
-    for ids in prompts:
-        want, got = logprobs(ref, ids), logprobs(q8, ids)
+    agree, worst = [], 0.0
+    for ids in [rng.integers(0, 260, 24).tolist() for _ in range(8)]:
+        want, got = logprobs(ref, ids), logprobs(qm, ids)
         worst = max(worst, float(np.abs(want - got).max()))
-        agree += int(np.mean(want.argmax(-1) == got.argmax(-1)) >= 0.9)
-    assert worst < LOGPROB_BOUND, worst
-    assert agree >= 7, agree
+        same = want.argmax(-1) == got.argmax(-1)
+        agree.append(same.mean())
+        # a quantized model picks another token only where float32's top two are nearly tied
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        assert np.all(top2[~same, 1] - top2[~same, 0] < 2 * LOGPROB_BOUND[quantization])
+    assert worst < LOGPROB_BOUND[quantization], worst
+    assert np.mean(agree) >= 0.85, agree  # these tiny random models' logits are nearly flat
 
 
 def test_unknown_quantization_is_refused(model_file):
@@ -70,9 +121,10 @@ def test_unknown_quantization_is_refused(model_file):
         load_model(model_file, show_progress=False, quantization="int3")
 
 
-def test_the_engine_serves_int8_weights_as_the_reference_decodes_them(model_file, kiln_cache):
-    """Served greedy tokens of the int8 model are the int8 reference's, row for row in a batch."""
-    q8 = load_model(model_file, show_progress=False, quantization="int8")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_engine_serves_quantized_weights_as_the_reference_decodes_them(model_file, kiln_cache, quantization):
+    """Served greedy tokens of the quantized model are its reference's, row for row in a batch."""
+    q8 = load_model(model_file, show_progress=False, quantization=quantization)
     engine = AsyncEngine(q8, EngineConfig(num_kv_blocks=64, block_size=16, decode_row_buckets=(1, 4),
                                           prefill_token_buckets=(32, 64), max_num_seqs=4, max_num_batched_tokens=64))
     rng = np.random.default_rng(2)
@@ -102,3 +154,19 @@ def test_quantized_weights_take_the_xla_route(model_file, tmp_path):
     with pytest.raises(BackendUnavailable, match="model.quantization = int8 runs on the xla route only"):
         select_backend_from_settings(resolve_settings(env={**env, "KILN_BACKEND_ROUTE": "iree-cpu"}), q8)
     assert select_backend_from_settings(resolve_settings(env=env), q8).name == "xla"
+
+
+@pytest.mark.parametrize(("qtype", "expected"), [(None, "none"), ("Q8_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4")])
+def test_auto_holds_a_gguf_file_in_its_own_format(tmp_path, kiln_cache, qtype, expected):
+    import gguf
+
+    hf = make_hf_model("llama", vocab_size=260, seed=7)
+    path = write_gguf(hf, tmp_path / "m.gguf", quant=gguf.GGMLQuantizationType[qtype] if qtype else None)
+    model = load_model(path, show_progress=False, quantization="auto")
+    stored = qtype or "F32"
+    assert model.quantization == expected
+    assert model.quantization_source == f"auto: the GGUF file's layers are {stored}" + (
+        "" if qtype else ", held as float")
+    hf_dir = tmp_path / "hf"
+    hf.save_pretrained(hf_dir)
+    assert auto_quantization(hf_dir) == ("none", "auto: a float checkpoint")

@@ -116,6 +116,15 @@ def test_defaults_have_source_default(kiln):
     assert doc["settings"]["engine"]["enable_prefix_caching"]["value"] is True
     assert all(v["source"] == "default" for sec in doc["settings"].values() for v in sec.values())
     assert doc["serving_profile"] == SPEC_STABLE
+    # the default model's layers are Q4_1: auto holds them as int4, as stored
+    assert doc["model"]["quantization"] == {"value": "int4", "source": "auto: the GGUF file's layers are Q4_1"}
+
+
+def test_config_names_the_weights_format_and_why(kiln):
+    asked = resolved(kiln, env={"KILN_MODEL_QUANTIZATION": "int8"})["model"]["quantization"]
+    assert asked == {"value": "int8", "source": "[model] quantization"}
+    missing = resolved(kiln, env={"KILN_MODEL_PATH": "/nowhere/model.gguf"})["model"]["quantization"]
+    assert missing["value"] is None and missing["source"].startswith("unresolved: GGUF file not found")
 
 
 def test_config_file_values(kiln, tmp_path):

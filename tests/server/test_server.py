@@ -194,6 +194,8 @@ def test_health_and_config(server):
     cfg = httpx.get(server.url + "/v1/config").json()
     assert cfg["serving_profile"]["profile"] == "stable"
     assert cfg["settings"]["model"]["served_model_name"] == {"value": MODEL, "source": "environment"}
+    assert cfg["model"]["quantization"] == {"value": "none",
+                                            "source": "auto: the GGUF file's layers are F32, held as float"}
     pool = cfg["kv_pool"]  # the suite's servers name a block count
     assert (pool["blocks"], pool["blocks_now"], pool["reason"]) == (128, 128, "[engine] num_kv_blocks")
     assert pool["bytes"] == 128 * pool["block_bytes"] and 0 < pool["resident_bytes"] <= pool["bytes"]

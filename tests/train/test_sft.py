@@ -206,10 +206,11 @@ def test_kiln_train_sft_from_the_shell(expressive_model, kiln_cache, tmp_path):
     assert bad.returncode == 1 and "missing.jsonl" in bad.stdout + bad.stderr
 
 
-def test_sft_on_int8_weights_teaches_a_reply_served_on_them(expressive_model, kiln_cache, tmp_path):
-    """QLoRA: the base frozen in int8 (kiln.models.quant), the LoRA params and optimizer state in float32;
-    the adapter serves on the int8 base it was trained on."""
-    q8 = load_model(expressive_model.source, show_progress=False, quantization="int8", model_id="tiny-llama")
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_sft_on_quantized_weights_teaches_a_reply_served_on_them(expressive_model, kiln_cache, tmp_path, quantization):
+    """QLoRA: the base frozen in int8 or int4 (kiln.models.quant), the LoRA params and optimizer state in
+    float32; the adapter serves on the quantized base it was trained on."""
+    q8 = load_model(expressive_model.source, show_progress=False, quantization=quantization, model_id="tiny-llama")
     questions = ["hello", "what is this?", "who are you", "tell me a joke", "ping", "name a colour", "2+2", "bye"]
     train = tmp_path / "train.jsonl"
     train.write_text(jsonl([{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": REPLY}]}
