@@ -31,7 +31,8 @@ from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.grammar import GrammarCompiler
-from kiln.engine.kv_pool import KVPoolSize, resident_bytes
+from kiln.engine.host_memory import resident_bytes
+from kiln.engine.kv_pool import KVPoolSize
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.ownership import Ownership

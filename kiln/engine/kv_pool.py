@@ -1,5 +1,5 @@
-"""How many blocks the paged KV pool gets, and why; and, on the CPU, handing its untouched pages
-back to the OS so that only the blocks requests have written take resident memory.
+"""How many blocks the paged KV pool gets, and why. (On the CPU the pool's unwritten pages are left
+to the OS: host_memory.py.)
 
 The pool is sized from `[engine] kv_cache_memory` unless `[engine] num_kv_blocks` names a count:
 - bytes (`"8GiB"`, `"536870912"`), or a fraction (`"0.5"`) of the memory free once the weights and
@@ -14,11 +14,7 @@ cannot hold one longest sequence is a startup error.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
-import mmap
-import sys
 
 import jax
 
@@ -27,7 +23,6 @@ from kiln.errors import ConfigError
 ACCELERATOR_AUTO_FRACTION = 0.9
 CPU_AUTO_BYTES = 2 << 30  # ...or an eighth of the host's memory, whichever is less
 BLOCK_ROUNDING = 64  # budget-sized pools round down to this many blocks, so that a start's step shapes repeat
-_MADV_DONTNEED = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,49 +105,3 @@ def _size(n: int) -> str:
 
 def _rounded(blocks: int) -> int:
     return blocks - blocks % BLOCK_ROUNDING if blocks >= 2 * BLOCK_ROUNDING else blocks
-
-
-def release_pages(arrays) -> int:
-    """Hands the whole pages inside these zero-filled CPU arrays back to the OS (they read as zeros
-    again, and take memory only once written); returns the bytes released. Only for buffers of
-    private anonymous memory, which XLA:CPU's are, and only while they hold nothing but zeros."""
-    released = 0
-    if not sys.platform.startswith("linux"):  # elsewhere MADV_DONTNEED need not zero the pages
-        return 0
-    for x in arrays:
-        if x.is_deleted() or {d.platform for d in x.devices()} != {"cpu"}:
-            continue
-        start = x.unsafe_buffer_pointer()
-        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        hi = (start + x.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if hi > lo and _libc().madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
-            released += hi - lo
-    return released
-
-
-def resident_bytes(arrays) -> int | None:
-    """Bytes of these CPU arrays' pages that are in memory (mincore), None where that cannot be read:
-    the KV pool's share of the process's resident memory."""
-    if not sys.platform.startswith("linux"):
-        return None
-    total = 0
-    for x in arrays:
-        try:
-            start, size = x.unsafe_buffer_pointer(), x.nbytes
-        except (RuntimeError, ValueError):  # deleted, or not a single-device buffer
-            return None
-        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
-        pages = -(-(start + size - lo) // mmap.PAGESIZE)
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc().mincore(lo, pages * mmap.PAGESIZE, vec) != 0:  # unmapped since: the pool was replaced
-            return None
-        total += sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE
-    return total
-
-
-@functools.cache
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return libc

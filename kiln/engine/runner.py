@@ -40,7 +40,7 @@ from kiln.engine.buckets import BucketSet, StepBucket
 from kiln.engine.config import EngineConfig
 from kiln.engine.executables import ExecutableStore, executable_key
 from kiln.engine.faults import DeviceLossInjector, as_device_lost, first_line, is_device_loss
-from kiln.engine.kv_pool import release_pages
+from kiln.engine.host_memory import release_pages
 from kiln.engine.lora_slots import LoraSlots
 from kiln.engine.request import Request
 from kiln.engine.step_inputs import StepLayout

@@ -152,6 +152,7 @@ class Start:
     def _build(self) -> ServerState | None:
         from kiln.adapters.registry import AdapterRegistry
         from kiln.adapters.store import AdapterStore
+        from kiln.engine.host_memory import trim_heap
         from kiln.engine.setup import build_engine
         from kiln.eval.service import EvalService
         from kiln.eval.store import EvalStore
@@ -176,6 +177,7 @@ class Start:
         self._built[:0] = [state.evals.shutdown, jobs.shutdown]
         state.grammars.tokenizer  # noqa: B018 (built now, so no request's compile waits for it)
         finish_prewarm(state, warming)
+        trim_heap()  # what the start freed (host copies of the weights, compiler scratch) goes back to the OS
         progress.phase = "loading adapters"
         if not preload_adapters(state):
             return None

@@ -1,0 +1,74 @@
+"""The process's host memory on Linux: handing pages back to the OS and reading what is resident.
+
+- `release_pages`: the CPU KV pool is allocated zero-filled and its pages are given back at once
+  (madvise DONTNEED: they read as zeros again and take memory only once a step writes a block), so
+  the pool's resident size follows the KV requests wrote, not its budget.
+- `resident_bytes`: how much of an array is in memory (mincore), for /v1/config.
+- `trim_heap`: glibc keeps what a start frees (the host copies of the weights, compiler scratch) in
+  its per-thread arenas; `malloc_trim` hands the free pages back once the start is over.
+Elsewhere (macOS, musl) these do nothing: MADV_DONTNEED need not zero pages there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import sys
+
+_MADV_DONTNEED = 4
+LINUX = sys.platform.startswith("linux")
+
+
+def release_pages(arrays) -> int:
+    """Hands the whole pages inside these zero-filled CPU arrays back to the OS (they read as zeros
+    again, and take memory only once written); returns the bytes released. Only for buffers of
+    private anonymous memory, which XLA:CPU's are, and only while they hold nothing but zeros."""
+    released = 0
+    if not LINUX:
+        return 0
+    for x in arrays:
+        if x.is_deleted() or {d.platform for d in x.devices()} != {"cpu"}:
+            continue
+        start = x.unsafe_buffer_pointer()
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = (start + x.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo and _libc().madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+            released += hi - lo
+    return released
+
+
+def resident_bytes(arrays) -> int | None:
+    """Bytes of these CPU arrays' pages that are in memory (mincore), None where that cannot be read:
+    the KV pool's share of the process's resident memory."""
+    if not LINUX:
+        return None
+    total = 0
+    for x in arrays:
+        try:
+            start, size = x.unsafe_buffer_pointer(), x.nbytes
+        except (RuntimeError, ValueError):  # deleted, or not a single-device buffer
+            return None
+        lo = start // mmap.PAGESIZE * mmap.PAGESIZE
+        pages = -(-(start + size - lo) // mmap.PAGESIZE)
+        vec = (ctypes.c_ubyte * pages)()
+        if _libc().mincore(lo, pages * mmap.PAGESIZE, vec) != 0:  # unmapped since: the pool was replaced
+            return None
+        total += sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE
+    return total
+
+
+def trim_heap() -> bool:
+    """Hands the free pages of glibc's heaps back to the OS; False where there is no glibc."""
+    try:
+        return LINUX and bool(_libc().malloc_trim(0))
+    except AttributeError:  # another C library
+        return False
+
+
+@functools.cache
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
