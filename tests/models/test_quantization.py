@@ -17,8 +17,8 @@ from kiln.errors import ConfigError
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.generate import greedy_generate
-from kiln.models.loader import auto_quantization, layer_param, load_model
 from kiln.models.gguf_loader import GGUFModel
+from kiln.models.loader import auto_quantization, layer_param, load_model
 from kiln.models.quant import Int4Weight, Int8Weight, dequantize, quantize_int4, quantize_int8, quantize_params
 
 # how close a quantized model's logprobs stay to float32's (measured at most 0.007 for int8 and
