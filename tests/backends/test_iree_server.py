@@ -55,7 +55,9 @@ def test_server_on_vulkan_route(expressive_model, kiln_cache, xla_texts):
         health = httpx.get(srv.url + "/health", timeout=30).json()
         assert health["backend_runtime"]["route"] == route
         assert health["backend_runtime"]["route_reason"] == "requested"
-        backend = httpx.get(srv.url + "/v1/config", timeout=30).json()["backend"]
+        config = httpx.get(srv.url + "/v1/config", timeout=30).json()
+        backend = config["backend"]
+        assert config["kv_pool"]["resident_bytes"] is None  # the pool is the Vulkan device's
         assert backend["route"] == route and backend["capabilities"]["route"] == route
         assert set(backend["gates"]) == {"sort", "top_k"}
         assert backend["resident_prefill"] is False  # experimental only
