@@ -1,4 +1,5 @@
-"""The process's host memory on Linux: handing pages back to the OS and reading what is resident.
+"""The process's memory: what is free for new allocations (`free_bytes`, on the device or the host),
+and on Linux handing host pages back to the OS and reading what is resident.
 
 - `release_pages`: the CPU KV pool is allocated zero-filled and its pages are given back at once
   (madvise DONTNEED: they read as zeros again and take memory only once a step writes a block), so
@@ -16,8 +17,31 @@ import functools
 import mmap
 import sys
 
+import jax
+
 _MADV_DONTNEED = 4
 LINUX = sys.platform.startswith("linux")
+
+
+def free_bytes(on_host: bool = False) -> tuple[int, str | None]:
+    """Bytes free now, and the device kind whose allocator says so: an accelerator's stats, or
+    (None) the host's available memory (the CPU, or `on_host`)."""
+    device = jax.devices()[0]
+    stats = None if on_host or device.platform == "cpu" else device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), device.device_kind
+    return meminfo()["MemAvailable"], None
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    with open("/proc/meminfo") as f:
+        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+
+
+def _on_host(x) -> bool:
+    """A live JAX array in CPU memory (an IREE route's device arrays and accelerator arrays are not)."""
+    return isinstance(x, jax.Array) and not x.is_deleted() and {d.platform for d in x.devices()} == {"cpu"}
 
 
 def release_pages(arrays) -> int:
@@ -28,7 +52,7 @@ def release_pages(arrays) -> int:
     if not LINUX:
         return 0
     for x in arrays:
-        if x.is_deleted() or {d.platform for d in x.devices()} != {"cpu"}:
+        if not _on_host(x):
             continue
         start = x.unsafe_buffer_pointer()
         lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
@@ -39,9 +63,9 @@ def release_pages(arrays) -> int:
 
 
 def resident_bytes(arrays) -> int | None:
-    """Bytes of these CPU arrays' pages that are in memory (mincore), None where that cannot be read:
-    the KV pool's share of the process's resident memory."""
-    if not LINUX:
+    """Bytes of these CPU arrays' pages that are in memory (mincore), None where that cannot be read
+    (not Linux, not all JAX arrays in CPU memory): the KV pool's share of the process's resident memory."""
+    if not LINUX or not all(_on_host(x) for x in arrays):
         return None
     total = 0
     for x in arrays:

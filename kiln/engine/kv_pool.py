@@ -18,6 +18,7 @@ import dataclasses
 
 import jax
 
+from kiln.engine.host_memory import free_bytes, meminfo
 from kiln.errors import ConfigError
 
 ACCELERATOR_AUTO_FRACTION = 0.9
@@ -47,16 +48,8 @@ def block_bytes(cfg, block_size: int, kv_dtype) -> int:
 
 def free_memory(on_host: bool) -> tuple[int, str]:
     """Bytes free for the pool now, and where the number comes from."""
-    device = jax.devices()[0]
-    stats = None if on_host or device.platform == "cpu" else device.memory_stats()
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), f"free {device.device_kind} memory"
-    return _meminfo()["MemAvailable"], "available host memory"
-
-
-def _meminfo() -> dict[str, int]:
-    with open("/proc/meminfo") as f:
-        return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    free, device_kind = free_bytes(on_host)
+    return free, f"free {device_kind} memory" if device_kind else "available host memory"
 
 
 def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool) -> KVPoolSize:
@@ -70,14 +63,15 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool) -> KVPoolSize:
     setting = config.kv_cache_memory
     if setting == "auto":
         if on_host or jax.devices()[0].platform == "cpu":
-            budget = min(CPU_AUTO_BYTES, _meminfo()["MemTotal"] // 8)
+            budget = min(CPU_AUTO_BYTES, meminfo()["MemTotal"] // 8)
             why = f"auto: {_size(budget)} of host memory (pages are taken as blocks are written)"
         else:
             free, source = free_memory(on_host)
             budget = int(free * ACCELERATOR_AUTO_FRACTION)
             why = f"auto: {ACCELERATOR_AUTO_FRACTION} of {_size(free)} {source}"
-        blocks = min(_rounded(budget // per_block), config.max_num_seqs * (one_sequence - 1) + 1)
-        if blocks == config.max_num_seqs * (one_sequence - 1) + 1:
+        every_sequence = config.max_num_seqs * (one_sequence - 1) + 1
+        blocks = min(_rounded(budget // per_block), every_sequence)
+        if blocks == every_sequence:
             why += f"; capped at {config.max_num_seqs} sequences of {max_len} tokens"
     elif "." in setting:
         free, source = free_memory(on_host)

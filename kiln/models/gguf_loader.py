@@ -43,6 +43,8 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# the layers' linear weights: GGUF suffix -> Kiln's name
+_LINEAR_SUFFIXES = {g: hf.split(".")[1] for g, hf in _LAYER_NAMES.items() if hf.split(".")[1] in LINEAR}
 # the GGUF types each quantization holds as stored
 _STORED_AS = {"int8": (GGMLQuantizationType.Q8_0,), "int4": (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -174,7 +176,7 @@ class GGUFModel:
         """The quantization that holds this file's layer weights as stored, and why: int8 for Q8_0,
         int4 for Q4_0/Q4_1, none (float) for float types or a mix."""
         types = {t.tensor_type for name, t in self.tensors.items()
-                 if (m := _BLK.match(name)) and _LAYER_NAMES.get(m.group(2), "..").split(".")[1] in LINEAR}
+                 if (m := _BLK.match(name)) and m.group(2) in _LINEAR_SUFFIXES}
         names = ", ".join(sorted(t.name for t in types))
         for quantization, stored in _STORED_AS.items():
             if types and types <= set(stored):
@@ -187,10 +189,7 @@ class GGUFModel:
         float. A name some layer stores in another type is left out (the loader quantizes it from float)."""
         types = _STORED_AS.get(quantization, ())
         out = {}
-        for gguf_suffix, hf_suffix in _LAYER_NAMES.items():
-            name = hf_suffix.split(".")[1]
-            if name not in LINEAR:
-                continue
+        for gguf_suffix, name in _LINEAR_SUFFIXES.items():
             tensors = [self.tensors.get(f"blk.{i}.{gguf_suffix}") for i in range(self.config.num_layers)]
             if all(t is not None and t.tensor_type in types for t in tensors):
                 layers = [self._stored(t, gguf_suffix) for t in tensors]

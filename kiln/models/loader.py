@@ -57,11 +57,12 @@ class LoadedModel:
     quantization_source: str = "asked"  # why: asked, or auto's reason
 
 
-def auto_quantization(path: str | Path | None) -> tuple[str, str]:
+def auto_quantization(path: str | Path | None, gguf: GGUFModel | None = None) -> tuple[str, str]:
     """What `quantization = auto` holds a model's layers in, and why: a GGUF file's own format (the
-    default model's too), float for a checkpoint directory. Reads the file's header only."""
+    default model's too), float for a checkpoint directory. Reads the file's header only (`gguf`:
+    that file already parsed, which takes seconds)."""
     if path is None or Path(path).suffix == ".gguf":
-        return GGUFModel(Path(path) if path else default_model_path()).stored_quantization()
+        return (gguf or GGUFModel(Path(path) if path else default_model_path())).stored_quantization()
     return "none", "auto: a float checkpoint"
 
 
@@ -175,8 +176,8 @@ def load_model(
     `layer_loop` ("unrolled" | "scan", default: per backend, see `default_layer_loop`) decides
     whether layers are held stacked or one dict per layer; a mesh always uses stacked layers.
     `quantization` ("none" | "int8" | "int4", see kiln.models.quant, or "auto": a GGUF file's own layer
-    format, float for a checkpoint) is applied on the host, before the
-    weights reach the accelerator; a GGUF file's Q8_0 (int8) or Q4_0/Q4_1 (int4) layer weights are taken as stored."""
+    format, float for a checkpoint) is applied on the host, before the weights reach the accelerator;
+    a GGUF file's Q8_0 (int8) or Q4_0/Q4_1 (int4) layer weights are taken as stored."""
     dtype = resolve_dtype(dtype)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)} or auto")
@@ -194,15 +195,17 @@ def load_model(
             model_id, source = model_id or p.name, str(p)
         else:
             raise ModelLoadError("model path is neither a .gguf file nor a model directory", file=str(p))
+    # the file parsed once (seconds: its tokenizer's metadata) for both auto and its stored blocks
+    gguf = GGUFModel(gguf_path) if gguf_path is not None and quantization != "none" else None
     quantization_source = "asked"
     if quantization == "auto":
-        quantization, quantization_source = auto_quantization(path)
+        quantization, quantization_source = auto_quantization(path, gguf)
     np_dtype = jnp.dtype(DTYPES[dtype])
     cfg, params, generation = load_hf_dir(model_dir, np_dtype, show_progress, label=model_id)
     if quantization != "none" and mesh is not None:
         raise ConfigError("model.quantization: quantized weights do not run sharded over a mesh yet; use none")
-    if quantization != "none" and gguf_path is not None:  # Q8_0 (int8) or Q4_0/Q4_1 (int4) layers as stored
-        params = {**params, "layers": {**params["layers"], **GGUFModel(gguf_path).stored_layers(quantization)}}
+    if quantization != "none" and gguf is not None:  # Q8_0 (int8) or Q4_0/Q4_1 (int4) layers as stored
+        params = {**params, "layers": {**params["layers"], **gguf.stored_layers(quantization)}}
     params = quantize_params(params, quantization)
     tokenizer = KilnTokenizer.from_dir(model_dir)
     digest = digest or _dir_digest(model_dir)

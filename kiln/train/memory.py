@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 
+from kiln.engine.host_memory import free_bytes
 from kiln.errors import InsufficientMemory
 from kiln.models.config import ModelConfig
 from kiln.models.lora import module_shapes
@@ -25,15 +26,12 @@ def tree_bytes(tree) -> int:
 def available_bytes(budget_setting: int = 0) -> tuple[int, str]:
     """Free bytes for training and where the number comes from: the device's allocator stats
     on an accelerator; on the CPU `[train] memory_budget_bytes`, or the host's available memory."""
-    device = jax.devices()[0]
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), f"{device.device_kind} memory stats"
+    free, device_kind = free_bytes()
+    if device_kind:
+        return free, f"{device_kind} memory stats"
     if budget_setting > 0:
         return budget_setting, "[train] memory_budget_bytes"
-    with open("/proc/meminfo") as f:
-        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
-    return info["MemAvailable"], "host MemAvailable"
+    return free, "host MemAvailable"
 
 
 def lora_bytes(cfg: ModelConfig, rank: int, modules) -> int:
