@@ -32,11 +32,13 @@ TINY_MODEL_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 def suite_env(model_path: str, cache_dir: str, **overrides: str) -> dict[str, str]:
     """The environment of a Kiln process the suite starts: this one's without its KILN_ settings, the
-    suite's engine settings, and the tiny-model XLA flags unless XLA_FLAGS is set already."""
+    suite's engine settings, and the tiny-model XLA flags unless XLA_FLAGS already sets that level (the
+    flags Kiln adds on import, kiln.xla_flags, are kept either way)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env.update(JAX_PLATFORMS="cpu", KILN_MODEL_PATH=model_path, KILN_CACHE_DIR=cache_dir, **SUITE_ENGINE)
-    if model_path and "XLA_FLAGS" not in os.environ:
-        env["XLA_FLAGS"] = TINY_MODEL_XLA_FLAGS
+    flags = os.environ.get("XLA_FLAGS", "")
+    if model_path and "--xla_backend_optimization_level" not in flags:
+        env["XLA_FLAGS"] = f"{flags} {TINY_MODEL_XLA_FLAGS}".strip()
     env.update(overrides)
     return env
 

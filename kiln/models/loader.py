@@ -214,7 +214,7 @@ def load_model(
 
         params = shard_params(params, cfg, mesh)
     else:
-        # (quantized layers run under scan: XLA:CPU multiplies an unrolled layer's int8 weights ~7x slower)
+        # (quantized layers run under scan: one layer's dequantized copy at a time, see kiln.models.quant)
         if (layer_loop or ("scan" if quantization != "none" else default_layer_loop())) == "unrolled":
             params = unstack_layers(params)
         params = jax.device_put(params)

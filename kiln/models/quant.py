@@ -12,14 +12,15 @@ Groups, not one scale per output channel: the default model's weights have outli
 a channel's scale set by its largest weight left int8 agreeing with float32 on 68% of greedy picks
 (bench/quantized_accuracy.py); per group it is the weights' own resolution.
 
-On XLA:CPU this is a memory format first (the default model's weights: 513 MiB as float32, 210 MiB
-with int8 layers, 184 MiB with int4); with many rows it decodes at float32's speed, with one row
-slower (bench/model_step.py --quantization none,int8,int4). XLA:CPU dequantizes well only inside a
-scan over stacked layers: a single large matrix is pathologically slow (the LM head, 16x slower than
-float32 for one row, bench/quantized_matmul.py), and so are unrolled layers (7x), which is why the
-head stays float and a quantized model's layers run under `lax.scan` (loader). On GPUs XLA fuses the
-dequantize into the matrix multiply, where int8 and int4 read a quarter and an eighth of float32's
-bytes.
+On XLA:CPU this is a memory format and a speed-up for few rows (the default model's weights: 513
+MiB as float32, 210 MiB with int8 layers, 184 MiB with int4; one row decodes about 1.3x faster with
+int4 layers and 1.4x with int8, bench/model_step.py --quantization none,int8,int4), provided each
+dequantization runs next to its multiply, which kiln.xla_flags asks of XLA's scheduler. Layers run
+under `lax.scan` (loader): one layer's float32 copy at a time stays in cache, where unrolled
+layers' copies are the whole model's temporaries. The LM head stays float: one matrix of the
+vocabulary's size dequantizes into a temporary as large as the float32 head (mapped afresh at every
+step). On GPUs XLA fuses the dequantize into the matrix multiply, where int8 and int4 read a quarter
+and an eighth of float32's bytes.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from kiln.models.generate import greedy_generate
 from kiln.models.gguf_loader import GGUFModel
 from kiln.models.loader import auto_quantization, layer_param, load_model
 from kiln.models.quant import Int4Weight, Int8Weight, dequantize, quantize_int4, quantize_int8, quantize_params
+from kiln.models.quant import matmul as quant_matmul
+from kiln.xla_flags import CPU_SCHEDULER_FLAG, add_process_flags
 
 # how close a quantized model's logprobs stay to float32's (measured at most 0.007 for int8 and
 # 0.09 for int4 on these tiny models; greedy picks agree at 90% of int4's positions), and the
@@ -170,3 +172,35 @@ def test_auto_holds_a_gguf_file_in_its_own_format(tmp_path, kiln_cache, qtype, e
     hf_dir = tmp_path / "hf"
     hf.save_pretrained(hf_dir)
     assert auto_quantization(hf_dir) == ("none", "auto: a float checkpoint")
+
+
+def test_kiln_adds_its_xla_flag_and_keeps_the_users():
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    add_process_flags(env)
+    assert env["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=4 {CPU_SCHEDULER_FLAG}=false"
+    mine = {"XLA_FLAGS": f"{CPU_SCHEDULER_FLAG}=true"}
+    add_process_flags(mine)
+    assert mine["XLA_FLAGS"] == f"{CPU_SCHEDULER_FLAG}=true"
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an XLA:CPU schedule")
+def test_each_dequantization_runs_next_to_its_multiply():
+    """Under XLA:CPU's concurrency scheduler, every layer's dequantized weights were computed at the
+    start of the step (one float32 copy of the model, out of cache by the time it was used); the flag
+    kiln.xla_flags sets keeps each one just before its multiply."""
+    rng = np.random.default_rng(0)
+    layers = [jax.tree.map(jax.numpy.asarray, quantize_int4(rng.standard_normal((64, 64)).astype(np.float32)))
+              for _ in range(3)]
+
+    def two_layers(x, layers):
+        for w in layers:
+            x = x + quant_matmul(x, w)
+        return x
+
+    text = jax.jit(two_layers).lower(np.ones((1, 64), np.float32), layers).compile().as_text()
+    entry = text[text.index("ENTRY"):].splitlines()
+    # a dequantization is a fusion that writes a float32 [32, 64] half (even or odd input rows)
+    order = ["dot" if " dot(" in line else "weights" for line in entry
+             if " dot(" in line or ("= f32[32,64]" in line and "fusion(" in line)]
+    assert order.count("weights") == 6 and order.count("dot") == 6
+    assert order == ["weights", "dot"] * 6, order
