@@ -1,7 +1,9 @@
 """One entry point to load a model: HF directory, GGUF file, or the embedded default model.
 
 GGUF files are converted once (dequantized, un-permuted, tokenizer rebuilt) into an HF
-directory under Kiln's cache, keyed by the file's SHA-256, so later loads read safetensors.
+directory under Kiln's cache, keyed by the file's SHA-256, so later loads read safetensors. The
+first load that keeps the file's quantized layers as stored also records them there (and the
+format `quantization = auto` resolves to), so later loads skip parsing the file's metadata.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
 import shutil
@@ -25,7 +28,7 @@ from kiln.errors import ConfigError, ModelLoadError
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_loader import GGUFModel
 from kiln.models.hf_loader import load_hf_dir
-from kiln.models.quant import quantize_params
+from kiln.models.quant import Int4Weight, Int8Weight, quantize_params
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.models.weights import to_hf_tensors
 
@@ -57,13 +60,72 @@ class LoadedModel:
     quantization_source: str = "asked"  # why: asked, or auto's reason
 
 
-def auto_quantization(path: str | Path | None, gguf: GGUFModel | None = None) -> tuple[str, str]:
+def auto_quantization(path: str | Path | None) -> tuple[str, str]:
     """What `quantization = auto` holds a model's layers in, and why: a GGUF file's own format (the
-    default model's too), float for a checkpoint directory. Reads the file's header only (`gguf`:
-    that file already parsed, which takes seconds)."""
+    default model's too), float for a checkpoint directory. Read beside the file's converted
+    directory once a load has recorded it; otherwise from the file (parsing it takes seconds)."""
     if path is None or Path(path).suffix == ".gguf":
-        return (gguf or GGUFModel(Path(path) if path else default_model_path())).stored_quantization()
+        gguf_path = Path(path) if path else default_model_path()
+        known = cache_dir() / "converted" / file_digest(gguf_path)[:32] / STORED_FORMAT
+        if known.is_file():
+            quantization, reason = json.loads(known.read_text())
+            return quantization, reason
+        return GGUFModel(gguf_path).stored_quantization()
     return "none", "auto: a float checkpoint"
+
+
+# beside a converted GGUF file: its layers' own format (auto's answer), and the layers it stores in
+# a quantized format as Kiln's arrays, so that later loads never parse the file's metadata again
+STORED_FORMAT = "kiln_stored_format.json"
+
+
+def gguf_stored_layers(gguf_path: Path, model_dir: Path, quantization: str) -> tuple[str, str, dict]:
+    """(quantization, why, layers): `auto` resolved to the file's own layer format, and the layers the
+    file stores in that format's blocks (kiln.models.gguf_loader.GGUFModel.stored_layers). The first
+    load parses the file and writes both into its converted directory; later loads read them."""
+    gguf = None
+    reason = "asked"
+    if quantization == "auto":
+        known = model_dir / STORED_FORMAT
+        if known.is_file():
+            quantization, reason = json.loads(known.read_text())
+        else:
+            gguf = GGUFModel(gguf_path)
+            quantization, reason = gguf.stored_quantization()
+            _write_atomic(known, json.dumps([quantization, reason]).encode())
+    if quantization == "none":
+        return quantization, reason, {}
+    stored = model_dir / f"kiln_stored_{quantization}.npz"
+    if stored.is_file():
+        with np.load(stored) as arrays:
+            return quantization, reason, _unflatten(arrays)
+    layers = (gguf or GGUFModel(gguf_path)).stored_layers(quantization)
+    buffer = io.BytesIO()
+    np.savez(buffer, **{f"{name}.{type(w).__name__}.{field}": part for name, w in layers.items()
+                        for field, part in w._asdict().items()})
+    _write_atomic(stored, buffer.getvalue())
+    return quantization, reason, layers
+
+
+def _unflatten(arrays) -> dict:
+    parts: dict[tuple[str, str], dict] = {}
+    for key in arrays.files:
+        name, kind, field = key.split(".")
+        parts.setdefault((name, kind), {})[field] = arrays[key]
+    kinds = {"Int8Weight": Int8Weight, "Int4Weight": Int4Weight}
+    return {name: kinds[kind](**fields) for (name, kind), fields in parts.items()}
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Writes `data` to `path` whole or not at all; a cache that cannot be written is skipped (the next
+    load parses the file again)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def cache_dir() -> Path:
@@ -195,17 +257,18 @@ def load_model(
             model_id, source = model_id or p.name, str(p)
         else:
             raise ModelLoadError("model path is neither a .gguf file nor a model directory", file=str(p))
-    # the file parsed once (seconds: its tokenizer's metadata) for both auto and its stored blocks
-    gguf = GGUFModel(gguf_path) if gguf_path is not None and quantization != "none" else None
     quantization_source = "asked"
-    if quantization == "auto":
-        quantization, quantization_source = auto_quantization(path, gguf)
+    stored = {}
+    if gguf_path is not None and quantization != "none":
+        quantization, quantization_source, stored = gguf_stored_layers(gguf_path, model_dir, quantization)
+    elif quantization == "auto":
+        quantization, quantization_source = auto_quantization(path)
     np_dtype = jnp.dtype(DTYPES[dtype])
     cfg, params, generation = load_hf_dir(model_dir, np_dtype, show_progress, label=model_id)
     if quantization != "none" and mesh is not None:
         raise ConfigError("model.quantization: quantized weights do not run sharded over a mesh yet; use none")
-    if quantization != "none" and gguf is not None:  # Q8_0 (int8) or Q4_0/Q4_1 (int4) layers as stored
-        params = {**params, "layers": {**params["layers"], **gguf.stored_layers(quantization)}}
+    if stored:  # Q8_0 (int8) or Q4_0/Q4_1 (int4) layers as stored
+        params = {**params, "layers": {**params["layers"], **stored}}
     params = quantize_params(params, quantization)
     tokenizer = KilnTokenizer.from_dir(model_dir)
     digest = digest or _dir_digest(model_dir)

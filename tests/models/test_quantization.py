@@ -18,7 +18,7 @@ from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.generate import greedy_generate
 from kiln.models.gguf_loader import GGUFModel
-from kiln.models.loader import auto_quantization, layer_param, load_model
+from kiln.models.loader import auto_quantization, file_digest, layer_param, load_model
 from kiln.models.quant import Int4Weight, Int8Weight, dequantize, quantize_int4, quantize_int8, quantize_params
 from kiln.models.quant import matmul as quant_matmul
 from kiln.xla_flags import CPU_SCHEDULER_FLAG, add_process_flags
@@ -204,3 +204,26 @@ def test_each_dequantization_runs_next_to_its_multiply():
              if " dot(" in line or ("= f32[32,64]" in line and "fusion(" in line)]
     assert order.count("weights") == 6 and order.count("dot") == 6
     assert order == ["weights", "dot"] * 6, order
+
+
+def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversion(tmp_path, kiln_cache):
+    """Parsing a GGUF file's metadata takes seconds for a real tokenizer; the first load records the
+    file's own format and its stored layers in the converted directory, and later loads read those."""
+    import gguf
+
+    path = write_gguf(make_hf_model("llama", vocab_size=260, seed=7), tmp_path / "m.gguf",
+                      quant=gguf.GGMLQuantizationType.Q4_1)
+    first = load_model(path, show_progress=False, quantization="auto")
+    converted = kiln_cache / "converted" / file_digest(path)[:32]
+    assert {p.name for p in converted.glob("kiln_stored*")} == {"kiln_stored_format.json", "kiln_stored_int4.npz"}
+    again = load_model(path, show_progress=False, quantization="auto")
+    assert (again.quantization, again.quantization_source) == (first.quantization, first.quantization_source)
+    for name in ("q_proj", "down_proj"):
+        assert isinstance(layer_param(again.params, name, 0), Int4Weight)
+        for a, b in zip(jax.tree.leaves(first.params["layers"][name]), jax.tree.leaves(again.params["layers"][name]),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the recorded answer is what auto reports from then on
+    (converted / "kiln_stored_format.json").write_text('["int4", "auto: recorded"]')
+    assert load_model(path, show_progress=False, quantization="auto").quantization_source == "auto: recorded"
+    assert auto_quantization(path) == ("int4", "auto: recorded")
