@@ -66,8 +66,8 @@ def auto_quantization(path: str | Path | None) -> tuple[str, str]:
     directory once a load has recorded it; otherwise from the file (parsing it takes seconds)."""
     if path is None or Path(path).suffix == ".gguf":
         gguf_path = Path(path) if path else default_model_path()
-        known = cache_dir() / "converted" / file_digest(gguf_path)[:32] / STORED_FORMAT
-        if known.is_file():
+        known = gguf_path.is_file() and cache_dir() / "converted" / file_digest(gguf_path)[:32] / STORED_FORMAT
+        if known and known.is_file():
             quantization, reason = json.loads(known.read_text())
             return quantization, reason
         return GGUFModel(gguf_path).stored_quantization()
