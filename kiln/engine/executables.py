@@ -18,12 +18,13 @@ import logging
 import os
 import pickle
 import platform
-import tempfile
 import threading
 from pathlib import Path
 
 import jax
 import jaxlib
+
+from kiln.atomic_file import write_atomic
 
 log = logging.getLogger("kiln.engine")
 
@@ -130,8 +131,5 @@ class ExecutableStore:
             log.warning("step executable could not be serialized (%s)", exc)
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp, self.directory / f"{key}.bin")
+        write_atomic(self.directory / f"{key}.bin", blob)
         self.saves += 1

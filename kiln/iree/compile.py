@@ -12,8 +12,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import jax
 from jax import export as jax_export
 from jax._src import config as jax_config
 
+from kiln.atomic_file import write_atomic
 from kiln.errors import BackendUnavailable
 
 log = logging.getLogger("kiln.iree")
@@ -102,11 +101,7 @@ class ModuleCache:
         vmfb = compile_module(mlir, target)
         self.compiles += 1
         self.dir.mkdir(parents=True, exist_ok=True)
-        # write then rename: another process may be reading or writing the same key
-        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(vmfb)
-        os.replace(tmp, path)
+        write_atomic(path, vmfb)  # another process may be reading or writing the same key
         return vmfb
 
 
@@ -119,10 +114,7 @@ class ModuleCache:
 
     def record_verdict(self, key: str, device: str, why: str | None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"why": why}, f)
-        os.replace(tmp, self.dir / f"{key}.{device}.gate.json")
+        write_atomic(self.dir / f"{key}.{device}.gate.json", json.dumps({"why": why}).encode())
 
 
 def compile_module(mlir: str, target: str) -> bytes:

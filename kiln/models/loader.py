@@ -24,6 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from kiln.atomic_file import write_atomic
 from kiln.errors import ConfigError, ModelLoadError
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_loader import GGUFModel
@@ -66,17 +67,19 @@ def auto_quantization(path: str | Path | None) -> tuple[str, str]:
     directory once a load has recorded it; otherwise from the file (parsing it takes seconds)."""
     if path is None or Path(path).suffix == ".gguf":
         gguf_path = Path(path) if path else default_model_path()
-        known = gguf_path.is_file() and cache_dir() / "converted" / file_digest(gguf_path)[:32] / STORED_FORMAT
-        if known and known.is_file():
-            quantization, reason = json.loads(known.read_text())
-            return quantization, reason
-        return GGUFModel(gguf_path).stored_quantization()
+        recorded = gguf_path.is_file() and _recorded_format(_converted_dir(file_digest(gguf_path)))
+        return recorded or GGUFModel(gguf_path).stored_quantization()
     return "none", "auto: a float checkpoint"
 
 
 # beside a converted GGUF file: its layers' own format (auto's answer), and the layers it stores in
 # a quantized format as Kiln's arrays, so that later loads never parse the file's metadata again
 STORED_FORMAT = "kiln_stored_format.json"
+
+
+def _recorded_format(model_dir: Path) -> tuple[str, str] | None:
+    known = model_dir / STORED_FORMAT
+    return tuple(json.loads(known.read_text())) if known.is_file() else None
 
 
 def gguf_stored_layers(gguf_path: Path, model_dir: Path, quantization: str) -> tuple[str, str, dict]:
@@ -86,13 +89,12 @@ def gguf_stored_layers(gguf_path: Path, model_dir: Path, quantization: str) -> t
     gguf = None
     reason = "asked"
     if quantization == "auto":
-        known = model_dir / STORED_FORMAT
-        if known.is_file():
-            quantization, reason = json.loads(known.read_text())
-        else:
+        recorded = _recorded_format(model_dir)
+        if recorded is None:
             gguf = GGUFModel(gguf_path)
-            quantization, reason = gguf.stored_quantization()
-            _write_atomic(known, json.dumps([quantization, reason]).encode())
+            recorded = gguf.stored_quantization()
+            _write_atomic(model_dir / STORED_FORMAT, json.dumps(recorded).encode())
+        quantization, reason = recorded
     if quantization == "none":
         return quantization, reason, {}
     stored = model_dir / f"kiln_stored_{quantization}.npz"
@@ -120,12 +122,14 @@ def _write_atomic(path: Path, data: bytes) -> None:
     """Writes `data` to `path` whole or not at all; a cache that cannot be written is skipped (the next
     load parses the file again)."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write_atomic(path, data)
     except OSError:
         pass
+
+
+def _converted_dir(digest: str, cache_root: Path | None = None) -> Path:
+    """Where a GGUF file of this SHA-256 is converted to an HF directory."""
+    return (cache_root or cache_dir()) / "converted" / digest[:32]
 
 
 def cache_dir() -> Path:
@@ -173,7 +177,7 @@ def convert_gguf(path: Path, show_progress: bool = True, cache_root: Path | None
     if not path.is_file():
         raise ModelLoadError("GGUF file not found", file=str(path))
     digest = file_digest(path)
-    target = (cache_root or cache_dir()) / "converted" / digest[:32]
+    target = _converted_dir(digest, cache_root)
     if (target / "kiln_source.json").exists():
         return target, digest
     gguf = GGUFModel(path)

@@ -9,11 +9,11 @@ whole JSON object plus the columns that queries need.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from pathlib import Path
 
+from kiln.atomic_file import write_atomic
 from kiln.sqlite_store import SqliteStore
 
 _SCHEMA = """
@@ -50,9 +50,7 @@ class TrainingStore(SqliteStore):
     def add_file(self, content: bytes, filename: str, purpose: str, sha256: str) -> dict:
         file_id = new_id("file")
         path = self.root / "files" / file_id
-        tmp = path.with_name(f".{file_id}.tmp")
-        tmp.write_bytes(content)
-        os.replace(tmp, path)
+        write_atomic(path, content)
         self._query("INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
                     (file_id, now(), filename, purpose, len(content), sha256))
         return self.get_file(file_id)
