@@ -11,7 +11,14 @@ from litestar.openapi import OpenAPIConfig
 from kiln import __version__
 from kiln.config import Settings
 from kiln.errors import InvalidRequest, KilnError, NotFound, PayloadTooLarge, Unauthorized
-from kiln.server import admin_routes, eval_routes, grader_routes, openai_routes, training_routes
+from kiln.server import (
+    admin_routes,
+    eval_routes,
+    grader_routes,
+    openai_routes,
+    responses_routes,
+    training_routes,
+)
 from kiln.server.state import ServerState, server_settings
 
 log = logging.getLogger("kiln.server")
@@ -65,8 +72,8 @@ def create_app(state: ServerState | None, *, settings: Settings | None = None, p
     `app.state.kiln` when ready, and `progress` (lifecycle.StartProgress) says how far it got."""
     settings = settings or state.settings
     app = Litestar(
-        route_handlers=[*openai_routes.ROUTES, *admin_routes.ROUTES, *training_routes.ROUTES, *grader_routes.ROUTES,
-                        *eval_routes.ROUTES],
+        route_handlers=[*openai_routes.ROUTES, *responses_routes.ROUTES, *admin_routes.ROUTES, *training_routes.ROUTES,
+                        *grader_routes.ROUTES, *eval_routes.ROUTES],
         exception_handlers={KilnError: _kiln_error, ValidationException: _validation_error,
                             HTTPException: _http_error, Exception: _unexpected_error},
         before_request=_authorize,

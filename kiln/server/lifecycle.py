@@ -157,6 +157,7 @@ class Start:
         from kiln.eval.service import EvalService
         from kiln.eval.store import EvalStore
         from kiln.server.grader_routes import make_judge
+        from kiln.server.response_store import ResponseStore
         from kiln.train.jobs import JobManager
         from kiln.train.store import TrainingStore
 
@@ -169,7 +170,9 @@ class Start:
         registry = AdapterRegistry(engine, AdapterStore(settings.adapter_store()),
                                    settings.serving_profile.policy.adapter_weight_transitions)
         jobs = JobManager(settings, engine, registry, TrainingStore(settings.training_dir()), start=False)
-        state = ServerState(settings, engine, engine.metrics, registry, jobs)
+        state = ServerState(settings, engine, engine.metrics, registry, jobs,
+                            responses=ResponseStore(settings.training_dir()))
+        self._built.append(state.responses.close)
         state.evals = jobs.evals = EvalService(EvalStore(settings.training_dir()), engine,
                                                select_model=state.select_model, judge=make_judge(state),
                                                files=jobs.store)

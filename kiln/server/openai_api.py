@@ -1,7 +1,7 @@
 """OpenAI semantics: request bodies -> prompts + SamplingParams, and how a choice is formatted.
 
 Chat and completions differ only here: in how prompts are made and how a choice (whole,
-or as a streamed delta) is written. Everything else is shared (see responses.py).
+or as a streamed delta) is written. Everything else is shared (see generation.py).
 """
 
 from __future__ import annotations

@@ -8,12 +8,12 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from kiln.engine.params import ThinkingBudget
+from kiln.engine.params import SamplingParams, ThinkingBudget
 from kiln.errors import InvalidRequest
 from kiln.server import openai_api as oa
 from kiln.server import structured
 from kiln.server.chat_output import THINK_END, THINK_START, OutputReader, choose_parser, thinks
-from kiln.server.responses import respond, submit_all
+from kiln.server.generation import respond, submit_all
 from kiln.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,6 +29,14 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
     st = server_state(request)
     st.admit_inference()
     adapter = await st.select_model_async(data.model)
+    prompt, params, reader = await prepare_chat(st, data)
+    fmt = oa.ChatFormat(st.tokenizer, params.logprobs is not None, reader)
+    return await _generate(st, fmt, data, [prompt], params, adapter)
+
+
+async def prepare_chat(st: ServerState, data: ChatCompletionRequest) -> tuple[list[int], SamplingParams, OutputReader]:
+    """A chat body's prompt, its sampling parameters (grammar compiled) and how its output is read:
+    shared by chat completions and the Responses API."""
     if not data.messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     tools = structured.tool_parameters(data.tools)
@@ -51,8 +59,7 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
         params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
     if constraint is not None:
         params.grammar = await st.grammars.compile_async(constraint)
-    fmt = oa.ChatFormat(st.tokenizer, logprobs is not None, reader)
-    return await _generate(st, fmt, data, [prompt], params, adapter)
+    return prompt, params, reader
 
 
 @post("/v1/completions", status_code=200)

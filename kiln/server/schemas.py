@@ -63,6 +63,7 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier assistant turn's reasoning, for templates that show it
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -86,6 +87,33 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class ResponsesRequest(Struct, kw_only=True):
+    """POST /v1/responses: OpenAI's Responses API (input items, stored responses, function tools)."""
+
+    model: str | None = None
+    input: str | list[Any] | None = None  # text, or input items
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    background: bool = False
+    conversation: str | dict[str, Any] | None = None  # refused: conversations are not kept yet
 
 
 class TokenizeRequest(Struct, kw_only=True):

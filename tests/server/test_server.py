@@ -254,6 +254,7 @@ ENDPOINTS = {
     "chat": ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2}),
     "completion": ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
     "prompt_logprobs": ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "echo": True, "logprobs": 1}),
+    "responses": ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
     "tokenize": ("POST", "/tokenize", {"prompt": "hi"}),
     "render": ("POST", "/render", {"messages": CHAT}),
 }
@@ -261,7 +262,7 @@ EXPECTED = {
     "stable": {name: 200 for name in ENDPOINTS},
     "experimental": {name: 200 for name in ENDPOINTS},
     "maintenance": {**{name: 200 for name in ENDPOINTS}, "health": 503, "health_v1": 503, "chat": 503,
-                    "completion": 503, "prompt_logprobs": 503},
+                    "completion": 503, "prompt_logprobs": 503, "responses": 503},
 }
 
 

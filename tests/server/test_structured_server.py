@@ -149,6 +149,36 @@ def test_instructor_runs_unchanged(client):
         assert isinstance(person, Person)
 
 
+def test_responses_parse_returns_a_pydantic_object(client):
+    r = client.responses.parse(model=DEFAULT_MODEL_ID, input="Invent a person with a name and age.",
+                               text_format=Person, max_output_tokens=48, temperature=0)
+    assert isinstance(r.output_parsed, Person) and r.status == "completed"
+
+
+def test_openai_agents_sdk_runs_a_function_tool_on_its_default_responses_path(server):
+    import agents
+
+    called = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        called.append(city)
+        return f"It is 21 degrees and sunny in {city}."
+
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused",
+                                                        max_retries=0), use_for_tracing=False)
+    agent = agents.Agent(name="weather", instructions="Answer using the weather tool.", tools=[get_weather],
+                         model=DEFAULT_MODEL_ID,
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=48, temperature=0))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert len(called) == 1 and called[0]
+    assert isinstance(result.final_output, str) and result.final_output
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      "response_format.json_schema.schema"),

@@ -1,0 +1,183 @@
+"""OpenAI's Responses API: POST /v1/responses (whole, or streamed as semantic events) and the stored
+responses behind `previous_response_id`: retrieve, delete, input items.
+
+A response is one chat request through the chat path (prepare_chat, the engine, OutputReader);
+responses_api.py translates the shapes. A response is stored (`store`, default true) when it
+ends; a stream cut off by its client is not.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, delete, get, post
+from litestar.response import Stream
+
+from kiln.engine.client import RequestStream
+from kiln.engine.request import Delta
+from kiln.errors import InvalidRequest, KilnError, NotFound
+from kiln.server import responses_api as ra
+from kiln.server.generation import submit_all
+from kiln.server.openai_api import now
+from kiln.server.openai_routes import prepare_chat
+from kiln.server.pagination import page, page_limit
+from kiln.server.schemas import ResponsesRequest
+from kiln.server.state import ServerState, server_state
+
+_encoder = msgspec.json.Encoder()
+
+# what the chat path calls a field -> what a Responses request calls it
+_PARAMS = (("messages", "input"), ("prompt", "input"), ("response_format.json_schema.schema", "text.format.schema"),
+           ("response_format", "text.format"))
+
+
+def _renamed(exc: KilnError) -> KilnError:
+    param = exc.param or ""
+    for chat, responses in _PARAMS:
+        if param == chat or param.startswith(chat + "."):
+            return exc.with_param(responses + param[len(chat):])
+    if param.startswith("tools[") and ".function." in param:
+        return exc.with_param(param.replace(".function.", "."))
+    return exc
+
+
+@post("/v1/responses", status_code=200)
+async def create_response(request: Request, data: ResponsesRequest) -> Response | Stream:
+    st = server_state(request)
+    st.admit_inference()
+    adapter = await st.select_model_async(data.model)
+    new_items = ra.input_items(data.input)
+    context: list[dict[str, Any]] = []
+    if data.previous_response_id is not None:
+        context = st.responses.conversation(data.previous_response_id)
+        if context is None:
+            raise InvalidRequest(f"Previous response with id '{data.previous_response_id}' not found.",
+                                 code="previous_response_not_found", param="previous_response_id")
+    if not new_items and data.previous_response_id is None:
+        raise InvalidRequest("input must not be empty", param="input")
+    rid = ra.new_item_id("resp")
+    try:
+        prompt, params, reader = await prepare_chat(st, ra.chat_request(data, context + new_items))
+        [stream] = submit_all(st, rid, [prompt], params, adapter and adapter.weights, None)
+    except KilnError as exc:
+        raise _renamed(exc) from None
+    run = ResponseRun(st, data, rid, adapter.name if adapter else st.model_id, st.lineage(adapter), stream,
+                      ra.OutputItems(reader, st.tokenizer, params.logprobs is not None), new_items, context)
+    if data.stream:
+        return Stream(run.events(), media_type="text/event-stream")
+    return Response(await run.whole())
+
+
+class ResponseRun:
+    """One response being generated: its engine stream read into output items, then stored."""
+
+    def __init__(self, st: ServerState, req: ResponsesRequest, rid: str, model: str, lineage: dict,
+                 stream: RequestStream, output: ra.OutputItems, new_items: list[dict], context: list[dict]):
+        self.st, self.req, self.rid, self.model, self.lineage = st, req, rid, model, lineage
+        self.stream, self.output = stream, output
+        self.new_items, self.context = new_items, context
+        self.created_at = now()
+        self.final: Delta | None = None
+
+    def _feed(self, d: Delta) -> list[dict[str, Any]]:
+        if d.error is not None:
+            raise d.error
+        if d.finished:
+            self.final = d
+        status = "incomplete" if d.finish_reason == "length" else "completed"
+        return self.output.feed(d.text, d.logprobs, d.finished, status)
+
+    def _body(self, status: str | None = None, error: dict | None = None) -> dict[str, Any]:
+        final = self.final
+        if status is None:
+            status = "incomplete" if final.finish_reason == "length" else "completed"
+        usage = None
+        if final is not None:
+            reasoning = "".join(p["text"] for it in self.output.items if it["type"] == "reasoning"
+                                for p in it["content"])
+            usage = ra.usage(final.usage, len(self.st.tokenizer.encode(reasoning, add_special_tokens=False))
+                             if reasoning else 0)
+        body = ra.response_object(self.rid, self.req, self.model, self.created_at, status,
+                                  self.output.items if final is not None or error else [], usage, error)
+        if final is not None:
+            body["kiln"] = {"latency": [final.metrics], "lineage": self.lineage}
+        return body
+
+    def _store(self, body: dict[str, Any]) -> None:
+        if self.req.store:
+            self.st.responses.put(body, self.new_items, self.context + self.new_items)
+
+    async def whole(self) -> dict[str, Any]:
+        try:
+            async for d in self.stream:
+                self._feed(d)
+        finally:
+            self.stream.close()
+        body = self._body()
+        self._store(body)
+        return body
+
+    async def events(self) -> AsyncIterator[bytes]:
+        numbers = itertools.count()
+
+        def event(payload: dict[str, Any]) -> bytes:
+            payload = {"type": payload["type"], "sequence_number": next(numbers), **payload}
+            return b"event: " + payload["type"].encode() + b"\ndata: " + _encoder.encode(payload) + b"\n\n"
+
+        start = self._body(status="in_progress")
+        yield event({"type": "response.created", "response": start})
+        yield event({"type": "response.in_progress", "response": start})
+        try:
+            async for d in self.stream:
+                for e in self._feed(d):
+                    yield event(e)
+            body = self._body()
+            self._store(body)
+            yield event({"type": f"response.{body['status']}", "response": body})
+        except KilnError as exc:
+            error = {"code": exc.code or exc.type, "message": exc.message}
+            yield event({"type": "response.failed", "response": self._body(status="failed", error=error)})
+        finally:
+            self.stream.close()
+
+
+def _not_found(response_id: str) -> NotFound:
+    return NotFound(f"Response with id '{response_id}' not found.", code="response_not_found", param="response_id")
+
+
+@get("/v1/responses/{response_id:str}", sync_to_thread=False)
+def retrieve_response(request: Request, response_id: str) -> dict[str, Any]:
+    body = server_state(request).responses.get(response_id)
+    if body is None:
+        raise _not_found(response_id)
+    return body
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200, sync_to_thread=False)
+def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+    if not server_state(request).responses.delete(response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@get("/v1/responses/{response_id:str}/input_items", sync_to_thread=False)
+def list_input_items(request: Request, response_id: str, after: str | None = None, limit: int | None = None,
+                     order: str = "desc") -> dict[str, Any]:
+    st = server_state(request)
+    items = st.responses.input_items(response_id)
+    if items is None:
+        raise _not_found(response_id)
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be asc or desc", param="order")
+    if order == "desc":
+        items = items[::-1]
+    ids = [it["id"] for it in items]
+    start = ids.index(after) + 1 if after in ids else 0 if after is None else len(ids)
+    size = page_limit(limit)
+    return page(items[start:start + size], start + size < len(items))
+
+
+ROUTES = [create_response, retrieve_response, delete_response, list_input_items]
