@@ -1,5 +1,6 @@
-"""The process that runs Python graders' code; started by `python_sandbox.SandboxPool` as
-`python -I _sandbox_worker.py CONFIG` (standard library only, so it starts in milliseconds).
+"""The process that runs untrusted Python (graders' `grade(sample, item)`, agent runs' `kiln_python`
+tools) ; started by `python_sandbox.SandboxPool` as `python -I _sandbox_worker.py CONFIG` (standard
+library only, so it starts in milliseconds).
 
 Before any grader code runs it:
 1. sets hard resource limits: address space (RLIMIT_AS), a lifetime CPU budget (RLIMIT_CPU),
@@ -86,6 +87,9 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+_dumps = json.dumps  # bound before any untrusted code runs: it may patch the json module
+
+
 def _run(request, cache, cpu_hard):
     soft = min(int(_cpu_seconds() + request["cpu_s"]) + 1, cpu_hard)
     resource.setrlimit(resource.RLIMIT_CPU, (soft, cpu_hard))
@@ -96,10 +100,15 @@ def _run(request, cache, cpu_hard):
             code = cache[source] = compile(source, "<grader>", "exec")
         namespace = {"__name__": "__grader__", "__builtins__": __builtins__}
         exec(code, namespace)
-        grade = namespace.get("grade")
-        if not callable(grade):
-            return {"ok": False, "error": "runtime", "details": "the source defines no grade(sample, item) function"}
-        value = grade(request["sample"], request["item"])
+        name = request.get("function", "grade")
+        function = namespace.get(name)
+        if not callable(function):
+            signature = "(sample, item)" if name == "grade" else "(...)"
+            return {"ok": False, "error": "runtime", "details": f"the source defines no {name}{signature} function"}
+        if "kwargs" in request:  # a tool: any JSON-able value, returned as text
+            value = function(**request["kwargs"])
+            return {"ok": True, "value": value if isinstance(value, str) else _dumps(value, default=str)}
+        value = function(request["sample"], request["item"])
     except MemoryError:
         return {"ok": False, "error": "runtime", "recycle": True,
                 "details": f"MemoryError: the grader went over its memory limit of {request['memory_bytes']} bytes"}

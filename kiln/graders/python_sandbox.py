@@ -68,10 +68,10 @@ class SandboxLimits:
 
 @dataclasses.dataclass
 class Outcome:
-    """What one call in the sandbox gave: `value` (whatever grade() returned, as a float or
-    None) or an `error` kind: runtime | timeout | crash | sandbox_unavailable."""
+    """What one call in the sandbox gave: `value` (what grade() returned, as a float or None; what
+    a tool function returned, as text) or an `error` kind: runtime | timeout | crash | sandbox_unavailable."""
 
-    value: float | None = None
+    value: float | str | None = None
     error: str | None = None
     details: str | None = None
 
@@ -112,18 +112,19 @@ class _Worker:
         return (self.proc.poll() is None and self.tasks < self.limits.max_tasks
                 and self.cpu_s + self.limits.timeout_s + 2 < self.limits.cpu_budget_s)
 
-    def call(self, source: str, sample: Any, item: Any, timeout_s: float) -> tuple[Outcome, bool]:
-        """One grade() call; returns its outcome and whether the worker can be kept."""
+    def call(self, task: dict[str, Any], timeout_s: float) -> tuple[Outcome, bool]:
+        """One call (`task`: source plus sample and item, or function and kwargs); returns its outcome
+        and whether the worker can be kept."""
         self.tasks += 1
-        nonce = secrets.token_hex(8)  # grader code can write to the reply pipe, but cannot guess this
-        request = {"id": nonce, "source": source, "sample": sample, "item": item, "cpu_s": timeout_s,
-                   "memory_bytes": self.limits.memory_bytes}
+        nonce = secrets.token_hex(8)  # sandboxed code can write to the reply pipe, but cannot guess this
+        request = {**task, "id": nonce, "cpu_s": timeout_s, "memory_bytes": self.limits.memory_bytes}
         deadline = time.monotonic() + timeout_s
         try:
             self._write((json.dumps(request, default=str) + "\n").encode(), deadline)
             reply = self._read(deadline)
         except TimeoutError:
-            return Outcome(error="timeout", details=f"grade() did not return within {timeout_s:g} s"), False
+            name = task.get("function", "grade")
+            return Outcome(error="timeout", details=f"{name}() did not return within {timeout_s:g} s"), False
         except SandboxError as exc:
             return Outcome(error="crash", details=str(exc)), False
         if reply.get("id") != nonce or not isinstance(reply.get("cpu_s"), int | float):
@@ -213,6 +214,17 @@ class SandboxPool:
         self.network_isolation: str | None = None  # what the last worker started reported
 
     def run(self, source: str, sample: Any, item: Any) -> Outcome:
+        """grade(sample, item) of `source`: its number, or why there is none."""
+        return self._call({"source": source, "sample": sample, "item": item}, self.limits.timeout_s)
+
+    def call_function(self, source: str, function: str, kwargs: dict[str, Any],
+                      timeout_s: float | None = None) -> Outcome:
+        """function(**kwargs) of `source` within `timeout_s` (default: the pool's limit): what it
+        returned, as text (JSON unless a string), or why not."""
+        return self._call({"source": source, "function": function, "kwargs": kwargs},
+                          timeout_s or self.limits.timeout_s)
+
+    def _call(self, task: dict[str, Any], timeout_s: float) -> Outcome:
         with self._slots:
             try:
                 worker = self._take()
@@ -221,11 +233,11 @@ class SandboxPool:
                 return Outcome(error="sandbox_unavailable", details=str(exc))
             keep = False
             try:
-                outcome, keep = worker.call(source, sample, item, self.limits.timeout_s)
+                outcome, keep = worker.call(task, timeout_s)
             finally:
                 self._give(worker, keep)
             if outcome.error in ("timeout", "crash"):
-                log.warning("python grader worker %s replaced: %s", worker.pid, outcome.details)
+                log.warning("python sandbox worker %s replaced: %s", worker.pid, outcome.details)
             return outcome
 
     def pids(self) -> list[int]:
@@ -296,17 +308,8 @@ class PythonGrader(Grader):
     @classmethod
     def from_json(cls, f: Fields) -> PythonGrader:
         source = f.text("source")
-        if len(source.encode()) > MAX_SOURCE_BYTES:
-            raise f.bad("source", f"is longer than {MAX_SOURCE_BYTES} bytes")
-        try:
-            tree = ast.parse(source)
-        except SyntaxError as exc:
-            where = f" (line {exc.lineno})" if exc.lineno else ""
-            raise f.bad("source", f"does not compile: {exc.msg}{where}") from None
-        except (ValueError, RecursionError, MemoryError) as exc:  # null bytes, deep nesting
-            raise f.bad("source", f"does not compile: {exc or type(exc).__name__}") from None
-        if "grade" not in _top_level_names(tree):
-            raise f.bad("source", "must define grade(sample, item) at top level")
+        if (problem := source_problem(source, "grade", "(sample, item)")) is not None:
+            raise f.bad("source", problem)
         image_tag = f.get("image_tag")
         if image_tag is not None and not isinstance(image_tag, str):
             raise f.bad("image_tag", "must be a string")
@@ -325,6 +328,23 @@ class PythonGrader(Grader):
         return GradeResult.failed({"python_grader_server_error_type": outcome.error},
                                   python_grader_server_error=True,
                                   unresponsive_reward_error=outcome.error == "timeout")
+
+
+def source_problem(source: str, name: str, signature: str = "(...)") -> str | None:
+    """Why `source` cannot be run in the sandbox as `name`: too long, does not compile, or does not
+    define it at top level; None if it can."""
+    if len(source.encode()) > MAX_SOURCE_BYTES:
+        return f"is longer than {MAX_SOURCE_BYTES} bytes"
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        where = f" (line {exc.lineno})" if exc.lineno else ""
+        return f"does not compile: {exc.msg}{where}"
+    except (ValueError, RecursionError, MemoryError) as exc:  # null bytes, deep nesting
+        return f"does not compile: {exc or type(exc).__name__}"
+    if name not in _top_level_names(tree):
+        return f"must define {name}{signature} at top level"
+    return None
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:

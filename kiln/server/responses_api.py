@@ -81,9 +81,14 @@ def input_items(raw: str | list | None) -> list[dict[str, Any]]:
         elif kind == "reasoning":
             items.append({"type": "reasoning", "id": item.get("id") or new_item_id("rs"),
                           "summary": item.get("summary") or [], "content": item.get("content") or []})
+        elif kind == "mcp_call":
+            items.append({**item, "id": _require_str(item, "id", param), "name": _require_str(item, "name", param),
+                          "arguments": _require_str(item, "arguments", param)})
+        elif kind == "mcp_list_tools":
+            items.append({**item, "id": item.get("id") or new_item_id("mcpl")})
         else:
             raise InvalidRequest(f"input item type {kind!r} is not supported (message, function_call, "
-                                 "function_call_output, reasoning)", param=f"{param}.type")
+                                 "function_call_output, reasoning, mcp_call, mcp_list_tools)", param=f"{param}.type")
     return items
 
 
@@ -99,19 +104,34 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
         elif kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append(ChatMessage(role=role, content=_text(item["content"], "input")))
-        elif kind == "function_call":
-            call = {"id": item["call_id"], "type": "function",
+        elif kind in ("function_call", "mcp_call"):
+            call_id = item["call_id"] if kind == "function_call" else item["id"]
+            call = {"id": call_id, "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or []), call]
             else:
                 messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+            if kind == "mcp_call":  # its output travels in the same item
+                output = item.get("output") if item.get("error") is None else f"error: {_error_text(item['error'])}"
+                messages.append(ChatMessage(role="tool", tool_call_id=call_id, content=output or ""))
         elif kind == "function_call_output":
             messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"], content=item["output"]))
-        if kind in ("message", "function_call") and reasoning is not None and messages[-1].role == "assistant":
-            messages[-1].reasoning_content, reasoning = reasoning, None
+        assistant_side = kind in ("function_call", "mcp_call") or (kind == "message" and item["role"] == "assistant")
+        if assistant_side and reasoning is not None:  # the turn the reasoning led to
+            turn = next(m for m in reversed(messages) if m.role == "assistant")
+            turn.reasoning_content, reasoning = reasoning, None
     return messages
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        parts = error.get("content")
+        if isinstance(parts, list):
+            return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        return str(error.get("message", error))
+    return str(error)
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -138,9 +158,9 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
     if choice is None or isinstance(choice, str):
         return choice
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-        raise InvalidRequest("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
-                             param="tool_choice")
+    if choice.get("type") not in ("function", "mcp") or not isinstance(choice.get("name"), str):
+        raise InvalidRequest("tool_choice must be none, auto, required, {\"type\": \"function\", \"name\": ...} "
+                             "or {\"type\": \"mcp\", \"server_label\": ..., \"name\": ...}", param="tool_choice")
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
@@ -170,22 +190,31 @@ def logprob_count(req: ResponsesRequest) -> int | None:
     return None
 
 
-def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat completion request that generates this response."""
+def check_request(req: ResponsesRequest) -> None:
+    """What a Responses request must satisfy before anything runs (beyond its chat request's checks)."""
     for field in ("background", "conversation"):
         if getattr(req, field):
             raise InvalidRequest(f"{field} is not supported", param=field)
     if req.truncation not in (None, "disabled"):
         raise InvalidRequest("truncation must be disabled", param="truncation")
-    if req.max_output_tokens is not None and req.max_output_tokens < 1:
-        raise InvalidRequest("max_output_tokens must be at least 1", param="max_output_tokens")
+    for field, least in (("max_output_tokens", 1), ("max_tool_calls", 0), ("max_turns", 1)):
+        if getattr(req, field) is not None and getattr(req, field) < least:
+            raise InvalidRequest(f"{field} must be at least {least}", param=field)
+    text_format(req.text)
+    logprob_count(req)
+
+
+def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]], tools: list[dict[str, Any]],
+                 max_tokens: int | None) -> ChatCompletionRequest:
+    """The chat completion request that generates one turn of this response: the conversation so
+    far, every tool the model may call (Responses function tools), at most `max_tokens`."""
     messages = chat_messages(req.instructions, conversation)
     if not messages:
         raise InvalidRequest("input must not be empty", param="input")
     logprobs = logprob_count(req)
     return ChatCompletionRequest(
-        model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
-        temperature=req.temperature, top_p=req.top_p, tools=chat_tools(req.tools),
+        model=req.model, messages=messages, max_completion_tokens=max_tokens,
+        temperature=req.temperature, top_p=req.top_p, tools=chat_tools(tools),
         tool_choice=chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(text_format(req.text)), logprobs=logprobs is not None,
         top_logprobs=logprobs or None)
@@ -208,16 +237,19 @@ class OutputItems:
     ends. `feed` returns the stream events (without sequence numbers) and `items` holds the output
     items in order, so a whole response and a streamed one are the same items."""
 
-    def __init__(self, reader: OutputReader, tok: KilnTokenizer, logprobs: bool):
+    def __init__(self, reader: OutputReader, tok: KilnTokenizer, logprobs: bool, first_index: int = 0,
+                 server_label=lambda name: None):
         self.reader, self.tok, self.with_logprobs = reader, tok, logprobs
+        self.first_index = first_index  # output items of earlier turns come before these
+        self.server_label = server_label  # a call's MCP server (it is an mcp_call item), or None
         self.text = ""
         self.sent = Parsed()
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item still growing (also the last of `items`)
         self.logprobs: list[dict[str, Any]] = []
 
-    def _index(self) -> int:
-        return len(self.items) - 1
+    def _index(self, item: dict[str, Any] | None = None) -> int:
+        return self.first_index + (len(self.items) - 1 if item is None else self.items.index(item))
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         events = self._finish("completed")
@@ -237,7 +269,7 @@ class OutputItems:
         item, self.open = self.open, None
         if item is None:
             return []
-        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        where = {"item_id": item["id"], "output_index": self._index(item)}
         events = []
         if item["type"] == "message":
             part = item["content"][0]
@@ -250,12 +282,18 @@ class OutputItems:
             part = item["content"][0]
             events += [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part["text"]},
                        {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
+        elif item["type"] == "mcp_call":  # done once it ran (see `call_done`)
+            item["status"] = "calling"
+            return [{"type": "response.mcp_call_arguments.done", **where, "arguments": item["arguments"]}]
         else:
             events.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
                            "arguments": item["arguments"]})
         item["status"] = status
         events.append({"type": "response.output_item.done", "output_index": where["output_index"], "item": item})
         return events
+
+    def calls(self) -> list[dict[str, Any]]:
+        return [it for it in self.items if it["type"] in ("function_call", "mcp_call")]
 
     def feed(self, text: str, logprobs: list[TokenLogprob] | None, final: bool,
              status: str = "completed") -> list[dict[str, Any]]:
@@ -289,36 +327,46 @@ class OutputItems:
         for i, call in enumerate(now.calls):
             sent = self.sent.calls[i].arguments if i < len(self.sent.calls) else None
             if sent is None:
-                events += self._start({"type": "function_call", "id": new_item_id("fc"),
-                                       "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": call.name,
-                                       "arguments": "", "status": "in_progress"})
+                label = self.server_label(call.name)
+                if label is None:
+                    events += self._start({"type": "function_call", "id": new_item_id("fc"),
+                                           "call_id": f"call_{uuid.uuid4().hex[:24]}", "name": call.name,
+                                           "arguments": "", "status": "in_progress"})
+                else:
+                    events += self._start({"type": "mcp_call", "id": new_item_id("mcp"), "server_label": label,
+                                           "name": call.name, "arguments": "", "output": None, "error": None,
+                                           "status": "in_progress"})
                 sent = ""
             if len(call.arguments) > len(sent):
                 delta = call.arguments[len(sent):]
-                item = [it for it in self.items if it["type"] == "function_call"][i]
+                item = self.calls()[i]
                 item["arguments"] += delta
-                events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                               "output_index": self.items.index(item), "delta": delta})
+                kind = "mcp_call" if item["type"] == "mcp_call" else "function_call"
+                events.append({"type": f"response.{kind}_arguments.delta", "item_id": item["id"],
+                               "output_index": self._index(item), "delta": delta})
         self.sent = now
         if final:
             events += self._finish(status)
         return events
 
 
-def usage(final_usage: dict[str, int], reasoning_tokens: int) -> dict[str, Any]:
-    prompt, completion = final_usage["prompt_tokens"], final_usage["completion_tokens"]
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": final_usage["cached_tokens"]},
+def usage(turns: list[dict[str, int]], reasoning_tokens: int) -> dict[str, Any]:
+    """A response's usage: every turn's tokens (an agent run's turns each read their whole conversation)."""
+    prompt, completion = (sum(t[k] for t in turns) for k in ("prompt_tokens", "completion_tokens"))
+    cached = sum(t["cached_tokens"] for t in turns)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt + completion}
 
 
 def response_object(rid: str, req: ResponsesRequest, model: str, created_at: int, status: str,
                     output: list[dict[str, Any]], usage_: dict[str, Any] | None = None,
-                    error: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The response object; a request's settings are echoed as OpenAI echoes them."""
+                    error: dict[str, Any] | None = None, incomplete: str | None = None) -> dict[str, Any]:
+    """The response object; a request's settings are echoed as OpenAI echoes them. `incomplete`: why
+    an incomplete response stopped (max_output_tokens, max_tool_calls, max_turns, context_length)."""
     return {
         "id": rid, "object": "response", "created_at": created_at, "status": status, "error": error,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "incomplete_details": {"reason": incomplete} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
         "max_tool_calls": req.max_tool_calls, "model": model, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,

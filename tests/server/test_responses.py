@@ -215,3 +215,146 @@ def test_items_become_chat_messages():
         ("tool", "sunny"), ("tool", "noon")]
     assert [c["id"] for c in messages[3].tool_calls] == ["c1", "c2"] and messages[3].reasoning_content == "hm"
     assert [m.tool_call_id for m in messages[4:]] == ["c1", "c2"]
+
+
+# ---- agent runs: tools Kiln runs itself ---------------------------------------------------------
+
+MULTIPLY = {"type": "kiln_python", "name": "multiply", "description": "Multiplies two numbers",
+            "parameters": {"type": "object", "properties": {"a": {"enum": [12, 34]}, "b": {"enum": [56, 78]}},
+                           "required": ["a", "b"]},
+            "source": "def multiply(a, b):\n    return a * b\n"}
+
+
+def agent(client, tools, choice, **kw):
+    return client.responses.create(model=MODEL, input="Use the tool.", tools=tools, temperature=0,
+                                   tool_choice=choice, **kw)
+
+
+def prompt_tokens(server, messages, tools):
+    chat_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                  for t in tools]
+    r = httpx.post(server.url + "/tokenize", json={"messages": messages, "tools": chat_tools}, timeout=30)
+    return r.json()["count"]
+
+
+def test_a_kiln_python_tool_runs_in_the_sandbox_and_its_output_is_the_next_turns_input(server, client):
+    r = agent(client, [MULTIPLY], {"type": "function", "name": "multiply"}, max_tool_calls=1)
+    call, output, again = r.output
+    assert (call.type, output.type, again.type) == ("function_call", "function_call_output", "function_call")
+    args = json.loads(call.arguments)
+    assert output.call_id == call.call_id and output.output == str(args["a"] * args["b"])
+    # the second turn read the first call and its output: usage counts both turns' prompts
+    user = [{"role": "user", "content": "Use the tool."}]
+    first = prompt_tokens(server, user, [MULTIPLY])
+    second = prompt_tokens(server, user + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": "multiply", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": output.output}], [MULTIPLY])
+    assert r.usage.input_tokens == first + second
+    # the limit ended it: the third call never ran
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_tool_calls"
+
+
+def test_a_failing_or_slow_tool_reaches_the_model_as_an_error(client):
+    boom = {"type": "kiln_python", "name": "boom", "parameters": {"type": "object", "properties": {}},
+            "source": "def boom():\n    raise ValueError('no luck')\n"}
+    slow = {"type": "kiln_python", "name": "nap", "timeout_s": 1, "parameters": {"type": "object", "properties": {}},
+            "source": "import time\ndef nap():\n    time.sleep(30)\n"}
+    for tool, said in ((boom, "ValueError: no luck"), (slow, "did not return within 1 s")):
+        r = agent(client, [tool], {"type": "function", "name": tool["name"]}, max_tool_calls=1)
+        output = r.output[1]
+        assert output.type == "function_call_output" and output.output.startswith("error:") and said in output.output
+        assert r.status == "incomplete"  # not a 5xx: the run went on to its next turn
+
+
+def test_a_tool_loop_stops_at_the_turn_limit(client):
+    r = agent(client, [MULTIPLY], "required", parallel_tool_calls=False, extra_body={"max_turns": 3})
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_turns" and len(calls) == 3
+    assert len([i for i in r.output if i.type == "function_call_output"]) == 3
+    # with no limit of its own, this tiny model's 256-token context ends the loop
+    r = agent(client, [MULTIPLY], "required")
+    assert r.status == "incomplete" and r.incomplete_details.reason == "context_length" and len(r.output) > 4
+
+
+@pytest.fixture(scope="module")
+def mcp_url():
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parents[1] / "mcp_server.py"
+    proc = subprocess.Popen([sys.executable, str(script), "http", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.terminate()
+    proc.wait(10)
+
+
+def mcp_tool(**kw):
+    return {"type": "mcp", "server_label": "calc", "require_approval": "never", **kw}
+
+
+def test_an_mcp_tool_over_http_lists_calls_and_streams(client, mcp_url):
+    tools = [mcp_tool(server_url=mcp_url, allowed_tools=["add", "fail"])]
+    r = agent(client, tools, {"type": "mcp", "server_label": "calc", "name": "add"}, max_tool_calls=1)
+    listing, call, _ = r.output
+    assert listing.type == "mcp_list_tools" and sorted(t.name for t in listing.tools) == ["add", "fail"]
+    args = json.loads(call.arguments)
+    assert call.type == "mcp_call" and call.name == "add" and call.server_label == "calc"
+    assert call.output == str(args["a"] + args["b"]) and call.error is None and call.status == "completed"
+    failed = agent(client, tools, {"type": "function", "name": "fail"}, max_tool_calls=1).output[1]
+    assert failed.status == "failed" and "it broke" in failed.error.content[0]["text"]
+    # streamed: the call's arguments, then its run, then the item done with its output
+    events = list(client.responses.create(model=MODEL, input="Use the tool.", tools=tools, temperature=0,
+                                          tool_choice={"type": "function", "name": "add"}, max_tool_calls=1,
+                                          stream=True))
+    types = [e.type for e in events]
+    first_call = types.index("response.mcp_call_arguments.delta")
+    assert types[first_call - 1] == "response.output_item.added"
+    assert types.index("response.mcp_call_arguments.done") < types.index("response.mcp_call.in_progress") \
+        < types.index("response.mcp_call.completed")
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "mcp_call"]
+    assert done[0].output == events[-1].response.output[1].output and types[-1] == "response.incomplete"
+
+
+def test_an_mcp_tool_over_stdio_and_its_timeout(client):
+    import sys
+    from pathlib import Path
+
+    command = [sys.executable, str(Path(__file__).parents[1] / "mcp_server.py"), "stdio"]
+    r = agent(client, [mcp_tool(command=command, timeout_s=1)], {"type": "function", "name": "slow"},
+              max_tool_calls=1)
+    call = r.output[1]
+    assert call.type == "mcp_call" and call.status == "failed" and "did not answer within 1 s" in call.error.content[0][
+        "text"]
+    r = agent(client, [mcp_tool(command=command)], {"type": "function", "name": "add"}, max_tool_calls=1)
+    assert r.output[1].status == "completed" and r.output[1].output in {"7", "9", "8", "10"}
+
+
+@pytest.mark.parametrize("tool, param", [
+    ({"type": "kiln_python", "name": "f", "source": "def f(:\n"}, "tools[0].source"),
+    ({"type": "kiln_python", "name": "f", "source": "def g():\n    pass\n"}, "tools[0].source"),
+    ({"type": "kiln_python", "source": "def f():\n    pass\n"}, "tools[0].name"),
+    ({"type": "kiln_python", "name": "f", "source": "def f(): pass", "timeout_s": 0}, "tools[0].timeout_s"),
+    (mcp_tool(server_url="http://127.0.0.1:9/mcp"), "tools[0].server_url"),
+    (mcp_tool(command=["/nonexistent/mcp-server"]), "tools[0].command"),
+    (mcp_tool(), "tools[0].server_url"),
+    (mcp_tool(server_url="http://127.0.0.1:9/mcp", require_approval="always"), "tools[0].require_approval"),
+])
+def test_bad_agent_tools_are_a_400_naming_the_field(server, tool, param):
+    r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi", "tools": [tool]}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

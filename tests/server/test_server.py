@@ -255,6 +255,9 @@ ENDPOINTS = {
     "completion": ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}),
     "prompt_logprobs": ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "echo": True, "logprobs": 1}),
     "responses": ("POST", "/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    "agent_run": ("POST", "/v1/responses", {
+        "input": "hi", "max_output_tokens": 8, "max_tool_calls": 0, "tool_choice": "required",
+        "tools": [{"type": "kiln_python", "name": "f", "source": "def f():\n    return 1\n"}]}),
     "tokenize": ("POST", "/tokenize", {"prompt": "hi"}),
     "render": ("POST", "/render", {"messages": CHAT}),
 }
@@ -262,7 +265,8 @@ EXPECTED = {
     "stable": {name: 200 for name in ENDPOINTS},
     "experimental": {name: 200 for name in ENDPOINTS},
     "maintenance": {**{name: 200 for name in ENDPOINTS}, "health": 503, "health_v1": 503, "chat": 503,
-                    "completion": 503, "prompt_logprobs": 503, "responses": 503},
+                    "completion": 503, "prompt_logprobs": 503, "responses": 503,
+                    "agent_run": 503},
 }
 
 
