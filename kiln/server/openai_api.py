@@ -6,15 +6,18 @@ or as a streamed delta) is written. Everything else is shared (see generation.py
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, ClassVar
 
-from kiln.engine.params import SamplingParams
+from kiln.engine.grammar import GrammarCompiler
+from kiln.engine.params import SamplingParams, ThinkingBudget
 from kiln.engine.request import Delta, TokenLogprob
 from kiln.errors import InvalidRequest
 from kiln.models.tokenizer import KilnTokenizer
-from kiln.server.chat_output import OutputReader, StreamedChoice
+from kiln.server import structured
+from kiln.server.chat_output import THINK_END, THINK_START, OutputReader, StreamedChoice, choose_parser, thinks
 from kiln.server.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields, message_dicts
 
 
@@ -52,6 +55,45 @@ def render_chat(tok: KilnTokenizer, req, messages) -> list[int]:
     text = tok.apply_chat_template(message_dicts(messages), add_generation_prompt=req.add_generation_prompt,
                                    tools=req.tools, **(req.chat_template_kwargs or {}))
     return tok.encode(text, add_special_tokens=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatPath:
+    """What turns a chat body into a prompt, sampling parameters and an output reader: the model's
+    tokenizer, the grammar compiler, and the reasoning and tool-call parser settings. Chat
+    completions, the Responses API and agent runs (in the server or in Python) all go through it."""
+
+    tokenizer: KilnTokenizer
+    grammars: GrammarCompiler
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
+
+    async def prepare(self, data: ChatCompletionRequest) -> tuple[list[int], SamplingParams, OutputReader]:
+        """The body's prompt ids, its sampling parameters (grammar compiled) and how its output is read."""
+        if not data.messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        tok = self.tokenizer
+        tools = structured.tool_parameters(data.tools)
+        mode, function = structured.tool_choice(data, tools)
+        constraint = structured.output_constraint(data)
+        constraint = structured.tool_call_constraint(mode, function, tools, data.parallel_tool_calls) or constraint
+        prompt = render_chat(tok, data, data.messages)
+        logprobs = chat_logprob_count(data)
+        params = sampling_params(data, chat_max_tokens(data), logprobs)
+        template = tok.chat_template
+        reader = OutputReader(
+            reasoning=thinks(self.reasoning_parser, template) and constraint is None,
+            opens_in_reasoning=tok.decode(prompt[-16:], skip_special_tokens=False).rstrip().endswith(THINK_START),
+            tool_mode=mode, tool_format=choose_parser(self.tool_call_parser, template), function=function)
+        if data.thinking_token_budget is not None and reader.reasoning:
+            end = tuple(tok.encode(THINK_END, add_special_tokens=False))
+            params.thinking = ThinkingBudget(data.thinking_token_budget, end, THINK_START, THINK_END,
+                                             reader.opens_in_reasoning)
+        if mode == "auto" and reader.tool_format == "mistral":
+            params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
+        if constraint is not None:
+            params.grammar = await self.grammars.compile_async(constraint)
+        return prompt, params, reader
 
 
 def completion_prompts(tok: KilnTokenizer, prompt) -> list[list[int]]:

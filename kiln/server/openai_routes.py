@@ -8,11 +8,9 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.response import Stream
 
-from kiln.engine.params import SamplingParams, ThinkingBudget
 from kiln.errors import InvalidRequest
 from kiln.server import openai_api as oa
 from kiln.server import structured
-from kiln.server.chat_output import THINK_END, THINK_START, OutputReader, choose_parser, thinks
 from kiln.server.generation import respond, submit_all
 from kiln.server.schemas import (
     ChatCompletionRequest,
@@ -29,37 +27,9 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
     st = server_state(request)
     st.admit_inference()
     adapter = await st.select_model_async(data.model)
-    prompt, params, reader = await prepare_chat(st, data)
+    prompt, params, reader = await st.chat_path.prepare(data)
     fmt = oa.ChatFormat(st.tokenizer, params.logprobs is not None, reader)
     return await _generate(st, fmt, data, [prompt], params, adapter)
-
-
-async def prepare_chat(st: ServerState, data: ChatCompletionRequest) -> tuple[list[int], SamplingParams, OutputReader]:
-    """A chat body's prompt, its sampling parameters (grammar compiled) and how its output is read:
-    shared by chat completions and the Responses API."""
-    if not data.messages:
-        raise InvalidRequest("messages must not be empty", param="messages")
-    tools = structured.tool_parameters(data.tools)
-    mode, function = structured.tool_choice(data, tools)
-    constraint = structured.output_constraint(data)
-    constraint = structured.tool_call_constraint(mode, function, tools, data.parallel_tool_calls) or constraint
-    prompt = oa.render_chat(st.tokenizer, data, data.messages)
-    logprobs = oa.chat_logprob_count(data)
-    params = oa.sampling_params(data, oa.chat_max_tokens(data), logprobs)
-    server, template = st.settings.server, st.tokenizer.chat_template
-    reader = OutputReader(
-        reasoning=thinks(server.reasoning_parser, template) and constraint is None,
-        opens_in_reasoning=st.tokenizer.decode(prompt[-16:], skip_special_tokens=False).rstrip().endswith(THINK_START),
-        tool_mode=mode, tool_format=choose_parser(server.tool_call_parser, template), function=function)
-    if data.thinking_token_budget is not None and reader.reasoning:
-        end = tuple(st.tokenizer.encode(THINK_END, add_special_tokens=False))
-        params.thinking = ThinkingBudget(data.thinking_token_budget, end, THINK_START, THINK_END,
-                                         reader.opens_in_reasoning)
-    if mode == "auto" and reader.tool_format == "mistral":
-        params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
-    if constraint is not None:
-        params.grammar = await st.grammars.compile_async(constraint)
-    return prompt, params, reader
 
 
 @post("/v1/completions", status_code=200)

@@ -213,7 +213,7 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]], tool
         raise InvalidRequest("input must not be empty", param="input")
     logprobs = logprob_count(req)
     return ChatCompletionRequest(
-        model=req.model, messages=messages, max_completion_tokens=max_tokens,
+        model=req.model, messages=messages, max_completion_tokens=max_tokens, seed=req.seed,
         temperature=req.temperature, top_p=req.top_p, tools=chat_tools(tools),
         tool_choice=chat_tool_choice(req.tool_choice), parallel_tool_calls=req.parallel_tool_calls,
         response_format=_response_format(text_format(req.text)), logprobs=logprobs is not None,

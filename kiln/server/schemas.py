@@ -103,6 +103,7 @@ class ResponsesRequest(Struct, kw_only=True):
     parallel_tool_calls: bool = True
     max_tool_calls: int | None = None
     max_turns: int | None = None  # Kiln: an agent run's model turns at most (default 16)
+    seed: int | None = None  # Kiln, as in chat completions: reproducible sampling
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
     max_output_tokens: int | None = None

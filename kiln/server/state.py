@@ -16,6 +16,7 @@ from kiln.engine.grammar import GrammarCompiler
 from kiln.engine.metrics import EngineMetrics
 from kiln.errors import AdmissionRejected, DeviceLost, NotFound, QueueFull
 from kiln.profiles import ResolvedProfile
+from kiln.server.openai_api import ChatPath
 
 Lineage = dict[str, Any]
 RETRY_AFTER_S = 5  # what a 503 while starting or shutting down tells a client to wait
@@ -52,6 +53,11 @@ class ServerState:
     @property
     def grammars(self) -> GrammarCompiler:
         return self.engine.grammars
+
+    @property
+    def chat_path(self) -> ChatPath:
+        server = self.settings.server
+        return ChatPath(self.tokenizer, self.grammars, server.reasoning_parser, server.tool_call_parser)
 
     @property
     def backend_route(self) -> str:

@@ -135,6 +135,7 @@ class Rollout:
     truncated: bool
     reward: float
     text: str = ""
+    loss_mask: np.ndarray | None = None  # per completion token: 1 where the policy sampled it (None: all)
 
 
 def _pad(parts: list[np.ndarray], K: int, dtype=np.float32) -> np.ndarray:
@@ -149,7 +150,8 @@ def rollout_batches(rollouts: Sequence[Rollout], advantages: np.ndarray, config:
     n = len(rollouts)
     token_seq = np.concatenate([np.full(len(r.completion_ids), i, np.int32) for i, r in enumerate(rollouts)])
     token_mask = np.concatenate([np.full(len(r.completion_ids), 0.0 if (
-        r.truncated and config.mask_truncated_completions) else 1.0, np.float32) for r in rollouts])
+        r.truncated and config.mask_truncated_completions) else 1.0, np.float32) *
+        (1.0 if r.loss_mask is None else r.loss_mask) for r in rollouts])
     weights = np.asarray(losses.sequence_loss_weights(jnp.asarray(token_mask), jnp.asarray(token_seq), n,
                                                       config.loss_type, config.max_completion_tokens))
     offsets = np.concatenate([[0], np.cumsum([len(r.completion_ids) for r in rollouts])])
@@ -349,6 +351,13 @@ class GRPORun(LoraRun):
         return [[Rollout(list(prompt), list(ch.token_ids), ch.logprobs, ch.finish_reason == "length", 0.0, ch.text)
                  for ch in group] for prompt, group in zip(prompts, choices, strict=True)]
 
+    def score(self, groups: list[list[Rollout]], indices: list[int]) -> None:
+        """Sets each rollout's reward: the reward of its text, with its prompt's item."""
+        flat = [r for g in groups for r in g]
+        items = [self.items[i] for i, g in zip(indices, groups, strict=True) for _ in g]
+        for r, score in zip(flat, self.reward([r.text for r in flat], items), strict=True):
+            r.reward = float(score)
+
     def train_step(self, groups: list[list[Rollout]], ownership=None) -> dict:
         """One optimizer step (or num_iterations) on scored rollouts, grouped by prompt (each
         group's rewards set); publishes the new weights to the engine."""
@@ -416,9 +425,7 @@ class GRPORun(LoraRun):
         groups = self.sample(indices)
         t1 = time.perf_counter()
         flat = [r for g in groups for r in g]
-        items = [self.items[i] for i, g in zip(indices, groups, strict=True) for _ in g]
-        for r, score in zip(flat, self.reward([r.text for r in flat], items), strict=True):
-            r.reward = float(score)
+        self.score(groups, indices)
         t2 = time.perf_counter()
         metrics = self.train_step(groups, ownership)
         t3 = time.perf_counter()

@@ -243,14 +243,14 @@ def test_a_kiln_python_tool_runs_in_the_sandbox_and_its_output_is_the_next_turns
     assert (call.type, output.type, again.type) == ("function_call", "function_call_output", "function_call")
     args = json.loads(call.arguments)
     assert output.call_id == call.call_id and output.output == str(args["a"] * args["b"])
-    # the second turn read the first call and its output: usage counts both turns' prompts
+    # the second turn continued the first one's tokens (the model's text verbatim), then read the
+    # tool's output: usage counts both turns' prompts, and the second found the first in the prefix cache
     user = [{"role": "user", "content": "Use the tool."}]
     first = prompt_tokens(server, user, [MULTIPLY])
-    second = prompt_tokens(server, user + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": "multiply", "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": output.output}], [MULTIPLY])
-    assert r.usage.input_tokens == first + second
+    second = prompt_tokens(server, user + [{"role": "assistant", "content": call.arguments},
+                                           {"role": "tool", "tool_call_id": call.call_id, "content": output.output}],
+                           [MULTIPLY])
+    assert r.usage.input_tokens == first + second and r.usage.input_tokens_details.cached_tokens > 0
     # the limit ended it: the third call never ran
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_tool_calls"
 
