@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from kiln.agent.run import MAX_TURNS, AgentRun, Turn
+from kiln.agent.loop import MAX_TURNS, AgentRun, Turn
 from kiln.agent.tools import AgentTools
 from kiln.server import responses_api as ra
 from kiln.server.openai_api import ChatPath

@@ -16,7 +16,7 @@ import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.response import Stream
 
-from kiln.agent.run import AgentRun
+from kiln.agent.loop import AgentRun
 from kiln.agent.tools import AgentTools
 from kiln.errors import InvalidRequest, KilnError, NotFound
 from kiln.server import responses_api as ra

@@ -52,11 +52,12 @@ class AgentGRPORun(GRPORun):
 
     def __init__(self, engine, items: list[Any], tools: list[dict], config: GRPOConfig, *,
                  reward=None, episode_reward: EpisodeReward | None = None, fields: dict | None = None,
-                 name: str = "agent-policy"):
+                 name: str = "agent-policy", start_lora: dict | None = None):
         if (reward is None) == (episode_reward is None):
             raise ValueError("give one of reward (on the final answer) and episode_reward (on the whole run)")
         self.inputs = [episode_input(item) for item in items]
-        super().__init__(engine, [[] for _ in items], items, reward or (lambda texts, items: []), config, name=name)
+        super().__init__(engine, [[] for _ in items], items, reward or (lambda texts, items: []), config, name=name,
+                         start_lora=start_lora)
         self.tools, self.fields, self.episode_reward = tools, dict(fields or {}), episode_reward
 
     def episodes(self, inputs: list, seeds: list[int]) -> list[agent.AgentResult]:
@@ -97,15 +98,16 @@ class AgentGRPORun(GRPORun):
 
 
 def agent_grpo(data, tools: list[dict], reward=None, name: str | None = None, *, episode_reward=None,
-               fields: dict | None = None, model=None, engine=None, config: GRPOConfig | None = None, store=None,
+               fields: dict | None = None, start_lora: dict | None = None, model=None, engine=None,
+               config: GRPOConfig | None = None, store=None,
                progress: bool = True, save: bool = True, settings=None, judge=None, max_prompt_len: int = 1024,
                **overrides) -> GRPOResult:
     """Trains a LoRA policy with multi-turn GRPO on tool episodes in this process and saves it.
 
     data: JSONL (a path or its text); each line `{"messages": [...], ...}` or `{"prompt": ...}`, the
     whole line the reward's item. tools: the episodes' tool definitions. reward / episode_reward:
-    see the module. fields: the runs' Responses fields (tool_choice, max_turns, ...). The rest as
-    kiln.train.grpo.grpo."""
+    see the module. fields: the runs' Responses fields (tool_choice, max_turns, ...). start_lora: LoRA
+    params to start from (an SFT run's `run.lora`, same rank). The rest as kiln.train.grpo.grpo."""
     from kiln.graders.engine_judge import base_model_judge
 
     config = dataclasses.replace(config or GRPOConfig(), **overrides)
@@ -113,7 +115,7 @@ def agent_grpo(data, tools: list[dict], reward=None, name: str | None = None, *,
     def make_run(engine, name, prompts):
         text_reward = as_reward(reward, judge or base_model_judge(engine)) if reward is not None else None
         return AgentGRPORun(engine, [p.item for p in prompts], tools, config, reward=text_reward,
-                            episode_reward=episode_reward, fields=fields, name=name)
+                            episode_reward=episode_reward, fields=fields, name=name, start_lora=start_lora)
 
     return train_policy(make_run, data, name or default_adapter_name("agent-grpo"), config, model=model,
                         engine=engine, store=store, progress=progress, save=save, settings=settings,

@@ -269,6 +269,7 @@ class GRPORun(LoraRun):
 
     engine: the AsyncEngine serving the base model (its params are the frozen base; nothing is
     copied). prompts: token ids per prompt; items: what the reward sees with each prompt.
+    start_lora: LoRA params to start from (an SFT run's `run.lora`); default a fresh adapter.
     validation: prompts (with items) the policy's mean reward is measured on every
     `eval_interval` steps and at the end, `eval_samples` completions each (none by default)."""
 
@@ -280,7 +281,7 @@ class GRPORun(LoraRun):
     eval_interval, eval_samples = 10, 1
 
     def __init__(self, engine, prompts: list[list[int]], items: list[Any], reward: Reward | None,
-                 config: GRPOConfig, name: str = "grpo-policy"):
+                 config: GRPOConfig, name: str = "grpo-policy", start_lora: dict | None = None):
         if not prompts or len(prompts) != len(items):
             raise ValueError("need one item per prompt, and at least one prompt")
         if config.lora_rank > engine.config.max_lora_rank or engine.config.max_loras < 1:
@@ -296,6 +297,10 @@ class GRPORun(LoraRun):
                                                config.lr_schedule)
         self.tx = adamw(self.schedule, config.weight_decay, config.max_grad_norm)
         self.lora = init_lora(self.cfg, config.lora_rank, config.target_modules, config.seed)
+        if start_lora is not None:  # an SFT run's adapter (`run.lora`) as the policy's start
+            if jax.tree.map(jnp.shape, start_lora) != jax.tree.map(jnp.shape, self.lora):
+                raise ValueError("start_lora must have this config's rank and target modules")
+            self.lora = jax.tree.map(jnp.asarray, start_lora)
         self.opt_state = self.tx.init(self.lora)
         self._set_steps(make_policy_steps(self.cfg, self.tx, config))
         self._executables: dict[tuple, Any] = {}

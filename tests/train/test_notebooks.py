@@ -54,3 +54,12 @@ def test_opd_notebook_runs_and_reports_the_gap(tiny_model):
     text = outputs(nb)
     assert "2 steps in" in text and "of the gap closed" in text
     assert has_plot(nb)
+
+
+def test_agent_grpo_notebook_runs_and_plots_the_reward(tiny_model):
+    nb = run_notebook("agent_grpo.ipynb", {"SFT_EXAMPLES": 8, "SFT_EPOCHS": 1, "STEPS": 2, "PROMPTS_PER_STEP": 2,
+                                           "NUM_GENERATIONS": 2, "MAX_TOKENS": 48, "EVAL_ITEMS": 4,
+                                           "MODEL": str(tiny_model.source)})
+    text = outputs(nb)
+    assert "2 steps in" in text and "held out, greedy: base" in text and "after SFT, held out as an agent" in text
+    assert has_plot(nb)

@@ -41,22 +41,30 @@ class Turn:
     continued: bool  # the prompt is the previous turn's prompt and tokens, then the template's
 
 
-def continuation(tok, messages: list[dict], tools: list[dict] | None, generated: str, sampled_text: str,
+def continuation(tok, messages: list[dict], tools: list[dict] | None, sampled: list[int],
                  tool_messages: list[dict]) -> str | None:
-    """The text that follows a turn's sampled tokens (which decode to `sampled_text`; `generated` is
-    the turn's text without its end token) up to the next turn's generation prompt: the template's
-    end of the assistant turn, the tool results, the next assistant header. None if the template
-    does not render the model's text back verbatim after the conversation `messages`."""
+    """The text that follows a turn's sampled tokens up to the next turn's generation prompt: the
+    template's end of the assistant turn, the tool results, the next assistant header. The turn is
+    rendered as what its tokens decode to (less an end token it sampled), so the text is the
+    template's own; None if the template does not render that text back verbatim after the
+    conversation `messages`."""
     def render(msgs, gen):
         return tok.apply_chat_template(msgs, add_generation_prompt=gen, tools=tools)
 
+    sampled_text = tok.decode(sampled, skip_special_tokens=False)
+    ended = bool(sampled) and tok.decode(sampled[-1:], skip_special_tokens=True) == ""  # a special end token
+    generated = tok.decode(sampled[:-1], skip_special_tokens=False) if ended else sampled_text
     before = render(messages, True)
     turn = [*messages, {"role": "assistant", "content": generated}]
     closed, after = render(turn, False), render(turn + tool_messages, True)
     said = closed[len(before):]
-    if not closed.startswith(before) or not said.startswith(sampled_text) or not after.startswith(closed):
+    if not (closed.startswith(before) and said.startswith(generated) and sampled_text.startswith(generated)
+            and after.startswith(closed)):
         return None
-    return said[len(sampled_text):] + after[len(closed):]
+    # the template's end of the turn, less the end token the model sampled when it is the same
+    # one (another end token, say <|endoftext|> for <|im_end|>, stays in the sequence before it)
+    end, glue = sampled_text[len(generated):], said[len(generated):]
+    return (glue[len(end):] if glue.startswith(end) else glue) + after[len(closed):]
 
 
 class AgentRun:
@@ -109,8 +117,7 @@ class AgentRun:
         tool_messages = [m for m in message_dicts(ra.chat_messages(None, self.conversation[start:])) if
                          m["role"] == "tool"]
         tok = self.path.tokenizer
-        text = continuation(tok, messages, tools, last.text, tok.decode(last.token_ids, skip_special_tokens=False),
-                            tool_messages)
+        text = continuation(tok, messages, tools, last.token_ids, tool_messages)
         if text is None:
             return None
         return last.prompt_ids + last.token_ids + tok.encode(text, add_special_tokens=False)
