@@ -152,6 +152,9 @@ SCHEMA: tuple[Key, ...] = (
         "on SIGTERM, how long running requests may finish before they are ended"),
     Key("server", "grammar_compile_timeout_s", "float", 10.0, positive,
         "a structured-output grammar that takes longer to compile gets 400"),
+    Key("server", "mcp_commands", "list[str]", [], None,
+        "MCP servers an agent run may start on stdio: command lines a request's mcp tool `command` must equal; "
+        "empty = none"),
     Key("model", "path", "str", "", None, "HF directory or GGUF file; empty = the embedded default model"),
     Key("model", "dtype", "str", "auto", one_of("auto", "float32", "bfloat16", "float16"),
         "parameter and KV dtype; auto = bfloat16 on accelerators, float32 on CPU"),

@@ -49,7 +49,10 @@ def tiny_server(tiny_model, kiln_cache):
     module whose tests only read from a server (requests, graders, renders)."""
     from server_process import ServerProcess
 
-    srv = ServerProcess(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME="tiny-llama")
+    # agent runs may start the test MCP server on stdio, and a command that does not exist
+    mcp = f"{sys.executable} {Path(__file__).parent / 'mcp_server.py'} stdio,/nonexistent/mcp-server"
+    srv = ServerProcess(tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME="tiny-llama",
+                        KILN_SERVER_MCP_COMMANDS=mcp)
     yield srv
     srv.stop_cleanly()
 

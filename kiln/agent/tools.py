@@ -89,7 +89,7 @@ class PythonTool:
 class McpServer:
     """One MCP server of a run: its connection lives on its own task, which takes calls from a queue."""
 
-    def __init__(self, spec: dict[str, Any], param: str):
+    def __init__(self, spec: dict[str, Any], param: str, allowed_commands: list[str] | None):
         self.param = param
         label = spec.get("server_label")
         if not isinstance(label, str) or not label:
@@ -103,6 +103,9 @@ class McpServer:
             argv = shlex.split(command) if isinstance(command, str) else command
             if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
                 raise InvalidRequest("command must be a command line or a list of strings", param=f"{param}.command")
+            if allowed_commands is not None and argv not in [shlex.split(c) for c in allowed_commands]:
+                raise InvalidRequest("this server starts only the MCP commands its [server] mcp_commands setting lists",
+                                     param=f"{param}.command")
             command = argv
         if spec.get("require_approval", "never") != "never":
             raise InvalidRequest("only require_approval \"never\" is supported", param=f"{param}.require_approval")
@@ -208,7 +211,10 @@ class McpServer:
 class AgentTools:
     """A request's tools: function tools (its client runs them) and the tools Kiln runs."""
 
-    def __init__(self, tools: list[dict[str, Any]] | None, pool: SandboxPool | None = None):
+    def __init__(self, tools: list[dict[str, Any]] | None, pool: SandboxPool | None = None,
+                 allowed_commands: list[str] | None = None):
+        """allowed_commands: the stdio MCP command lines a request may start (None: any, for callers
+        in this process; the server passes its `mcp_commands` setting)."""
         self.functions: list[dict[str, Any]] = []
         self.python: dict[str, PythonTool] = {}
         self.servers: list[McpServer] = []
@@ -225,7 +231,7 @@ class AgentTools:
                 tool = PythonTool(spec, f"tools[{i}]", pool)
                 self.python[tool.name] = tool
             elif kind == "mcp":
-                self.servers.append(McpServer(spec, f"tools[{i}]"))
+                self.servers.append(McpServer(spec, f"tools[{i}]", allowed_commands))
             else:
                 raise InvalidRequest(f"tool type {kind!r} is not supported (function, mcp, kiln_python)",
                                      param=f"tools[{i}].type")

@@ -48,7 +48,7 @@ async def create_response(request: Request, data: ResponsesRequest) -> Response 
     st.admit_inference()
     adapter = await st.select_model_async(data.model)
     ra.check_request(data)
-    tools = AgentTools(data.tools)
+    tools = AgentTools(data.tools, allowed_commands=st.settings.server.mcp_commands)
     new_items = ra.input_items(data.input)
     context: list[dict[str, Any]] = []
     if data.previous_response_id is not None:

@@ -350,7 +350,8 @@ def test_an_mcp_tool_over_stdio_and_its_timeout(client):
     ({"type": "kiln_python", "source": "def f():\n    pass\n"}, "tools[0].name"),
     ({"type": "kiln_python", "name": "f", "source": "def f(): pass", "timeout_s": 0}, "tools[0].timeout_s"),
     (mcp_tool(server_url="http://127.0.0.1:9/mcp"), "tools[0].server_url"),
-    (mcp_tool(command=["/nonexistent/mcp-server"]), "tools[0].command"),
+    (mcp_tool(command=["/nonexistent/mcp-server"]), "tools[0].command"),  # allowed, but it does not start
+    (mcp_tool(command="/bin/sh -c 'echo hi'"), "tools[0].command"),  # not in the server's mcp_commands
     (mcp_tool(), "tools[0].server_url"),
     (mcp_tool(server_url="http://127.0.0.1:9/mcp", require_approval="always"), "tools[0].require_approval"),
 ])
@@ -358,3 +359,5 @@ def test_bad_agent_tools_are_a_400_naming_the_field(server, tool, param):
     r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, "input": "hi", "tools": [tool]}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    if "sh -c" in str(tool.get("command")):
+        assert "mcp_commands" in r.json()["error"]["message"]
