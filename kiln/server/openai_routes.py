@@ -25,8 +25,7 @@ from kiln.server.state import ServerState, server_state
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, data: ChatCompletionRequest) -> Response | Stream:
     st = server_state(request)
-    st.admit_inference()
-    adapter = await st.select_model_async(data.model)
+    adapter = await st.admit(data.model)
     prompt, params, reader = await st.chat_path.prepare(data)
     fmt = oa.ChatFormat(st.tokenizer, params.logprobs is not None, reader)
     return await _generate(st, fmt, data, [prompt], params, adapter)
@@ -35,8 +34,7 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, data: CompletionRequest) -> Response | Stream:
     st = server_state(request)
-    st.admit_inference()
-    adapter = await st.select_model_async(data.model)
+    adapter = await st.admit(data.model)
     oa.completion_checks(data)
     prompts = oa.completion_prompts(st.tokenizer, data.prompt)
     params = oa.sampling_params(data, data.max_tokens, data.logprobs)

@@ -45,8 +45,7 @@ def _renamed(exc: KilnError) -> KilnError:
 @post("/v1/responses", status_code=200)
 async def create_response(request: Request, data: ResponsesRequest) -> Response | Stream:
     st = server_state(request)
-    st.admit_inference()
-    adapter = await st.select_model_async(data.model)
+    adapter = await st.admit(data.model)
     ra.check_request(data)
     tools = AgentTools(data.tools, allowed_commands=st.settings.server.mcp_commands)
     new_items = ra.input_items(data.input)

@@ -79,6 +79,11 @@ class ServerState:
         if self.engine.num_waiting() >= self.settings.server.max_waiting_requests:
             raise QueueFull("too many requests are waiting; retry later")
 
+    async def admit(self, model: str | None) -> LoadedAdapter | None:
+        """An inference request's admission, then the adapter its `model` selects (None: the base model)."""
+        self.admit_inference()
+        return await self.select_model_async(model)
+
     def select_model(self, model: str | None) -> LoadedAdapter | None:
         """The adapter a request's `model` selects (None: the base model), loaded from the store on its
         first request (blocking: from a worker thread, or `await select_model_async`)."""
