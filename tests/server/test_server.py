@@ -101,7 +101,7 @@ def test_malformed_bodies_get_openai_errors(server):
         assert set(r.json()["error"]) == {"message", "type", "code", "param"}
     for method, path, status, type_, code in (
             ("GET", "/v1/nothing-here", 404, "not_found_error", "route_not_found"),
-            ("POST", "/v1/responses", 404, "not_found_error", "route_not_found"),
+            ("POST", "/v1/images/generations", 404, "not_found_error", "route_not_found"),
             ("GET", "/v1/chat/completions", 405, "invalid_request_error", "method_not_allowed")):
         r = httpx.request(method, server.url + path, json={})
         assert r.status_code == status
