@@ -56,7 +56,7 @@ def test_multi_turn_grpo_learns_which_tool_call_pays(policy_engine):
         return float('"a"' in call["arguments"])
 
     config = GRPOConfig(lora_rank=8, lora_alpha=16, num_generations=8, prompts_per_step=4, max_completion_tokens=64,
-                        learning_rate=2e-2, max_steps=8, micro_batch_rows=32, seed=5)
+                        learning_rate=2e-2, max_steps=4, micro_batch_rows=32, seed=5)
     run = AgentGRPORun(policy_engine, items, [LOOKUP], config, episode_reward=first_call_finds, fields=NAMED,
                        name="agent-policy-learns")
     history = []
