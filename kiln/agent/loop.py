@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from kiln.agent.tools import AgentTools
 from kiln.server import responses_api as ra
@@ -39,6 +39,20 @@ class Turn:
     usage: dict[str, int]
     metrics: dict[str, Any]
     continued: bool  # the prompt is the previous turn's prompt and tokens, then the template's
+
+
+class PendingTurn(NamedTuple):
+    """A submitted turn: its stream, its output items, its prompt, whether that prompt continues the
+    last turn's tokens, whether only the context bounds its length, and the chat messages and tools
+    it was rendered from (the next turn's continuation is computed on them)."""
+
+    stream: Any
+    output: ra.OutputItems
+    prompt: list[int]
+    continued: bool
+    context_bound: bool
+    messages: list[dict]
+    tools: list[dict] | None
 
 
 def continuation(tok, messages: list[dict], tools: list[dict] | None, sampled: list[int],
@@ -81,14 +95,14 @@ class AgentRun:
         self.turns: list[Turn] = []
         self.incomplete: str | None = None
         self.tool_calls = 0
-        self._pending = None  # (stream, output items, prompt ids, continued, context bound, chat messages, tools)
+        self._pending: PendingTurn | None = None
         self._last_context: tuple = ()  # the last turn's chat messages and tools, and where its output starts
 
     async def begin(self) -> None:
         self.items += [server.list_item(ra.new_item_id("mcpl")) for server in self.tools.servers]
         self._pending = await self._submit()
 
-    async def _submit(self):
+    async def _submit(self) -> PendingTurn | None:
         """The next turn, submitted; None if the conversation has outgrown the context."""
         used = sum(t.usage["completion_tokens"] for t in self.turns)
         budget = None if self.req.max_output_tokens is None else self.req.max_output_tokens - used
@@ -108,8 +122,8 @@ class AgentRun:
         stream = self.engine.submit(f"{self.rid}-{turn}" if turn else self.rid, prompt, params,
                                     adapter=self.adapter)
         output = ra.OutputItems(reader, self.path.tokenizer, chat.logprobs, len(self.items), self.tools.server_label)
-        return stream, output, prompt, continued, budget is None or room < budget, message_dicts(chat.messages), \
-            chat.tools
+        return PendingTurn(stream, output, prompt, continued, budget is None or room < budget,
+                           message_dicts(chat.messages), chat.tools)
 
     def _continued(self) -> list[int] | None:
         """The next prompt as the last turn's tokens and the template's continuation (None: it cannot be)."""
@@ -127,8 +141,8 @@ class AgentRun:
             yield {"type": "response.output_item.added", "output_index": index, "item": listing}
             yield {"type": "response.output_item.done", "output_index": index, "item": listing}
         while self._pending is not None:
-            stream, output, prompt, continued, context_bound, messages, tools = self._pending
-            self._pending = None
+            turn, self._pending = self._pending, None
+            stream, output = turn.stream, turn.output
             ids, texts, lps, final = [], [], [], None
             try:
                 async for d in stream:
@@ -143,13 +157,14 @@ class AgentRun:
                         yield e
             finally:
                 stream.close()
-            self.turns.append(Turn(prompt, ids, lps if self.sample_logprobs else None, "".join(texts),
-                                   final.finish_reason, final.usage, final.metrics, continued))
-            self._last_context = (messages, tools, len(self.conversation))
+            self.turns.append(Turn(turn.prompt, ids, lps if self.sample_logprobs else None, "".join(texts),
+                                   final.finish_reason, final.usage, final.metrics, turn.continued))
+            self._last_context = (turn.messages, turn.tools, len(self.conversation))
             self.items += output.items
             self.conversation += output.items
             if final.finish_reason == "length":
-                self.incomplete = "context_length" if context_bound and self.tools.runs_any else "max_output_tokens"
+                self.incomplete = "context_length" if turn.context_bound and self.tools.runs_any \
+                    else "max_output_tokens"
                 return
             calls = output.calls()
             if not calls or not all(self.tools.runs(c["name"]) for c in calls):
@@ -208,7 +223,7 @@ class AgentRun:
     async def close(self) -> None:
         """Aborts the turn in flight (if any) and disconnects the tools."""
         if self._pending is not None:
-            self._pending[0].close()
+            self._pending.stream.close()
             self._pending = None
         await self.tools.close()
 

@@ -135,19 +135,12 @@ def _error_text(error: Any) -> str:
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools ({"type": "function", "name", "parameters", ...}) in chat's form."""
+    """Function tools in Responses' form ({"type": "function", "name", "parameters", ...}, as
+    kiln.agent.tools.AgentTools checked and lists them) in chat's form."""
     if not tools:
         return None
     out = []
-    for i, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise InvalidRequest(f"tool type {kind!r} is not supported; tools are {{\"type\": \"function\", ...}}",
-                                 param=f"tools[{i}].type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise InvalidRequest("a function tool needs a name", param=f"tools[{i}].name")
-        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-            raise InvalidRequest("function parameters must be a JSON Schema object", param=f"tools[{i}].parameters")
+    for tool in tools:
         function = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
         if tool.get("description"):
             function["description"] = tool["description"]
