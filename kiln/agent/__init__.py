@@ -25,6 +25,7 @@ import numpy as np
 
 from kiln.agent.loop import MAX_TURNS, AgentRun, Turn
 from kiln.agent.tools import AgentTools
+from kiln.errors import InvalidRequest
 from kiln.server import responses_api as ra
 from kiln.server.openai_api import ChatPath
 from kiln.server.schemas import ResponsesRequest
@@ -74,15 +75,39 @@ def _chat_path(engine, settings) -> ChatPath:
                     server.tool_call_parser if server else "auto")
 
 
+def request(input: str | list, tools: list[dict] | None = None, **fields) -> ResponsesRequest:
+    """A run's Responses request, checked: InvalidRequest names a field it cannot take."""
+    try:
+        req = msgspec.convert({"input": input, "tools": tools, "store": False, **fields}, ResponsesRequest)
+    except msgspec.ValidationError as exc:
+        path = str(exc).rpartition(" - at `$.")[2].rstrip("`")
+        raise InvalidRequest(str(exc), param=path if path != str(exc) else None) from None
+    ra.check_request(req)
+    ra.chat_tool_choice(req.tool_choice)
+    return req
+
+
+def check_tools(tools: list[dict] | None, mcp_commands: list[str] | None = None) -> None:
+    """Checks tools as a run would take them, MCP servers reached and their tools listed (a blocking
+    call, for callers without an event loop): InvalidRequest naming the tool at fault."""
+    async def reach() -> None:
+        agent_tools = AgentTools(tools, allowed_commands=mcp_commands)
+        await agent_tools.open()
+        await agent_tools.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, reach()).result()
+
+
 async def arun(input: str | list, *, engine, tools: list[dict] | None = None, adapter=None, settings=None,
-               sample_logprobs: bool = False, **fields) -> AgentResult:
+               sample_logprobs: bool = False, mcp_commands: list[str] | None = None, **fields) -> AgentResult:
     """One agent run on `engine` (an AsyncEngine), from this event loop. `input` and `fields` are the
     Responses API's (instructions, tool_choice, max_turns, max_tool_calls, max_output_tokens,
     temperature, top_p, seed, ...); `adapter`: AdapterWeights placed in the engine, or None for
-    the base model. Bad fields raise kiln.errors.InvalidRequest, naming the field."""
-    req = msgspec.convert({"input": input, "tools": tools, "store": False, **fields}, ResponsesRequest)
-    ra.check_request(req)
-    agent_tools = AgentTools(req.tools)
+    the base model; mcp_commands: the stdio MCP commands its tools may start (None: any). Bad
+    fields raise kiln.errors.InvalidRequest, naming the field."""
+    req = request(input, tools, **fields)
+    agent_tools = AgentTools(req.tools, allowed_commands=mcp_commands)
     await agent_tools.open()
     run = AgentRun(_chat_path(engine, settings), engine, req, agent_tools, ra.input_items(req.input),
                    f"agent-{uuid.uuid4().hex[:12]}", adapter, sample_logprobs)
@@ -111,4 +136,4 @@ def run_many(inputs: list, per_run: list[dict] | None = None, **kwargs) -> list[
         return pool.submit(asyncio.run, all_of_them()).result()
 
 
-__all__ = ["MAX_TURNS", "AgentResult", "arun", "run", "run_many"]
+__all__ = ["MAX_TURNS", "AgentResult", "arun", "check_tools", "request", "run", "run_many"]

@@ -54,7 +54,9 @@ def _rows(items: Any) -> list[suites.Row]:
 def run(items, criteria, input_messages=None, *, samples=None, engine=None, model=None, adapter=None, judge=None,
         item_schema: dict | None = None, temperature: float = 1.0, top_p: float = 1.0,
         max_completion_tokens: int | None = None, seed: int | None = suites.DEFAULT_SEED, progress: bool = True,
-        settings=None) -> RunResult:
+        settings=None, tools: list[dict] | None = None, text: dict | None = None, tool_choice=None,
+        parallel_tool_calls: bool | None = None, max_tool_calls: int | None = None, max_turns: int | None = None,
+        api: str | None = None) -> RunResult:
     """Runs an eval in this process and returns its outcomes.
 
     items: a list of item dicts, or JSONL (a path, or its text or bytes) whose lines are items or
@@ -65,7 +67,10 @@ def run(items, criteria, input_messages=None, *, samples=None, engine=None, mode
     JSONL's) without sampling. engine: the AsyncEngine that samples (default: one started here
     on `model`, a LoadedModel, a path or None for the configured model, and stopped at the end);
     adapter: the adapter to sample with (its AdapterWeights or a loaded adapter; None: the base
-    model). judge: model graders' judge (default: the engine's base model)."""
+    model). judge: model graders' judge (default: the engine's base model). tools, text,
+    tool_choice, parallel_tool_calls, max_tool_calls, max_turns: the Responses API's; with any
+    of them (or api="responses") each item is an agent run, Kiln running its MCP and
+    kiln_python tools, and graders see the transcript in `sample.output_items`."""
     rows = _rows(items)
     given = samples if samples is not None else ([r.sample for r in rows] if input_messages is None else None)
     if given is not None and len(given) != len(rows):
@@ -73,11 +78,14 @@ def run(items, criteria, input_messages=None, *, samples=None, engine=None, mode
     if input_messages is None and all(s is None for s in given):
         raise ValueError("pass input_messages to sample each item, or samples (or JSONL rows with a sample) to grade")
     suites.check_items(rows, item_schema)
+    responses = {"tools": tools, "text": text, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
+                 "max_tool_calls": max_tool_calls, "max_turns": max_turns}
+    sampling = {"temperature": temperature, "top_p": top_p, "max_completion_tokens": max_completion_tokens,
+                "seed": seed, **responses}
+    api = api or ("responses" if any(v is not None for v in responses.values()) else "completions")
     suite = suites.Suite(items=[r.item for r in rows], criteria=suites.criteria(list(criteria)),
                          input=suites.input_messages(input_messages) if input_messages is not None else None,
-                         sampling=suites.Sampling.from_json({"temperature": temperature, "top_p": top_p,
-                                                             "max_completion_tokens": max_completion_tokens,
-                                                             "seed": seed}, "sampling"),
+                         sampling=suites.Sampling.from_json(sampling, "sampling", api),
                          samples=given)
     own_engine = engine is None and not suite.samples_given
     if own_engine:

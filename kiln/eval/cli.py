@@ -130,6 +130,7 @@ def _run_suite(args: argparse.Namespace, settings: Settings) -> int:
     from kiln.eval.report import render_report
     from kiln.eval.service import ACTIVE, EvalService
     from kiln.eval.store import EvalStore
+    from kiln.eval.suite import RESPONSE_FIELDS
     from kiln.graders.engine_judge import engine_judge
 
     path = Path(args.suite)
@@ -142,8 +143,10 @@ def _run_suite(args: argparse.Namespace, settings: Settings) -> int:
         eval_id = _suite_eval(evals, header, path)
         source: dict[str, Any] = {"source": {"type": "file_content", "content": rows}}
         if "input_messages" in header:
-            source.update(type="completions", model=args.eval_model or engine.model.model_id,
-                          input_messages=header["input_messages"], sampling_params=header.get("sampling_params"))
+            sampling = header.get("sampling_params")
+            agent = isinstance(sampling, dict) and any(sampling.get(k) is not None for k in RESPONSE_FIELDS)
+            source.update(type="responses" if agent else "completions", model=args.eval_model or engine.model.model_id,
+                          input_messages=header["input_messages"], sampling_params=sampling)
         else:
             source["type"] = "jsonl"
         body = {"data_source": source, "metadata": {"kiln_suite_file": str(path.resolve())[-512:]}}

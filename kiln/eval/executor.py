@@ -7,10 +7,16 @@ finished samples and grades from a queue, and reports outcomes in completion ord
 engine thread only appends deltas and queues a finished sample; grading runs on a few
 threads (Python graders then use every sandbox worker, judge calls batch in the engine).
 Items listed in `done` are skipped: that is how a run resumes without redoing its work.
+
+A `responses` suite samples each item as an agent run (kiln.agent) on an event loop of the
+run's own: its turns are engine requests like any other, its tools run on that loop, and the
+graders see the final answer and the whole transcript (`sample.output_items`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -18,6 +24,8 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import msgspec
 
 from kiln.engine.request import Delta
 from kiln.errors import KilnError
@@ -63,10 +71,11 @@ class EngineGone(RuntimeError):
 
 class Executor:
     def __init__(self, suite: Suite, *, engine=None, adapter=None, model: str | None = None,
-                 judge: Judge | None = None, window: int | None = None):
+                 judge: Judge | None = None, window: int | None = None, mcp_commands: list[str] | None = None):
         """engine: the AsyncEngine that samples (not needed when the suite's samples are given);
         adapter: the AdapterWeights a served adapter samples with (None: the base model);
-        model: the name recorded in each sample; judge: for model graders."""
+        model: the name recorded in each sample; judge: for model graders; mcp_commands: the
+        stdio MCP commands a responses suite's tools may start (None: any)."""
         if engine is None and not suite.samples_given:
             raise ValueError("a suite that samples needs an engine")
         self.suite, self.engine, self.adapter, self.judge = suite, engine, adapter, judge
@@ -74,6 +83,9 @@ class Executor:
         self.window = window or (engine.config.max_num_seqs if engine is not None else GRADING_THREADS) or 1
         self._events: queue.Queue = queue.Queue()
         self._requests: dict[int, str] = {}  # item index -> engine request id, while sampling
+        self._runs: dict[int, concurrent.futures.Future] = {}  # item index -> its agent run, while sampling
+        self._loop: asyncio.AbstractEventLoop | None = None  # where agent runs run
+        self.mcp_commands = mcp_commands
 
     def run(self, on_outcome: Callable[[dict], None], done: Iterable[int] = (),
             stop: threading.Event | None = None) -> bool:
@@ -96,6 +108,7 @@ class Executor:
                 kind, index, payload = event
                 if kind == "sampled":
                     self._requests.pop(index, None)
+                    self._runs.pop(index, None)
                     self._grade_later(grading, index, payload)
                 else:  # graded
                     on_outcome(payload)
@@ -105,6 +118,12 @@ class Executor:
             for request_id in self._requests.values():
                 self.engine.abort(request_id)
             self._requests.clear()
+            for future in self._runs.values():
+                future.cancel()  # the run's turn in flight is aborted, its tools closed
+            self._runs.clear()
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop = None
             grading.close()
 
     # ---- internals -------------------------------------------------------------------------
@@ -116,7 +135,7 @@ class Executor:
             try:
                 return self._events.get(timeout=0.1)
             except queue.Empty:
-                if self._requests and not self.engine.alive():
+                if (self._requests or self._runs) and not self.engine.alive():
                     raise EngineGone("the engine stopped during the run") from None
 
     def _start(self, index: int, grading: _Graders) -> None:
@@ -138,6 +157,10 @@ class Executor:
         messages: list[dict] = []
         try:
             messages = suite.messages(index)
+            if suite.sampling.api == "responses":
+                self._runs[index] = asyncio.run_coroutine_threadsafe(self._agent_sample(index, messages),
+                                                                     self._agent_loop())
+                return
             tokenizer = self.engine.model.tokenizer
             prompt = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
                                       add_special_tokens=False)
@@ -148,6 +171,29 @@ class Executor:
         except KilnError as exc:  # a template this item cannot fill, a prompt longer than the context
             self._requests.pop(index, None)
             self._events.put(("sampled", index, self._failed_sample(messages, exc)))
+
+    def _agent_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="kiln-eval-agent", daemon=True).start()
+        return self._loop
+
+    async def _agent_sample(self, index: int, messages: list[dict]) -> None:
+        """Item `index` sampled as an agent run; its sample (or its failure) goes to the queue."""
+        from kiln import agent  # the agent loop imports the server's request shapes
+
+        try:
+            result = await agent.arun(messages, engine=self.engine, adapter=self.adapter,
+                                      mcp_commands=self.mcp_commands, **self.suite.sampling.response_fields())
+        except KilnError as exc:  # a prompt longer than the context, an MCP server gone since the run began
+            self._events.put(("sampled", index, self._failed_sample(messages, exc)))
+            return
+        except Exception as exc:  # a bug: this item errors, the run goes on
+            log.exception("the agent run of item %d failed", index)
+            self._events.put(("sampled", index, self._failed_sample(
+                messages, KilnError(f"the agent run failed: {exc!r}", code="internal_error"))))
+            return
+        self._events.put(("sampled", index, agent_sample(result, messages, self.model, self.suite.sampling)))
 
     def _failed_sample(self, messages: list[dict], exc: KilnError):
         error = {"code": exc.code or type(exc).__name__, "message": exc.message}
@@ -197,3 +243,29 @@ class Executor:
             for grader in self.suite.criteria:
                 results.append(criterion_result(grader, grader.grade(namespace, item, self.judge)))
         return make_outcome(index, item, sample, results)
+
+
+def agent_sample(result, messages: list[dict], model: str | None, sampling) -> tuple[dict, dict]:
+    """An agent run's (grader namespace, output item sample). The namespace is a completion's
+    (`output_text`, `output_json`, `choices`) for its final answer, with every tool call it made
+    in `output_tools` (chat's shape) and its Responses output items in `output_items`; the
+    sample's `output` is the transcript as chat messages."""
+    from kiln.server import responses_api as ra
+
+    transcript = [{k: v for k, v in msgspec.to_builtins(m).items() if v is not None}
+                  for m in ra.chat_messages(None, result.output)]
+    calls = [call for m in transcript for call in m.get("tool_calls") or []]
+    client_call = bool(result.output) and result.output[-1]["type"] == "function_call"
+    finish = "length" if result.status == "incomplete" else "tool_calls" if client_call else "stop"
+    namespace = {**make_sample(result.output_text), "model": model, "output_tools": calls,
+                 "output_items": result.output, "status": result.status}
+    namespace["choices"][0]["finish_reason"] = finish
+    if calls:
+        namespace["choices"][0]["message"]["tool_calls"] = calls
+    used = result.usage or {}
+    sample = sample_object(messages=messages, text=None, finish_reason=finish, model=model,
+                           usage_=usage(used.get("input_tokens", 0), used.get("output_tokens", 0),
+                                        (used.get("input_tokens_details") or {}).get("cached_tokens", 0)),
+                           error=None, sampling=sampling.to_json())
+    sample["output"] = transcript
+    return namespace, sample

@@ -5,8 +5,8 @@ A job's `kiln.gate` is `{eval_id, criteria, baseline, min_delta, min_pass_rate, 
 - `baseline`: `"base"` (the base model), the name of a served adapter, or the id of a run of the
   eval whose outcomes stand for the baseline.
 - `data_source`: the items, input messages and sampling of the runs, as an eval run's
-  `completions` data source without its `model`. Optional: by default the baseline run's, or
-  the eval's latest completed completions run's.
+  `completions` or `responses` data source (agent runs, tools included) without its `model`.
+  Optional: by default the baseline run's, or the eval's latest completed run that sampled.
 - For each criterion in `criteria` (default: all of the eval's), the candidate's pass rate must
   be at least `min_pass_rate` (default 0), and its paired pass-rate difference to the baseline,
   on the same items, at least `min_delta` (default 0: no regression).
@@ -25,10 +25,10 @@ from typing import Any
 
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.errors import InvalidRequest, KilnError, NotFound
-from kiln.eval.service import ACTIVE, EvalService
+from kiln.eval.service import ACTIVE, SAMPLING_SOURCES, EvalService
 
 GATE_KEYS = ("eval_id", "criteria", "baseline", "min_delta", "min_pass_rate", "data_source")
-SAME_DATA = ("source", "input_messages", "sampling_params")  # what makes two runs comparable
+SAME_DATA = ("type", "source", "input_messages", "sampling_params")  # what makes two runs comparable
 POLL_S = 0.5
 
 
@@ -43,7 +43,7 @@ class GateSpec:
     baseline: str
     min_delta: float
     min_pass_rate: float
-    data_source: dict[str, Any]  # a completions data source without its model
+    data_source: dict[str, Any]  # a completions or responses data source without its model
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "criteria": list(self.criteria)}
@@ -94,9 +94,10 @@ def parse_gate(gate: Any, evals: EvalService, base_model: str, is_served: Callab
         raise InvalidRequest(f"the gate's baseline {baseline!r} is not a served adapter", code="model_not_found",
                              param="kiln.gate.baseline")
     source = gate.get("data_source") or _default_source(evals, eval_id, baseline_run)
-    if not isinstance(source, dict) or source.get("type", "completions") != "completions":
-        raise InvalidRequest("kiln.gate.data_source must be a completions data source", param="kiln.gate.data_source")
-    source = {k: v for k, v in source.items() if k != "model"} | {"type": "completions"}
+    if not isinstance(source, dict) or source.get("type", "completions") not in SAMPLING_SOURCES:
+        raise InvalidRequest("kiln.gate.data_source must be a completions or responses data source",
+                             param="kiln.gate.data_source")
+    source = {"type": "completions"} | {k: v for k, v in source.items() if k != "model"}
     try:  # the same checks a run of it gets: items against the schema, templates, sampling
         evals.prepare_run(eval_id, {"data_source": {**source, "model": base_model}})
     except KilnError as exc:
@@ -108,14 +109,14 @@ def parse_gate(gate: Any, evals: EvalService, base_model: str, is_served: Callab
 
 def _default_source(evals: EvalService, eval_id: str, baseline_run: dict | None) -> dict:
     if baseline_run is not None:
-        if baseline_run["data_source"].get("type") != "completions":
+        if baseline_run["data_source"].get("type") not in SAMPLING_SOURCES:
             raise InvalidRequest(f"the baseline run {baseline_run['id']} grades given samples; the gate needs a "
-                                 "completions run", param="kiln.gate.baseline")
+                                 "run that samples (completions or responses)", param="kiln.gate.baseline")
         return baseline_run["data_source"]
     runs, _ = evals.store.list_runs(eval_id, None, 1 << 20, "desc", "completed")
-    sampled = [r for r in runs if r["data_source"].get("type") == "completions"]
+    sampled = [r for r in runs if r["data_source"].get("type") in SAMPLING_SOURCES]
     if not sampled:
-        raise InvalidRequest(f"eval {eval_id} has no completed completions run to take the gate's items from; give "
+        raise InvalidRequest(f"eval {eval_id} has no completed run that sampled to take the gate's items from; give "
                              "kiln.gate.data_source", param="kiln.gate.data_source")
     return sampled[0]["data_source"]
 

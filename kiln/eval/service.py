@@ -30,6 +30,7 @@ ACTIVE = ("queued", "in_progress")
 RUN_STATUSES = ("queued", "in_progress", "completed", "canceled", "failed")
 ITEM_STATUSES = {"pass": "pass", "fail": "fail", "errored": "errored", "error": "errored"}
 SHUTDOWN_JOIN_S = 30.0
+SAMPLING_SOURCES = ("completions", "responses")  # data sources whose runs sample (the rest grade given samples)
 
 
 def check_metadata(metadata: Any, param: str = "metadata") -> dict[str, str] | None:
@@ -62,10 +63,12 @@ def sample_schema() -> dict[str, Any]:
 
 class EvalService:
     def __init__(self, store: EvalStore, engine, *, select_model: Callable[[str | None], Any],
-                 judge=None, files=None):
+                 judge=None, files=None, mcp_commands: list[str] | None = None):
         """select_model(name) -> the LoadedAdapter a model name selects (None: the base model), or
-        NotFound; judge: model graders' judge; files: the uploaded files (file_id sources)."""
+        NotFound; judge: model graders' judge; files: the uploaded files (file_id sources);
+        mcp_commands: the stdio MCP commands a responses run's tools may start (None: any)."""
         self.store, self.engine, self.select_model, self.judge, self.files = store, engine, select_model, judge, files
+        self.mcp_commands = mcp_commands
         self._lock = threading.Lock()
         self._threads: dict[str, tuple[threading.Thread, threading.Event]] = {}
         self._adapters: dict[str, AdapterWeights] = {}  # run id -> weights it samples with, not served
@@ -150,28 +153,29 @@ class EvalService:
         if not isinstance(source, dict):
             raise InvalidRequest("data_source is required", param="data_source")
         kind = source.get("type")
-        if kind not in ("completions", "jsonl"):
-            raise InvalidRequest(f"data_source.type {kind!r} is not supported; use completions or jsonl",
+        if kind not in (*SAMPLING_SOURCES, "jsonl"):
+            raise InvalidRequest(f"data_source.type {kind!r} is not supported; use completions, responses or jsonl",
                                  param="data_source.type")
+        samples_run = kind in SAMPLING_SOURCES
         criteria = suites.criteria(evaluation["testing_criteria"])
         rows = self._rows(source.get("source"))
         schema = evaluation["data_source_config"]["schema"]
         suites.check_items(rows, schema["properties"]["item"])
-        if kind == "completions":
-            model, inputs, sampling, samples = self._sampling_source(source, rows)
+        if samples_run:
+            model, inputs, sampling, samples = self._sampling_source(source, rows, kind)
         else:
             model, inputs, sampling, samples = None, None, suites.Sampling(), self._given_samples(rows, schema)
         judges = [(f"testing_criteria[{i}].model", m) for i, g in enumerate(criteria) for m in g.judge_models()]
-        if kind == "completions" or judges:
+        if samples_run or judges:
             admit()
-        for param, name in [("data_source.model", model)] * (kind == "completions" and check_model) + judges:
+        for param, name in [("data_source.model", model)] * (samples_run and check_model) + judges:
             try:
                 self.select_model(name)
             except NotFound as exc:
                 raise exc.with_param(param) from None
         spec = {"items": [r.item for r in rows], "samples": samples, "input": inputs and inputs.to_json(),
                 "sampling": sampling.to_json(), "model": model, "criteria": evaluation["testing_criteria"]}
-        data_source = {**source, "model": model} if kind == "completions" else dict(source)
+        data_source = {**source, "model": model} if samples_run else dict(source)
         run = {"object": "eval.run", "id": new_id("evalrun"), "eval_id": eval_id,
                "name": _name(body.get("name"), model or "jsonl"), "model": model, "status": "queued",
                "created_at": now(), "data_source": data_source, "error": None,
@@ -281,13 +285,13 @@ class EvalService:
         raise InvalidRequest(f"{param}.type {kind!r} is not supported; use file_content or file_id",
                              param=f"{param}.type")
 
-    def _sampling_source(self, source: dict, rows: list[suites.Row]):
-        """A completions source: (model, input messages, sampling, the rows' samples if any)."""
+    def _sampling_source(self, source: dict, rows: list[suites.Row], kind: str):
+        """A completions or responses source: (model, input messages, sampling, the rows' samples if any)."""
         if source.get("input_messages") is None:
-            raise InvalidRequest("data_source.input_messages is required to sample completions",
+            raise InvalidRequest(f"data_source.input_messages is required to sample {kind}",
                                  param="data_source.input_messages")
         inputs = suites.input_messages(source["input_messages"])
-        sampling = suites.Sampling.from_json(source.get("sampling_params"))
+        sampling = suites.Sampling.from_json(source.get("sampling_params"), api=kind, mcp_commands=self.mcp_commands)
         model = _name(source.get("model"), self.engine.model.model_id, "data_source.model")
         samples = [r.sample for r in rows] if any(r.sample is not None for r in rows) else None
         return model, inputs, sampling, samples
@@ -341,8 +345,8 @@ class EvalService:
                 if not self.store.add_outcome(run, outcome):  # canceled or deleted meanwhile
                     stop.set()
 
-            executor = Executor(suite, engine=self.engine, adapter=weights,
-                                model=spec["model"], judge=self.judge)
+            executor = Executor(suite, engine=self.engine, adapter=weights, model=spec["model"], judge=self.judge,
+                                mcp_commands=self.mcp_commands)
             if executor.run(commit, self.store.done_indices(run_id), stop):
                 self.store.set_status(run_id, "completed", ("in_progress",))
         except KilnError as exc:

@@ -34,22 +34,27 @@ DEFAULT_SEED = 42  # runs are reproducible unless they ask otherwise
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How each item's completion is sampled."""
+    """How each item's output is sampled: one completion (`completions`), or a Responses run
+    (`responses`), which may call tools; Kiln runs its MCP and kiln_python tools turn by turn."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_completion_tokens: int | None = None  # None: up to the context
     seed: int | None = DEFAULT_SEED
+    api: str = "completions"  # or "responses"
+    responses: dict | None = None  # a responses run's other request fields (RESPONSE_FIELDS)
 
     @classmethod
-    def from_json(cls, data: Any, param: str = "data_source.sampling_params") -> Sampling:
+    def from_json(cls, data: Any, param: str = "data_source.sampling_params", api: str = "completions",
+                  mcp_commands: list[str] | None = None) -> Sampling:
+        """mcp_commands: the stdio MCP commands a responses run's tools may start (None: any)."""
         if data is None:
-            return cls()
+            return cls(api=api)
         if not isinstance(data, dict):
             raise InvalidRequest(f"{param} must be an object", param=param)
-        for key in ("response_format", "tools", "text"):
-            if data.get(key) is not None:
-                raise InvalidRequest(f"{param}.{key} is not supported in eval runs", param=f"{param}.{key}")
+        for key in ("response_format", *RESPONSE_FIELDS):
+            if data.get(key) is not None and (api == "completions" or key == "response_format"):
+                raise InvalidRequest(f"{param}.{key} is not supported in {api} runs", param=f"{param}.{key}")
         temperature, top_p = data.get("temperature", 1.0), data.get("top_p", 1.0)
         if not is_finite_number(temperature) or not 0.0 <= temperature <= 2.0:
             raise InvalidRequest(f"{param}.temperature must be a number from 0 to 2", param=f"{param}.temperature")
@@ -61,7 +66,10 @@ class Sampling:
                                  param=f"{param}.max_completion_tokens")
         if seed is not None and not _is_int(seed):
             raise InvalidRequest(f"{param}.seed must be an integer", param=f"{param}.seed")
-        return cls(float(temperature), float(top_p), max_tokens, seed)
+        responses = {k: data[k] for k in RESPONSE_FIELDS if data.get(k) is not None} if api == "responses" else None
+        if responses is not None:
+            _check_responses(responses, param, mcp_commands)
+        return cls(float(temperature), float(top_p), max_tokens, seed, api, responses)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -69,6 +77,27 @@ class Sampling:
     def params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_completion_tokens, temperature=self.temperature, top_p=self.top_p,
                               seed=self.seed)
+
+    def response_fields(self) -> dict[str, Any]:
+        """A responses run's request fields (beside its input)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_output_tokens": self.max_completion_tokens,
+                "seed": self.seed, **(self.responses or {})}
+
+
+# A responses run's sampling params beside a completion's: OpenAI's tools and text, and Kiln's
+# control of the agent loop (the Responses API's own fields of those names).
+RESPONSE_FIELDS = ("tools", "text", "tool_choice", "parallel_tool_calls", "max_tool_calls", "max_turns")
+
+
+def _check_responses(fields: dict[str, Any], param: str, mcp_commands: list[str] | None) -> None:
+    """A responses run's fields as a run takes them: MCP servers are reached now."""
+    from kiln import agent  # the agent loop imports the server's request shapes; evals only need it here
+
+    try:
+        agent.request("x", **fields)
+        agent.check_tools(fields.get("tools"), mcp_commands)
+    except InvalidRequest as exc:
+        raise exc.with_param(f"{param}.{exc.param}" if exc.param else param) from None
 
 
 def _is_int(value: Any) -> bool:

@@ -175,7 +175,7 @@ class Start:
         self._built.append(state.responses.close)
         state.evals = jobs.evals = EvalService(EvalStore(settings.training_dir()), engine,
                                                select_model=state.select_model, judge=make_judge(state),
-                                               files=jobs.store)
+                                               files=jobs.store, mcp_commands=settings.server.mcp_commands)
         jobs.start()  # after the eval service: a resumed job may end with its gate
         self._built[:0] = [state.evals.shutdown, jobs.shutdown]
         state.grammars.tokenizer  # noqa: B018 (built now, so no request's compile waits for it)

@@ -89,6 +89,41 @@ def test_in_process_item_reference_schema_and_errors(engine):
     assert err.value.param == "items[1]" and "item 1" in err.value.message
 
 
+MULTIPLY = {"type": "kiln_python", "name": "multiply", "description": "Multiplies two numbers",
+            "parameters": {"type": "object", "properties": {"a": {"enum": [12, 34]}, "b": {"enum": [56, 78]}},
+                           "required": ["a", "b"]},
+            "source": "def multiply(a, b):\n    return a * b\n"}
+# passes when the tool ran on the arguments the model gave it: graded on the transcript
+TOOL_RAN = {"type": "python", "name": "tool_ran", "source": (
+    "import json\n"
+    "def grade(sample, item):\n"
+    "    items = sample['output_items']\n"
+    "    call, output = items[0], items[1]\n"
+    "    args = json.loads(call['arguments'])\n"
+    "    return float(output['type'] == 'function_call_output' and output['output'] == str(args['a'] * args['b']))\n")}
+CALLED = {"type": "string_check", "name": "called", "operation": "eq",
+          "input": "{{ sample.output_tools[0].function.name }}", "reference": "multiply"}
+AGENT_TEMPLATE = [{"role": "user", "content": "Multiply {{ item.n }} by {{ item.n }} with the tool."}]
+
+
+def test_an_agent_eval_runs_the_tools_and_grades_the_transcript(engine):
+    items = [{"question": "q", "n": n} for n in range(3)]
+    result = kiln.eval.run(items, [TOOL_RAN, CALLED], AGENT_TEMPLATE, engine=engine, temperature=0,
+                           tools=[MULTIPLY], tool_choice={"type": "function", "name": "multiply"}, max_tool_calls=1,
+                           progress=False)
+    assert result.result_counts == {"total": 3, "passed": 3, "failed": 0, "errored": 0}
+    sample = result.outcomes[0]["sample"]
+    # the transcript as chat messages: the call, the tool's output, and the next turn's call, never run
+    assert [m["role"] for m in sample["output"]] == ["assistant", "tool", "assistant"]
+    assert sample["output"][0]["tool_calls"][0]["function"]["name"] == "multiply"
+    assert sample["finish_reason"] == "length"  # the limit ended the run: incomplete
+    assert sample["usage"]["prompt_tokens"] > 0 and sample["usage"]["cached_tokens"] > 0  # turn 2 reused turn 1
+    with pytest.raises(InvalidRequest) as err:
+        kiln.eval.run(items, [CALLED], AGENT_TEMPLATE, engine=engine, progress=False,
+                      tools=[{"type": "kiln_python", "name": "f", "source": "def f(:\n"}])
+    assert err.value.param == "sampling.tools[0].source"
+
+
 def test_compare_pairs_items_flips_and_seeded_bootstrap():
     a_pass = [True] * 10 + [False] * 10
     b_pass = [True] * 8 + [False] * 2 + [True] * 7 + [False] * 3
@@ -260,6 +295,51 @@ def test_a_file_id_source_with_an_item_reference_defaults_to_the_base_model(clie
     assert done.model == MODEL and done.result_counts.total == 4 and done.result_counts.passed == 2
     items = client.evals.runs.output_items.list(run.id, eval_id=ev.id).data
     assert items[1].sample.input[0].content == ITEMS[1]["question"]
+
+
+def responses_source(items, **sampling):
+    return {"type": "responses", "model": MODEL, "input_messages": {"type": "template", "template": AGENT_TEMPLATE},
+            "source": {"type": "file_content", "content": [{"item": i} for i in items]},
+            "sampling_params": {"temperature": 0, "tools": [MULTIPLY], "max_tool_calls": 1,
+                                "tool_choice": {"type": "function", "name": "multiply"}, **sampling}}
+
+
+def test_a_responses_run_is_an_agent_run_per_item_graded_on_its_transcript(client, server):
+    ev = make_eval(client, [TOOL_RAN, CALLED], name="agent")
+    run = client.evals.runs.create(ev.id, data_source=responses_source(ITEMS[:4]))
+    assert run.data_source.type == "responses" and run.model == MODEL
+    done = wait_for(client, ev.id, run.id)
+    assert done.result_counts.model_dump() == {"total": 4, "passed": 4, "failed": 0, "errored": 0}
+    first = client.evals.runs.output_items.list(run.id, eval_id=ev.id).data[0]
+    assert [m.role for m in first.sample.output] == ["assistant", "tool", "assistant"]
+    args = json.loads(first.sample.output[0].tool_calls[0]["function"]["arguments"])
+    assert first.sample.output[1].content == str(args["a"] * args["b"])
+    # without the tool, the transcript has no call: the criteria fail (or error, the grader finding no items)
+    bare = client.evals.runs.create(ev.id, data_source={**responses_source(ITEMS[:4]), "sampling_params": {
+        "temperature": 0, "max_completion_tokens": 4}})
+    done_bare = wait_for(client, ev.id, bare.id)
+    assert done_bare.result_counts.passed == 0 and done_bare.result_counts.total == 4
+    compared = httpx.get(f"{server.url}/v1/evals/{ev.id}/compare", params={"runs": f"{run.id},{bare.id}"},
+                         timeout=30).json()
+    called = next(c for c in compared["per_testing_criteria"] if c["testing_criteria"] == "called")
+    assert called["a"]["pass_rate"] == 1.0 and called["b"]["pass_rate"] == 0.0
+    assert called["flipped"]["regressed"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("sampling, param", [
+    ({"tools": [{"type": "kiln_python", "name": "f", "source": "def f(:\n"}]}, "tools[0].source"),
+    ({"tools": [{"type": "mcp", "server_label": "x", "server_url": "http://127.0.0.1:9/mcp",
+                 "require_approval": "never"}]}, "tools[0].server_url"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"max_turns": 0}, "max_turns"),
+    ({"text": {"format": {"type": "json_schema"}}}, "text.format.schema"),
+])
+def test_bad_responses_sampling_is_a_400_naming_the_field(client, sampling, param):
+    ev = make_eval(client, [CALLED], name="agent-bad")
+    with pytest.raises(openai.BadRequestError) as err:
+        client.evals.runs.create(ev.id, data_source=responses_source(ITEMS[:1], **sampling))
+    assert err.value.body["param"] == f"data_source.sampling_params.{param}", err.value.body
 
 
 def test_runs_on_the_base_model_and_an_adapter_sample_from_each_and_compare(client, server, tmp_path):

@@ -400,10 +400,15 @@ def test_the_promotion_gate_loads_an_adapter_that_beats_its_baseline_and_keeps_o
         client.chat.completions.create(model=weak.fine_tuned_model, messages=[{"role": "user", "content": "hi"}])
     assert len(client.evals.runs.list(evaluation.id).data) == 3  # one more: the weak candidate's
 
-    # auto_load false never loads, even when the gate passes (the eval's latest completed run gives the items)
-    lenient = {"eval_id": evaluation.id, "baseline": result["candidate_run"], "min_delta": -1.0}
+    # auto_load false never loads, even when the gate passes; the candidate runs as a Responses
+    # request (an agent run, here without tools) on the same items
+    lenient = {"eval_id": evaluation.id, "baseline": result["candidate_run"], "min_delta": -1.0,
+               "data_source": {**GATE_SOURCE, "type": "responses"}}
     kept, _ = gated_job(client, train.id, lenient, n_epochs=1, learning_rate=1e-6, auto_load=False)
-    assert kept.model_extra["kiln"]["gate_result"]["passed"]
+    kept_result = kept.model_extra["kiln"]["gate_result"]
+    assert kept_result["passed"]
+    assert client.evals.runs.retrieve(kept_result["candidate_run"], eval_id=evaluation.id).data_source.type == (
+        "responses")
     assert not adapter_listing(server, kept.fine_tuned_model)["loaded"]
 
     # bad gates are refused when the job is created
@@ -411,7 +416,9 @@ def test_the_promotion_gate_loads_an_adapter_that_beats_its_baseline_and_keeps_o
            ({"eval_id": evaluation.id, "criteria": ["nope"]}, None, "kiln.gate.criteria"),
            ({"eval_id": evaluation.id, "baseline": "no-such-adapter"}, "model_not_found", "kiln.gate.baseline"),
            ({"eval_id": evaluation.id, "min_delta": 2}, None, "kiln.gate.min_delta"),
-           ({"eval_id": evaluation.id, "colour": "red"}, None, "kiln.gate")]
+           ({"eval_id": evaluation.id, "colour": "red"}, None, "kiln.gate"),
+           ({"eval_id": evaluation.id, "data_source": {**GATE_SOURCE, "type": "jsonl"}}, None,
+            "kiln.gate.data_source")]
     for gate, code, param in bad:
         with pytest.raises(openai.BadRequestError) as err:
             client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, method=method(1),
