@@ -26,6 +26,7 @@ import numpy as np
 from kiln.agent.loop import MAX_TURNS, AgentRun, Turn
 from kiln.agent.tools import AgentTools
 from kiln.errors import InvalidRequest
+from kiln.graders.templates import make_sample
 from kiln.server import responses_api as ra
 from kiln.server.openai_api import ChatPath
 from kiln.server.schemas import ResponsesRequest
@@ -46,6 +47,32 @@ class AgentResult:
     def output_text(self) -> str:
         return "".join(p["text"] for it in self.output if it["type"] == "message" for p in it["content"]
                        if p.get("type") == "output_text")
+
+    @property
+    def finish_reason(self) -> str:
+        """`length` (a limit ended the run), `tool_calls` (a call its client runs did) or `stop`."""
+        if self.status == "incomplete":
+            return "length"
+        return "tool_calls" if self.output and self.output[-1]["type"] == "function_call" else "stop"
+
+    def transcript(self) -> list[dict[str, Any]]:
+        """The output as chat messages: assistant turns with their tool_calls (arguments as JSON
+        text), the tools' results as tool messages, the answer."""
+        return [{k: v for k, v in msgspec.to_builtins(m).items() if v is not None}
+                for m in ra.chat_messages(None, self.output)]
+
+    def grader_sample(self, model: str | None = None) -> dict[str, Any]:
+        """The graders' `sample` namespace for this run: a completion's (`output_text`,
+        `output_json`, `choices`) for its answer, every tool call it made in `output_tools`
+        (chat's shape), its output items in `output_items` and its `status`."""
+        calls = [call for m in self.transcript() for call in m.get("tool_calls") or []]
+        sample = {**make_sample(self.output_text), "model": model, "output_tools": calls,
+                  "output_items": self.output, "status": self.status}
+        choice = sample["choices"][0]
+        choice["finish_reason"] = self.finish_reason
+        if calls:
+            choice["message"]["tool_calls"] = calls
+        return sample
 
     def episode(self) -> tuple[list[int], list[int], np.ndarray, np.ndarray]:
         """(prompt ids, completion ids, loss mask, sampler logprobs): the whole run as one sequence

@@ -25,8 +25,6 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import msgspec
-
 from kiln.engine.request import Delta
 from kiln.errors import KilnError
 from kiln.eval.outcome import criterion_result, make_outcome, sample_object, usage
@@ -246,26 +244,12 @@ class Executor:
 
 
 def agent_sample(result, messages: list[dict], model: str | None, sampling) -> tuple[dict, dict]:
-    """An agent run's (grader namespace, output item sample). The namespace is a completion's
-    (`output_text`, `output_json`, `choices`) for its final answer, with every tool call it made
-    in `output_tools` (chat's shape) and its Responses output items in `output_items`; the
-    sample's `output` is the transcript as chat messages."""
-    from kiln.server import responses_api as ra
-
-    transcript = [{k: v for k, v in msgspec.to_builtins(m).items() if v is not None}
-                  for m in ra.chat_messages(None, result.output)]
-    calls = [call for m in transcript for call in m.get("tool_calls") or []]
-    client_call = bool(result.output) and result.output[-1]["type"] == "function_call"
-    finish = "length" if result.status == "incomplete" else "tool_calls" if client_call else "stop"
-    namespace = {**make_sample(result.output_text), "model": model, "output_tools": calls,
-                 "output_items": result.output, "status": result.status}
-    namespace["choices"][0]["finish_reason"] = finish
-    if calls:
-        namespace["choices"][0]["message"]["tool_calls"] = calls
+    """An agent run's (grader namespace, output item sample): the sample's `output` is the
+    transcript, its usage every turn's."""
     used = result.usage or {}
-    sample = sample_object(messages=messages, text=None, finish_reason=finish, model=model,
+    sample = sample_object(messages=messages, text=None, finish_reason=result.finish_reason, model=model,
                            usage_=usage(used.get("input_tokens", 0), used.get("output_tokens", 0),
                                         (used.get("input_tokens_details") or {}).get("cached_tokens", 0)),
                            error=None, sampling=sampling.to_json())
-    sample["output"] = transcript
-    return namespace, sample
+    sample["output"] = result.transcript()
+    return result.grader_sample(model), sample

@@ -8,8 +8,9 @@ its tools included, and the policy learns from the whole episode.
   (`importance_sampling_cap`, on by default as in single-turn GRPO), so an episode sampled by a
   policy one version stale is still a bounded, correct estimate.
 - Rewards: `episode_reward(result, item) -> float` sees the whole run (its calls, their outputs,
-  its answer); or `reward` (grader JSON, a Grader, a `(sample, item)` callable) scores its final
-  answer text.
+  its answer); or `reward` (grader JSON, a Grader, a `(sample, item)` callable) grades the run's
+  sample namespace (`AgentResult.grader_sample`: the answer as `output_text`, every call in
+  `output_tools`, the output items), as an agent eval's criteria do.
 - G episodes per prompt run concurrently; their turns share the engine's steps with whatever
   else it serves, and each turn reuses the episode's prefix blocks.
 """
@@ -80,21 +81,22 @@ class AgentGRPORun(GRPORun):
                                            result.output_text, mask, result))
         return [rollouts[k * G:(k + 1) * G] for k in range(len(indices))]
 
+    def rewards(self, results: list[agent.AgentResult], items: list[Any]) -> list[float]:
+        if self.episode_reward is not None:
+            return [float(self.episode_reward(r, item)) for r, item in zip(results, items, strict=True)]
+        return [float(x) for x in self.reward([r.grader_sample(self.name) for r in results], items)]
+
     def score(self, groups: list[list[Rollout]], indices: list[int]) -> None:
-        if self.episode_reward is None:
-            return super().score(groups, indices)
-        for i, group in zip(indices, groups, strict=True):
-            for r in group:
-                r.reward = float(self.episode_reward(r.result, self.items[i]))
+        flat = [r for g in groups for r in g]
+        items = [self.items[i] for i, g in zip(indices, groups, strict=True) for _ in g]
+        for r, reward in zip(flat, self.rewards([r.result for r in flat], items), strict=True):
+            r.reward = reward
 
     def evaluate(self, prompts: list, items: list[Any], samples: int = 1) -> float:
         """The current policy's mean reward over `samples` episodes of each item."""
         inputs = [episode_input(item) for item in items for _ in range(samples)]
         results = self.episodes(inputs, [self.config.seed + k for k in range(len(inputs))])
-        expanded = [item for item in items for _ in range(samples)]
-        if self.episode_reward is not None:
-            return float(np.mean([self.episode_reward(r, item) for r, item in zip(results, expanded, strict=True)]))
-        return float(np.mean(self.reward([r.output_text for r in results], expanded)))
+        return float(np.mean(self.rewards(results, [item for item in items for _ in range(samples)])))
 
 
 def agent_grpo(data, tools: list[dict], reward=None, name: str | None = None, *, episode_reward=None,

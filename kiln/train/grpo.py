@@ -247,7 +247,7 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
     return jax.jit(grads), jax.jit(update, donate_argnums=(0, 1)), jax.jit(logprobs)
 
 
-Reward = Callable[[list[str], list[Any]], list[float]]
+Reward = Callable[[list[str | dict], list[Any]], list[float]]  # (output texts or sample namespaces, items)
 
 
 def as_reward(reward, judge=None) -> Reward:
@@ -256,8 +256,8 @@ def as_reward(reward, judge=None) -> Reward:
 
     grader = graders.build(reward)
 
-    def score(texts: list[str], items: list[Any]) -> list[float]:
-        return [r.reward for r in graders.grade_many(grader, texts, items, judge)]
+    def score(samples: list[str | dict], items: list[Any]) -> list[float]:
+        return [r.reward for r in graders.grade_many(grader, samples, items, judge)]
 
     return score
 

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import msgspec
 
-from kiln import graders
+from kiln import agent, graders
 from kiln.adapters.manifest import validate_name
 from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.lora_slots import AdapterWeights
@@ -39,6 +39,7 @@ from kiln.errors import AdmissionRejected, DataError, InvalidRequest, KilnError,
 from kiln.eval.gate import Gate, GateResult, GateSpec, GateStopped, parse_gate
 from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
+from kiln.train.agent_grpo import AgentGRPORun
 from kiln.train.data import encode_prompt, load_examples, load_prompts
 from kiln.train.grpo import GRPOConfig, GRPORun, Rollout, as_reward
 from kiln.train.opd import OPDConfig, OPDRun, Teacher
@@ -53,6 +54,8 @@ ACTIVE = ("validating_files", "queued", "running")
 FINAL = ("succeeded", "failed", "cancelled")
 _SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,64}")
 METHODS = ("supervised", "reinforcement", "distillation")
+# a reinforcement job's `kiln.agent`: its rollouts' Responses fields (they are then agent runs)
+AGENT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "max_tool_calls", "max_turns", "instructions")
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 GRPO_KNOBS = ("num_generations", "max_completion_tokens", "temperature", "top_p", "loss_type", "scale_rewards", "beta",
               "epsilon", "epsilon_high", "num_iterations", "importance_sampling_cap", "mask_truncated_completions",
@@ -105,6 +108,7 @@ class _MethodChoice:
     remat: str
     extra_bytes: int = 0
     rollouts: str | None = None  # policy jobs only
+    agent: dict | None = None  # a reinforcement job whose rollouts are agent runs: their Responses fields
 
 
 CONFIGS = {"supervised": SFTConfig, "reinforcement": GRPOConfig, "distillation": OPDConfig}
@@ -132,6 +136,7 @@ class JobSpec:
     teacher: str | None  # distillation
     eval_interval: int = 10  # reinforcement: the validation reward every this many steps
     eval_samples: int = 1
+    agent: dict | None = None  # reinforcement: rollouts are agent runs with these Responses fields (tools, ...)
 
     @classmethod
     def from_job(cls, job: dict) -> JobSpec:
@@ -144,7 +149,7 @@ class JobSpec:
                    kiln["auto_load"], kiln["checkpoint_every"], kiln["max_seq_len"], bool(kiln["plan"]["remat"]),
                    resize["to_blocks"] if resize else None, kiln["gate"], kiln.get("rollouts"),
                    options.get("grader"), options.get("teacher"), hp.get("eval_interval", 10),
-                   hp.get("eval_samples", 1))
+                   hp.get("eval_samples", 1), kiln.get("agent"))
 
     @property
     def inputs(self) -> dict[str, str]:
@@ -256,7 +261,7 @@ class JobManager:
             "kiln": {"adapter_name": s.name, "auto_load": s.auto_load,
                      "checkpoint_every": s.checkpoint_every, "config": chosen.config.to_json(), "plan": plan,
                      "max_seq_len": s.max_seq_len, "gate": s.gate and s.gate.to_json(), "gate_result": None,
-                     "step": 0, "total_steps": None, "rollouts": chosen.rollouts},
+                     "step": 0, "total_steps": None, "rollouts": chosen.rollouts, "agent": chosen.agent},
         }
         JobSpec.from_job(job)  # what the worker reads back: it must, before the job is stored
         self.store.put_job(job)
@@ -352,10 +357,13 @@ class JobManager:
                                      hyperparameters.get("compute_multiplier", 1.0))
         if rollouts == "external":  # no engine logprobs to correct against
             config = dataclasses.replace(config, importance_sampling_cap=0.0)
+        agent_fields = self._agent_fields(kiln.get("agent"), kind, rollouts)
         prompts = self._prompts(training, shared.max_seq_len, "training_file")
         if validation:
             self._prompts(validation, shared.max_seq_len, "validation_file")
         seq_len = max(len(p.ids) for p in prompts) + config.max_completion_tokens
+        if agent_fields is not None:  # turns, tool results and template between them: up to max_seq_len
+            seq_len = max(seq_len, min(shared.max_seq_len, self.engine.max_model_len))
         if seq_len > self.engine.max_model_len:
             raise InvalidRequest(f"the longest prompt ({seq_len - config.max_completion_tokens} tokens) and "
                                  f"max_completion_tokens ({config.max_completion_tokens}) exceed the "
@@ -363,7 +371,30 @@ class JobManager:
                                  param=f"kiln.{section}.max_completion_tokens")
         return _MethodChoice(config, {"type": kind, kind: {**details, "hyperparameters": hyperparameters}},
                              rows=config.micro_batch_rows, seq_len=seq_len, accumulation=1, remat="off",
-                             extra_bytes=extra_bytes, rollouts=rollouts)
+                             extra_bytes=extra_bytes, rollouts=rollouts, agent=agent_fields)
+
+    def _agent_fields(self, fields: Any, kind: str, rollouts: str) -> dict | None:
+        """`kiln.agent`: the Responses fields of a reinforcement job's rollouts when they are
+        agent runs (tools required), checked as a run takes them, MCP servers reached now."""
+        at = "kiln.agent"
+        if fields is None:
+            return None
+        if kind != "reinforcement" or rollouts != "engine":
+            raise InvalidRequest(f"{at} is for reinforcement jobs whose rollouts the engine samples", param=at)
+        if not isinstance(fields, dict):
+            raise InvalidRequest(f"{at} must be an object", param=at)
+        unknown = sorted(set(fields) - set(AGENT_FIELDS))
+        if unknown:
+            raise InvalidRequest(f"unknown {at} field {unknown[0]!r}; known: {', '.join(AGENT_FIELDS)}",
+                                 param=f"{at}.{unknown[0]}")
+        if not isinstance(fields.get("tools"), list) or not fields["tools"]:
+            raise InvalidRequest(f"{at}.tools must list the episodes' tools", param=f"{at}.tools")
+        try:
+            agent.request("x", **fields)
+            agent.check_tools(fields["tools"], self.settings.server.mcp_commands)
+        except InvalidRequest as exc:
+            raise exc.with_param(f"{at}.{exc.param}" if exc.param else at) from None
+        return dict(fields)
 
     def _policy_config(self, cls, section: str, knobs: dict, common: dict, prompts_per_step: int,
                        compute_multiplier: float) -> GRPOConfig:
@@ -710,6 +741,10 @@ class JobManager:
 
         def make(ids, items, name):
             reward = as_reward(spec.grader, self.judge) if spec.grader is not None else None
+            if spec.agent is not None:  # the grader sees each episode's answer, calls and output items
+                fields = {k: v for k, v in spec.agent.items() if k != "tools"}
+                return AgentGRPORun(self.engine, items, spec.agent["tools"], spec.config, reward=reward, name=name,
+                                    fields={**fields, "mcp_commands": self.settings.server.mcp_commands})
             return cls(self.engine, ids, items, reward, spec.config, name=name, **extra)
 
         return self._policy_run(spec, make)

@@ -238,6 +238,33 @@ def test_a_reinforcement_job_trains_on_rollouts_a_client_scores(server, client):
     client.fine_tuning.jobs.cancel(other.id)
 
 
+LOOKUP = {"type": "kiln_python", "name": "lookup", "description": "Looks a key up",
+          "parameters": {"type": "object", "properties": {"key": {"enum": ["a", "b"]}}, "required": ["key"]},
+          "source": "def lookup(key):\n    return {'a': 'found it', 'b': 'nothing here'}[key]\n"}
+# the grader reads the episode: 1 when the tool's first output (a transcript item) found the key
+FOUND_IT = {"type": "string_check", "name": "found_it", "operation": "eq", "reference": "found it",
+            "input": "{{ sample.output_items[1].output }}"}
+AGENT = {"tools": [LOOKUP], "tool_choice": {"type": "function", "name": "lookup"}, "max_tool_calls": 1}
+
+
+def test_a_reinforcement_job_whose_rollouts_are_agent_runs(server, client):
+    train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model=MODEL, training_file=train.id, validation_file=train.id,
+        method=reinforcement(FOUND_IT, n_epochs=1, batch_size=4, eval_interval=2),
+        extra_body={"kiln": {**KILN, "max_seq_len": 256, "agent": AGENT,
+                             "grpo": {"num_generations": 4, "max_completion_tokens": 32}}})
+    assert job.model_extra["kiln"]["agent"] == AGENT
+    done = wait_for(client, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    metrics = [e.data for e in client.fine_tuning.jobs.list_events(job.id, limit=100).data if e.type == "metrics"]
+    assert [m["step"] for m in metrics] == [2, 1]
+    # every episode called the tool, and the grader read its output: some found the key, some not
+    assert 0.0 < metrics[-1]["reward_mean"] < 1.0 and "valid_reward_mean" in metrics[0]
+    # two model turns around the tool's output: more tokens than one call's arguments
+    assert all(m["completion_length"] > 8 for m in metrics)
+
+
 def test_bad_reinforcement_jobs_get_a_400(server, client):
     train = client.files.create(file=("prompts.jsonl", PROMPTS), purpose="fine-tune")
     cases = [
@@ -247,6 +274,15 @@ def test_bad_reinforcement_jobs_get_a_400(server, client):
         (reinforcement(HAS_K), {"grpo": {"beta": "high"}}, "kiln.grpo.beta"),
         (reinforcement(HAS_K), {"grpo": {"clip": 1}}, "kiln.grpo.clip"),
         (reinforcement(HAS_K, compute_multiplier=100), None, "hyperparameters.compute_multiplier"),
+        (reinforcement(HAS_K), {"agent": {"tools": []}}, "kiln.agent.tools"),
+        (reinforcement(HAS_K), {"agent": {**AGENT, "colour": "red"}}, "kiln.agent.colour"),
+        (reinforcement(HAS_K), {"agent": {"tools": [{**LOOKUP, "source": "def lookup(:"}]}},
+         "kiln.agent.tools[0].source"),
+        (reinforcement(HAS_K), {"agent": {"tools": [{"type": "mcp", "server_label": "x", "require_approval": "never",
+                                                     "server_url": "http://127.0.0.1:9/mcp"}]}},
+         "kiln.agent.tools[0].server_url"),
+        (reinforcement(HAS_K), {"agent": {**AGENT, "max_turns": 0}}, "kiln.agent.max_turns"),
+        (reinforcement(HAS_K), {"agent": AGENT, "rollouts": "external"}, "kiln.agent"),
     ]
     for method_body, kiln, param in cases:
         with pytest.raises(openai.BadRequestError) as err:
