@@ -78,7 +78,8 @@ def resident_bytes(arrays) -> int | None:
         vec = (ctypes.c_ubyte * pages)()
         if _libc().mincore(lo, pages * mmap.PAGESIZE, vec) != 0:  # unmapped since: the pool was replaced
             return None
-        total += sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE
+        # whole pages, of which the first and last may hold other data too: at most the array's bytes
+        total += min(size, sum(b & 1 for b in bytes(vec)) * mmap.PAGESIZE)
     return total
 
 

@@ -4,16 +4,20 @@ Every prompt is submitted (and validated) before the response starts, so a bad r
 an error status, never a broken stream. Choices are numbered prompt-major
 (prompt i, sample j -> index i * n + j). Usage and latency come from the engine's final
 deltas only.
+
+A whole (non-streamed) response is built `unless_disconnected`: when its client hangs up first,
+the work is cancelled, and its streams' closing aborts what the engine still runs for it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import contextlib
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
-from litestar import Response
+from litestar import Request, Response
 from litestar.response import Stream
 
 from kiln.engine.client import RequestStream
@@ -24,6 +28,33 @@ from kiln.server import openai_api as oa
 from kiln.server.state import Lineage, ServerState
 
 _encoder = msgspec.json.Encoder()
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # the status of a response whose client left first (never sent: it is gone)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the request body has been read: nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T | Response:
+    """`work`'s result, or, if the client disconnects first, `work` cancelled (its finally blocks
+    abort its engine requests and stop its tools) and a 499 nobody receives."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response({"error": {"message": "the client disconnected", "type": "client_closed_request",
+                                   "code": None, "param": None}}, status_code=CLIENT_CLOSED)
+    return task.result()
 
 
 def sse(payload: Any) -> bytes:
@@ -90,13 +121,19 @@ async def _choices(streams: list[RequestStream], n: int) -> AsyncIterator[tuple[
             s.close()
 
 
-async def respond(fmt: oa.ChatFormat | oa.CompletionFormat, rid: str, model_name: str, streams: list[RequestStream],
-                  n: int, stream: bool, include_usage: bool, lineage: Lineage) -> Response | Stream:
+async def respond(request: Request, fmt: oa.ChatFormat | oa.CompletionFormat, rid: str, model_name: str,
+                  streams: list[RequestStream], n: int, stream: bool, include_usage: bool,
+                  lineage: Lineage) -> Response | Stream:
     total = n * len(streams)
     base = {"id": rid, "object": fmt.chunk_object if stream else fmt.object, "created": oa.now(), "model": model_name}
     choices = _choices(streams, n)
     if stream:
         return Stream(_sse_events(fmt, base, choices, total, include_usage, lineage), media_type="text/event-stream")
+    return await unless_disconnected(request, _whole(fmt, base, choices, total, lineage))
+
+
+async def _whole(fmt, base: dict, choices: AsyncIterator[tuple[int, Delta]], total: int,
+                 lineage: Lineage) -> Response:
     accs = [oa.ChoiceAccumulator() for _ in range(total)]
     try:
         async for index, d in choices:

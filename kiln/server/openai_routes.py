@@ -28,7 +28,7 @@ async def chat_completions(request: Request, data: ChatCompletionRequest) -> Res
     adapter = await st.admit(data.model)
     prompt, params, reader = await st.chat_path.prepare(data)
     fmt = oa.ChatFormat(st.tokenizer, params.logprobs is not None, reader)
-    return await _generate(st, fmt, data, [prompt], params, adapter)
+    return await _generate(request, st, fmt, data, [prompt], params, adapter)
 
 
 @post("/v1/completions", status_code=200)
@@ -43,17 +43,17 @@ async def completions(request: Request, data: CompletionRequest) -> Response | S
     if (constraint := structured.output_constraint(data)) is not None:
         params.grammar = await st.grammars.compile_async(constraint)
     fmt = oa.CompletionFormat(st.tokenizer, data.logprobs is not None, prompts if data.echo else None, params.n)
-    return await _generate(st, fmt, data, prompts, params, adapter)
+    return await _generate(request, st, fmt, data, prompts, params, adapter)
 
 
-async def _generate(st: ServerState, fmt, data, prompts, params, adapter) -> Response | Stream:
+async def _generate(request: Request, st: ServerState, fmt, data, prompts, params, adapter) -> Response | Stream:
     rid = oa.new_id(fmt.id_prefix)
     try:
         streams = submit_all(st, rid, prompts, params, adapter and adapter.weights, data.cache_salt)
     except InvalidRequest as exc:  # the engine names the prompt "prompt"; a chat request calls it "messages"
         raise exc.with_param(fmt.prompt_param) if exc.param == "prompt" else exc from None
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
-    return await respond(fmt, rid, adapter.name if adapter else st.model_id, streams, params.n, data.stream,
+    return await respond(request, fmt, rid, adapter.name if adapter else st.model_id, streams, params.n, data.stream,
                          include_usage, st.lineage(adapter))
 
 

@@ -20,6 +20,7 @@ from kiln.agent.loop import AgentRun
 from kiln.agent.tools import AgentTools
 from kiln.errors import InvalidRequest, KilnError, NotFound
 from kiln.server import responses_api as ra
+from kiln.server.generation import unless_disconnected
 from kiln.server.openai_api import now
 from kiln.server.pagination import page, page_limit
 from kiln.server.schemas import ResponsesRequest
@@ -71,7 +72,7 @@ async def create_response(request: Request, data: ResponsesRequest) -> Response 
         raise
     if data.stream:
         return Stream(run.events(), media_type="text/event-stream")
-    return Response(await run.whole())
+    return await unless_disconnected(request, run.whole())
 
 
 class ResponseRun:
@@ -100,14 +101,14 @@ class ResponseRun:
         if self.req.store:
             self.st.responses.put(body, self.new_items, self.context + self.new_items)
 
-    async def whole(self) -> dict[str, Any]:
+    async def whole(self) -> Response:
         try:
             await self.agent.run()
         finally:
             await self.agent.close()
         body = self._body()
         self._store(body)
-        return body
+        return Response(body)
 
     async def events(self) -> AsyncIterator[bytes]:
         numbers = itertools.count()

@@ -4,6 +4,8 @@ bad input. A response is a chat request underneath, so at temperature 0 its text
 chat completion's for the same conversation."""
 
 import json
+import re
+import time
 
 import httpx
 import openai
@@ -361,3 +363,28 @@ def test_bad_agent_tools_are_a_400_naming_the_field(server, tool, param):
     assert r.json()["error"]["param"] == param
     if "sh -c" in str(tool.get("command")):
         assert "mcp_commands" in r.json()["error"]["message"]
+
+
+def finished_requests(server) -> dict[str, float]:
+    """The engine's finished requests by reason (each agent turn is one)."""
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return {reason: sum(float(m) for m in re.findall(
+        rf'^vllm:request_success_total{{finished_reason="{reason}",model_name="{MODEL}"}} (\S+)$', text, re.M))
+        for reason in ("stop", "length", "abort")}
+
+
+def test_a_client_that_leaves_a_whole_response_stops_its_agent_run(server):
+    """Not streamed: the run's turns stop when its client hangs up, in the middle of a tool call,
+    instead of going on to the context's end."""
+    nap = {"type": "kiln_python", "name": "nap", "timeout_s": 30, "parameters": {"type": "object", "properties": {}},
+           "source": "import time\ndef nap():\n    time.sleep(1)\n    return 'rested'\n"}
+    before = sum(finished_requests(server).values())
+    body = {"model": MODEL, "input": "Rest.", "tools": [nap], "tool_choice": "required", "temperature": 0,
+            "parallel_tool_calls": False}
+    with pytest.raises(httpx.ReadTimeout):  # the client leaves during the first tool call
+        httpx.post(server.url + "/v1/responses", json=body, timeout=httpx.Timeout(30, read=0.6))
+    time.sleep(4)  # long enough for two more turns and naps, had the run gone on
+    assert sum(finished_requests(server).values()) - before == 1  # the first turn only
+    # the same run, waited for, goes on turn after turn to the context's end
+    done = httpx.post(server.url + "/v1/responses", json=body, timeout=120).json()
+    assert done["incomplete_details"]["reason"] == "context_length" and len(done["output"]) > 4

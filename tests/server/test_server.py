@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import httpx
 import openai
@@ -158,6 +159,28 @@ def test_client_disconnect_aborts_the_request(server):
 
     assert asyncio.run(main())
     assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0' in httpx.get(server.url + "/metrics").text
+
+
+def test_a_client_that_leaves_a_whole_completion_aborts_it(server):
+    """Not streamed: the request is aborted when its client hangs up, not generated to its end."""
+    def aborted() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        line = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} '
+        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+    before = aborted()
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 220, "n": 8, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    for _ in range(100):
+        if aborted() - before == 8:  # every choice, within moments of the hang-up
+            break
+        time.sleep(0.05)
+    assert aborted() - before == 8
+    # the same request, waited for, takes longer than the hang-up: it was cut short, not finished
+    started = time.monotonic()
+    assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert time.monotonic() - started > 0.3
 
 
 def test_models_tokenize_render_detokenize(server, client):
