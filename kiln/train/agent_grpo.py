@@ -61,18 +61,18 @@ class AgentGRPORun(GRPORun):
                          start_lora=start_lora)
         self.tools, self.fields, self.episode_reward = tools, dict(fields or {}), episode_reward
 
-    def episodes(self, inputs: list, seeds: list[int]) -> list[agent.AgentResult]:
+    def episodes(self, inputs: list, seeds: list[int], adapter=None) -> list[agent.AgentResult]:
         c = self.config
         return agent.run_many(inputs, [{"seed": s} for s in seeds], engine=self.engine, tools=self.tools,
-                              adapter=self.adapter, sample_logprobs=True, temperature=c.temperature, top_p=c.top_p,
-                              max_output_tokens=c.max_completion_tokens, **self.fields)
+                              adapter=adapter or self.adapter, sample_logprobs=True, temperature=c.temperature,
+                              top_p=c.top_p, max_output_tokens=c.max_completion_tokens, **self.fields)
 
-    def sample(self, indices: list[int]) -> list[list[Rollout]]:
-        """G episodes per prompt, on the current policy version."""
-        c, G = self.config, self.config.num_generations
-        seeds = [(c.seed * 1_000_003 + self.step * 1009 + j * 31 + g) % (1 << 31)
+    def sample(self, indices: list[int], step: int | None = None, adapter=None) -> list[list[Rollout]]:
+        """G episodes per prompt, on the current policy version (or `adapter`), seeded for `step`."""
+        c, G, step = self.config, self.config.num_generations, self.step if step is None else step
+        seeds = [(c.seed * 1_000_003 + step * 1009 + j * 31 + g) % (1 << 31)
                  for j in range(len(indices)) for g in range(G)]
-        results = self.episodes([self.inputs[i] for i in indices for _ in range(G)], seeds)
+        results = self.episodes([self.inputs[i] for i in indices for _ in range(G)], seeds, adapter)
         rollouts = []
         for result in results:
             prompt, completion, mask, logprobs = result.episode()

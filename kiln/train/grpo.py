@@ -29,9 +29,11 @@ Defaults follow TRL 1.16 where it has one, for these reasons:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -88,6 +90,9 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     ignore_eos: bool = False  # benchmarks: every completion runs to max_completion_tokens
     micro_batch_rows: int = 16  # sequences per forward/backward; a step accumulates them all
+    # sample step k+1's rollouts while step k trains: they come from a policy one version stale,
+    # which truncated importance sampling corrects (see GRPORun.advance)
+    overlap_rollouts: bool = False
     seed: int = setting_default("train.seed")
 
     def __post_init__(self):
@@ -308,6 +313,10 @@ class GRPORun(LoraRun):
         self.step = 0
         self.adapter: AdapterWeights | None = None
         self.last_metrics: dict = {}
+        self._sampler: concurrent.futures.ThreadPoolExecutor | None = None  # overlap_rollouts: samples ahead
+        self._ahead: tuple[int, concurrent.futures.Future] | None = None  # (the step they are for, its rollouts)
+        self._pin = threading.Lock()  # guards which versions are current and pinned
+        self._pinned: AdapterWeights | None = None  # the version sampling ahead, until it is done
         self.publish()
 
     @property
@@ -328,31 +337,37 @@ class GRPORun(LoraRun):
         loaded into a slot at the next iteration boundary; the previous version retires when its
         last request ends."""
         old = self.adapter
-        self.adapter = AdapterWeights(self.name, f"step-{self.step}", lora_to_numpy(self.lora), self.config.scale,
-                                      self.config.lora_rank)
-        self.engine.place_adapter(self.adapter).result()
-        if old is not None:
+        new = AdapterWeights(self.name, f"step-{self.step}", lora_to_numpy(self.lora), self.config.scale,
+                             self.config.lora_rank)
+        self.engine.place_adapter(new).result()
+        with self._pin:
+            self.adapter = new
+            retire = old is not None and old is not self._pinned  # a version sampling ahead retires when it ends
+        if retire:
             self.engine.retire_adapter(old).result()
         return self.adapter
 
-    def step_prompts(self) -> list[int]:
-        """Indices of this step's prompts: epochs in a seeded order, `prompts_per_step` at a time."""
-        n, per = len(self.prompts), self.config.prompts_per_step
+    def step_prompts(self, step: int | None = None) -> list[int]:
+        """Indices of a step's prompts (default: this one's): epochs in a seeded order,
+        `prompts_per_step` at a time."""
+        n, per, step = len(self.prompts), self.config.prompts_per_step, self.step if step is None else step
         out = []
-        for k in range(self.step * per, (self.step + 1) * per):
+        for k in range(step * per, (step + 1) * per):
             epoch, pos = divmod(k, n)
             out.append(int(np.random.default_rng(self.config.seed + epoch).permutation(n)[pos]))
         return out
 
-    def sample(self, indices: list[int]) -> list[list[Rollout]]:
-        """G completions per prompt from the engine, on the current policy version."""
-        c = self.config
+    def sample(self, indices: list[int], step: int | None = None,
+               adapter: AdapterWeights | None = None) -> list[list[Rollout]]:
+        """G completions per prompt from the engine, on the current policy version (or `adapter`);
+        seeded for `step` (default: this one)."""
+        c, step, adapter = self.config, self.step if step is None else step, adapter or self.adapter
         params = [SamplingParams(n=c.num_generations, temperature=c.temperature, top_p=c.top_p,
                                  max_tokens=c.max_completion_tokens, logprobs=0, ignore_eos=c.ignore_eos,
-                                 seed=(c.seed * 1_000_003 + self.step * 1009 + j) % (1 << 31))
+                                 seed=(c.seed * 1_000_003 + step * 1009 + j) % (1 << 31))
                   for j in range(len(indices))]
         prompts = [self.prompts[i] for i in indices]
-        choices = self.engine.complete(prompts, params, self.adapter)
+        choices = self.engine.complete(prompts, params, adapter)
         return [[Rollout(list(prompt), list(ch.token_ids), ch.logprobs, ch.finish_reason == "length", 0.0, ch.text)
                  for ch in group] for prompt, group in zip(prompts, choices, strict=True)]
 
@@ -422,13 +437,22 @@ class GRPORun(LoraRun):
 
     def advance(self, ownership=None) -> dict:
         """Sample, score, train: one GRPO step (with the validation reward when due). Returns its
-        metrics, timings included."""
+        metrics, timings included.
+
+        With `overlap_rollouts`, the next step's rollouts are sampled on a thread of the run's
+        while this step scores and trains, by the policy version this step's rollouts came
+        from: one version stale when trained on (`rollout_staleness` 1). `rollout_seconds` is
+        then only the time this step waited for its rollouts."""
         if self.reward is None:
             raise ValueError("this run has no reward: train on scored rollouts with train_step")
         t0 = time.perf_counter()
         indices = self.step_prompts()
-        groups = self.sample(indices)
+        ahead, self._ahead = self._ahead, None
+        stale = ahead is not None and ahead[0] == self.step
+        groups = ahead[1].result() if stale else self.sample(indices)
         t1 = time.perf_counter()
+        if self.config.overlap_rollouts and self.step + 1 < self.total_steps:
+            self._sample_ahead(self.step + 1)
         flat = [r for g in groups for r in g]
         self.score(groups, indices)
         t2 = time.perf_counter()
@@ -436,18 +460,42 @@ class GRPORun(LoraRun):
         t3 = time.perf_counter()
         tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in flat)
         metrics.update(step=self.step, rollout_seconds=t1 - t0, reward_seconds=t2 - t1, train_seconds=t3 - t2,
-                       tokens_per_second=tokens / (t3 - t0))
+                       tokens_per_second=tokens / (t3 - t0), rollout_staleness=int(stale))
         self.held = metrics["train_seconds"]
         if self.validation and (self.step % self.eval_interval == 0 or self.done):
             metrics["valid_reward_mean"] = self.evaluate([p.ids for p in self.validation],
                                                          [p.item for p in self.validation], self.eval_samples)
         return metrics
 
+    def _sample_ahead(self, step: int) -> None:
+        """Starts sampling `step`'s rollouts on the current version, which stays placed (pinned)
+        until they are done, though the run publishes newer ones meanwhile."""
+        if self._sampler is None:
+            self._sampler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kiln-rollouts")
+        with self._pin:
+            self._pinned = adapter = self.adapter
+
+        def sample() -> list[list[Rollout]]:
+            try:
+                return self.sample(self.step_prompts(step), step, adapter)
+            finally:
+                with self._pin:
+                    self._pinned = None
+                    retire = adapter is not self.adapter
+                if retire:
+                    self.engine.retire_adapter(adapter).result()
+
+        self._ahead = (step, self._sampler.submit(sample))
+
     def summary(self, metrics: dict) -> str:
         return f"reward={metrics['reward_mean']:.4f}"
 
     def close(self) -> None:
-        """The policy's training versions leave their slot."""
+        """Rollouts sampled ahead are dropped (once their requests end), and the policy's
+        training versions leave their slot."""
+        if self._sampler is not None:
+            self._sampler.shutdown(wait=True)
+            self._sampler, self._ahead = None, None
         self.engine.retire_adapter(self.adapter).result()
 
     def _compiled(self, kind: str, lora, batch: RolloutBatch, *extra, params=None):

@@ -403,7 +403,7 @@ class JobManager:
         at = f"kiln.{section}"
         if not isinstance(knobs, dict):
             raise InvalidRequest(f"{at} must be an object", param=at)
-        known = GRPO_KNOBS + (("jsd_beta", "jsd_coef") if cls is OPDConfig else ())
+        known = GRPO_KNOBS + (("jsd_beta", "jsd_coef") if cls is OPDConfig else ("overlap_rollouts",))
         unknown = sorted(set(knobs) - set(known))
         if unknown:
             raise InvalidRequest(f"unknown {at} setting {unknown[0]!r}; known: {', '.join(known)}",

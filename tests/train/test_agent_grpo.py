@@ -66,3 +66,27 @@ def test_multi_turn_grpo_learns_which_tool_call_pays(policy_engine):
     first, last = np.mean(history[:2]), np.mean(history[-2:])
     assert last > first + 0.2 and last >= 0.75, history
     policy_engine.retire_adapter(run.adapter).result()
+
+
+def test_overlapped_rollouts_are_one_version_stale_and_the_reward_still_rises(policy_engine):
+    """Step k+1's episodes run while step k trains, on the version step k's came from: every step
+    after the first trains on rollouts one version stale (truncated importance sampling corrects
+    them), and the version they pinned leaves its slot once they are done."""
+    items = [{"prompt": p} for p in ("Find the key.", "Which key?", "Look it up.", "Go.")]
+
+    def first_call_finds(result, item):
+        call = next(i for i in result.output if i["type"] == "function_call")
+        return float('"a"' in call["arguments"])
+
+    config = GRPOConfig(lora_rank=8, lora_alpha=16, num_generations=8, prompts_per_step=4, max_completion_tokens=64,
+                        learning_rate=2e-2, max_steps=5, micro_batch_rows=32, seed=5, overlap_rollouts=True)
+    run = AgentGRPORun(policy_engine, items, [LOOKUP], config, episode_reward=first_call_finds, fields=NAMED,
+                       name="agent-policy-overlap")
+    history = []
+    while not run.done:
+        history.append(run.advance(policy_engine.ownership))
+    assert [m["rollout_staleness"] for m in history] == [0, 1, 1, 1, 1]
+    rewards = [m["reward_mean"] for m in history]
+    assert np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.2, rewards
+    run.close()
+    assert not [s for s in policy_engine._core.lora_slots.resident() if s["adapter"] == run.name]
