@@ -16,9 +16,11 @@ context_length).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
+from kiln.agent.metrics import AgentMetrics
 from kiln.agent.tools import AgentTools
 from kiln.server import responses_api as ra
 from kiln.server.openai_api import ChatPath
@@ -87,8 +89,8 @@ class AgentRun:
     are the output items and `turns` the generations."""
 
     def __init__(self, path: ChatPath, engine, req: ResponsesRequest, tools: AgentTools, conversation: list[dict],
-                 rid: str, adapter=None, sample_logprobs: bool = False):
-        self.path, self.engine, self.req, self.tools = path, engine, req, tools
+                 rid: str, adapter=None, sample_logprobs: bool = False, metrics: AgentMetrics | None = None):
+        self.path, self.engine, self.req, self.tools, self.metrics = path, engine, req, tools, metrics
         self.conversation = list(conversation)
         self.rid, self.adapter, self.sample_logprobs = rid, adapter, sample_logprobs
         self.items: list[dict[str, Any]] = []
@@ -192,7 +194,11 @@ class AgentRun:
         where = {"item_id": call["id"], "output_index": self.items.index(call)}
         if call["type"] == "mcp_call":
             yield {"type": "response.mcp_call.in_progress", **where}
+        started = time.perf_counter()
         result = await self.tools.call(call["name"], call["arguments"])
+        if self.metrics is not None:
+            self.metrics.tool_called("mcp" if call["type"] == "mcp_call" else "kiln_python", bool(result.error),
+                                     time.perf_counter() - started)
         if call["type"] == "mcp_call":
             call["output"], call["status"] = (None, "failed") if result.error else (result.output, "completed")
             if result.error:

@@ -152,6 +152,7 @@ class Start:
     def _build(self) -> ServerState | None:
         from kiln.adapters.registry import AdapterRegistry
         from kiln.adapters.store import AdapterStore
+        from kiln.agent.metrics import AgentMetrics
         from kiln.engine.host_memory import trim_heap
         from kiln.engine.setup import build_engine
         from kiln.eval.service import EvalService
@@ -171,7 +172,8 @@ class Start:
                                    settings.serving_profile.policy.adapter_weight_transitions)
         jobs = JobManager(settings, engine, registry, TrainingStore(settings.training_dir()), start=False)
         state = ServerState(settings, engine, engine.metrics, registry, jobs,
-                            responses=ResponseStore(settings.training_dir()))
+                            responses=ResponseStore(settings.training_dir()),
+                            agent_metrics=AgentMetrics(engine.metrics.registry, engine.metrics.model_name))
         self._built.append(state.responses.close)
         state.evals = jobs.evals = EvalService(EvalStore(settings.training_dir()), engine,
                                                select_model=state.select_model, judge=make_judge(state),

@@ -60,7 +60,8 @@ async def create_response(request: Request, data: ResponsesRequest) -> Response 
         raise InvalidRequest("input must not be empty", param="input")
     await tools.open()
     run = ResponseRun(st, data, adapter, AgentRun(st.chat_path, st.engine, data, tools, context + new_items,
-                                                  ra.new_item_id("resp"), adapter and adapter.weights),
+                                                  ra.new_item_id("resp"), adapter and adapter.weights,
+                                                  metrics=st.agent_metrics),
                       new_items, context)
     try:
         await run.agent.begin()  # the first turn is submitted before the response starts: its errors are a status
@@ -101,12 +102,23 @@ class ResponseRun:
         if self.req.store:
             self.st.responses.put(body, self.new_items, self.context + self.new_items)
 
+    def _ended(self, status: str) -> None:
+        """Counts an agent run (a response whose tools Kiln ran) by how it ended."""
+        if self.agent.tools.runs_any and self.st.agent_metrics is not None:
+            self.st.agent_metrics.run_ended(status, len(self.agent.turns))
+
     async def whole(self) -> Response:
+        status = "cancelled"  # unless it ends otherwise: the client left, and the run was cancelled
         try:
             await self.agent.run()
+            body = self._body()
+            status = body["status"]
+        except KilnError:
+            status = "failed"
+            raise
         finally:
             await self.agent.close()
-        body = self._body()
+            self._ended(status)
         self._store(body)
         return Response(body)
 
@@ -118,19 +130,23 @@ class ResponseRun:
             return b"event: " + payload["type"].encode() + b"\ndata: " + _encoder.encode(payload) + b"\n\n"
 
         start = self._body(status="in_progress")
+        status = "cancelled"  # unless it ends otherwise: the client went away
         yield event({"type": "response.created", "response": start})
         yield event({"type": "response.in_progress", "response": start})
         try:
             async for e in self.agent.events():
                 yield event(e)
             body = self._body()
+            status = body["status"]
             self._store(body)
             yield event({"type": f"response.{body['status']}", "response": body})
         except KilnError as exc:
+            status = "failed"
             error = {"code": exc.code or exc.type, "message": exc.message}
             yield event({"type": "response.failed", "response": self._body(status="failed", error=error)})
         finally:  # also when the client went away: the turn in flight is aborted and no tool runs again
             await self.agent.close()
+            self._ended(status)
 
 
 def _not_found(response_id: str) -> NotFound:

@@ -31,6 +31,7 @@ class ServerState:
     jobs: Any = None  # kiln.train.jobs.JobManager
     evals: Any = None  # kiln.eval.service.EvalService
     responses: Any = None  # kiln.server.response_store.ResponseStore: the Responses API's stored responses
+    agent_metrics: Any = None  # kiln.agent.metrics.AgentMetrics, on the engine's registry
     prewarm: str = "pending"  # pending | done | skipped
     step_set: dict | None = None  # what prewarm built: executables, built, loaded, seconds
     draining: bool = False  # SIGTERM came: inference is refused while running requests finish

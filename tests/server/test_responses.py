@@ -379,12 +379,37 @@ def test_a_client_that_leaves_a_whole_response_stops_its_agent_run(server):
     nap = {"type": "kiln_python", "name": "nap", "timeout_s": 30, "parameters": {"type": "object", "properties": {}},
            "source": "import time\ndef nap():\n    time.sleep(1)\n    return 'rested'\n"}
     before = sum(finished_requests(server).values())
+    cancelled = agent_metric(server, "kiln:agent_runs_total", status="cancelled")
     body = {"model": MODEL, "input": "Rest.", "tools": [nap], "tool_choice": "required", "temperature": 0,
             "parallel_tool_calls": False}
     with pytest.raises(httpx.ReadTimeout):  # the client leaves during the first tool call
         httpx.post(server.url + "/v1/responses", json=body, timeout=httpx.Timeout(30, read=0.6))
     time.sleep(4)  # long enough for two more turns and naps, had the run gone on
     assert sum(finished_requests(server).values()) - before == 1  # the first turn only
+    assert agent_metric(server, "kiln:agent_runs_total", status="cancelled") == cancelled + 1
     # the same run, waited for, goes on turn after turn to the context's end
     done = httpx.post(server.url + "/v1/responses", json=body, timeout=120).json()
     assert done["incomplete_details"]["reason"] == "context_length" and len(done["output"]) > 4
+
+
+def agent_metric(server, name: str, **labels) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    label_text = ",".join(f'{k}="{v}"' for k, v in sorted({"model_name": MODEL, **labels}.items()))
+    found = re.search(rf"^{re.escape(name)}{{{re.escape(label_text)}}} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_agent_runs_and_their_tool_calls_are_counted_on_metrics(server, client):
+    boom = {"type": "kiln_python", "name": "boom", "parameters": {"type": "object", "properties": {}},
+            "source": "def boom():\n    raise ValueError('no luck')\n"}
+    names = [("kiln:agent_runs_total", {"status": "incomplete"}),
+             ("kiln:agent_run_turns_count", {}), ("kiln:agent_run_turns_sum", {}),
+             ("kiln:agent_tool_calls_total", {"tool_type": "kiln_python", "outcome": "ok"}),
+             ("kiln:agent_tool_calls_total", {"tool_type": "kiln_python", "outcome": "error"}),
+             ("kiln:agent_tool_seconds_count", {"tool_type": "kiln_python"})]
+    before = [agent_metric(server, n, **labels) for n, labels in names]
+    agent(client, [MULTIPLY], {"type": "function", "name": "multiply"}, max_tool_calls=1)  # 2 turns, 1 call
+    agent(client, [boom], {"type": "function", "name": "boom"}, max_tool_calls=1)  # 2 turns, 1 failed call
+    client.responses.create(model=MODEL, input="hi", max_output_tokens=2)  # no tool Kiln runs: not an agent run
+    after = [agent_metric(server, n, **labels) for n, labels in names]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [2, 2, 4, 1, 1, 2]
