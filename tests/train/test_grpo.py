@@ -81,6 +81,24 @@ def test_each_step_publishes_a_new_policy_version(policy_engine):
     policy_engine.retire_adapter(run.adapter).result()
 
 
+def test_overlapped_rollouts_pin_their_version_until_they_are_done(policy_engine):
+    config = GRPOConfig(lora_rank=8, lora_alpha=16, num_generations=2, prompts_per_step=2, max_completion_tokens=4,
+                        learning_rate=1e-2, max_steps=3, overlap_rollouts=True)
+    run = GRPORun(policy_engine, random_prompts(4, seed=2), [None] * 4,
+                  lambda texts, items: [len(t) for t in texts], config, name="policy-overlap")
+    first = run.adapter
+    metrics = [run.advance(policy_engine.ownership)]
+    # step 2's rollouts were started on the first version, before step 1 published the second
+    assert run._ahead is not None and run._ahead[0] == 1
+    run._ahead[1].result()
+    assert first.retired and run.adapter.version == "step-1"
+    metrics += [run.advance(policy_engine.ownership), run.advance(policy_engine.ownership)]
+    assert [m["rollout_staleness"] for m in metrics] == [0, 1, 1] and run.done and run._ahead is None
+    run.close()
+    resident = policy_engine.at_boundary(policy_engine._core.lora_slots.resident).result()
+    assert not [r for r in resident if r["adapter"] == "policy-overlap"]
+
+
 def test_a_learnable_reward_rises(policy_engine):
     """Reward: the share of completion tokens equal to the token the base model samples most.
     A fixed, seeded run on the tiny model raises it in trend."""
