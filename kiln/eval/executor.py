@@ -34,6 +34,7 @@ from kiln.graders import Judge, make_sample
 log = logging.getLogger("kiln.eval")
 
 GRADING_THREADS = 8
+AGENT_CLOSE_S = 30.0  # how long a stopped run waits for its agent runs to close their tools
 
 
 class _Graders:
@@ -116,12 +117,8 @@ class Executor:
             for request_id in self._requests.values():
                 self.engine.abort(request_id)
             self._requests.clear()
-            for future in self._runs.values():
-                future.cancel()  # the run's turn in flight is aborted, its tools closed
             self._runs.clear()
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._loop = None
+            self._close_agent_loop()
             grading.close()
 
     # ---- internals -------------------------------------------------------------------------
@@ -175,6 +172,25 @@ class Executor:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="kiln-eval-agent", daemon=True).start()
         return self._loop
+
+    def _close_agent_loop(self) -> None:
+        """Cancels the agent runs still going and lets them end there (each aborts its turn in
+        flight and closes its tools, MCP servers included), then stops their loop."""
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+
+        async def cancel_all() -> None:
+            runs = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in runs:
+                task.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+
+        try:
+            asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(AGENT_CLOSE_S)
+        except concurrent.futures.TimeoutError:  # a tool that will not close: its run is left to the daemon thread
+            log.warning("agent runs did not end within %.0f s of their eval run's end", AGENT_CLOSE_S)
+        loop.call_soon_threadsafe(loop.stop)
 
     async def _agent_sample(self, index: int, messages: list[dict]) -> None:
         """Item `index` sampled as an agent run; its sample (or its failure) goes to the queue."""

@@ -5,9 +5,13 @@ profile, and a server killed with SIGKILL mid-run that resumes without redoing f
 
 import html
 import json
+import os
 import signal
 import sqlite3
+import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -122,6 +126,51 @@ def test_an_agent_eval_runs_the_tools_and_grades_the_transcript(engine):
         kiln.eval.run(items, [CALLED], AGENT_TEMPLATE, engine=engine, progress=False,
                       tools=[{"type": "kiln_python", "name": "f", "source": "def f(:\n"}])
     assert err.value.param == "sampling.tools[0].source"
+
+
+def mcp_servers_running() -> int:
+    """This process's children that are the test MCP server on stdio."""
+    count = 0
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            continue
+        count += ppid == os.getpid() and any(a.endswith(b"mcp_server.py") for a in cmdline) and b"stdio" in cmdline
+    return count
+
+
+def test_a_stopped_agent_eval_closes_its_runs_tools(engine):
+    """Stopped while its agent run waits on an MCP tool (it sleeps 20 s), the run aborts: the
+    MCP server it started on stdio is closed, not left running."""
+    from kiln.eval.executor import Executor
+    from kiln.eval.suite import Sampling, Suite, criteria, input_messages
+
+    command = [sys.executable, str(Path(__file__).parents[1] / "mcp_server.py"), "stdio"]
+    tool = {"type": "mcp", "server_label": "calc", "require_approval": "never", "command": command}
+    sampling = Sampling.from_json({"temperature": 0, "tools": [tool], "tool_choice": {"type": "function",
+                                                                                     "name": "slow"}},
+                                  api="responses")
+    suite = Suite(items=[{"question": "q", "n": 1}], criteria=criteria([CALLED]),
+                  input=input_messages(AGENT_TEMPLATE), sampling=sampling)
+    stop = threading.Event()
+
+    def stop_during_the_call():
+        deadline = time.monotonic() + 60
+        while mcp_servers_running() == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # the run has listed the server's tools and called `slow`
+        stop.set()
+
+    threading.Thread(target=stop_during_the_call, daemon=True).start()
+    assert Executor(suite, engine=engine).run(lambda outcome: None, stop=stop) is False
+    assert stop.is_set()
+    for _ in range(100):
+        if mcp_servers_running() == 0:
+            break
+        time.sleep(0.1)
+    assert mcp_servers_running() == 0
 
 
 def test_compare_pairs_items_flips_and_seeded_bootstrap():
