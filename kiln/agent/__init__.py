@@ -114,16 +114,28 @@ def request(input: str | list, tools: list[dict] | None = None, **fields) -> Res
     return req
 
 
-def check_tools(tools: list[dict] | None, mcp_commands: list[str] | None = None) -> None:
-    """Checks tools as a run would take them, MCP servers reached and their tools listed (a blocking
-    call, for callers without an event loop): InvalidRequest naming the tool at fault."""
-    async def reach() -> None:
+def check(fields: dict[str, Any], mcp_commands: list[str] | None = None, at: str | None = None) -> None:
+    """Checks a run's Responses fields (its tools among them) as a run takes them, MCP servers
+    reached and their tools listed (blocking: for callers without an event loop). InvalidRequest
+    names the field at fault, under `at` (such as "kiln.agent") when given."""
+    async def reach(tools) -> None:
         agent_tools = AgentTools(tools, allowed_commands=mcp_commands)
         await agent_tools.open()
         await agent_tools.close()
 
+    try:
+        _blocking(reach(request("x", **fields).tools))
+    except InvalidRequest as exc:
+        if at is None:
+            raise
+        raise exc.with_param(f"{at}.{exc.param}" if exc.param else at) from None
+
+
+def _blocking(work):
+    """Runs a coroutine to its end on a thread of its own, for callers with or without an event
+    loop (notebooks have one)."""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, reach()).result()
+        return pool.submit(asyncio.run, work).result()
 
 
 async def arun(input: str | list, *, engine, tools: list[dict] | None = None, adapter=None, settings=None,
@@ -159,8 +171,7 @@ def run_many(inputs: list, per_run: list[dict] | None = None, **kwargs) -> list[
         return await asyncio.gather(*(arun(i, **kwargs, **(extra or {}))
                                       for i, extra in zip(inputs, per_run or [None] * len(inputs), strict=True)))
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, all_of_them()).result()
+    return _blocking(all_of_them())
 
 
-__all__ = ["MAX_TURNS", "AgentResult", "arun", "check_tools", "request", "run", "run_many"]
+__all__ = ["MAX_TURNS", "AgentResult", "arun", "check", "request", "run", "run_many"]

@@ -82,7 +82,7 @@ def run(items, criteria, input_messages=None, *, samples=None, engine=None, mode
                  "max_tool_calls": max_tool_calls, "max_turns": max_turns}
     sampling = {"temperature": temperature, "top_p": top_p, "max_completion_tokens": max_completion_tokens,
                 "seed": seed, **responses}
-    api = api or ("responses" if any(v is not None for v in responses.values()) else "completions")
+    api = api or suites.sampling_api(responses)
     suite = suites.Suite(items=[r.item for r in rows], criteria=suites.criteria(list(criteria)),
                          input=suites.input_messages(input_messages) if input_messages is not None else None,
                          sampling=suites.Sampling.from_json(sampling, "sampling", api),

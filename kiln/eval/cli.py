@@ -130,7 +130,7 @@ def _run_suite(args: argparse.Namespace, settings: Settings) -> int:
     from kiln.eval.report import render_report
     from kiln.eval.service import ACTIVE, EvalService
     from kiln.eval.store import EvalStore
-    from kiln.eval.suite import RESPONSE_FIELDS
+    from kiln.eval.suite import sampling_api
     from kiln.graders.engine_judge import engine_judge
 
     path = Path(args.suite)
@@ -144,8 +144,7 @@ def _run_suite(args: argparse.Namespace, settings: Settings) -> int:
         source: dict[str, Any] = {"source": {"type": "file_content", "content": rows}}
         if "input_messages" in header:
             sampling = header.get("sampling_params")
-            agent = isinstance(sampling, dict) and any(sampling.get(k) is not None for k in RESPONSE_FIELDS)
-            source.update(type="responses" if agent else "completions", model=args.eval_model or engine.model.model_id,
+            source.update(type=sampling_api(sampling), model=args.eval_model or engine.model.model_id,
                           input_messages=header["input_messages"], sampling_params=sampling)
         else:
             source["type"] = "jsonl"

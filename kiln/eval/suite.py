@@ -67,8 +67,10 @@ class Sampling:
         if seed is not None and not _is_int(seed):
             raise InvalidRequest(f"{param}.seed must be an integer", param=f"{param}.seed")
         responses = {k: data[k] for k in RESPONSE_FIELDS if data.get(k) is not None} if api == "responses" else None
-        if responses is not None:
-            _check_responses(responses, param, mcp_commands)
+        if responses is not None:  # checked as a run takes them: MCP servers are reached now
+            from kiln import agent  # the agent loop imports the server's request shapes; evals only need it here
+
+            agent.check(responses, mcp_commands, at=param)
         return cls(float(temperature), float(top_p), max_tokens, seed, api, responses)
 
     def to_json(self) -> dict[str, Any]:
@@ -89,15 +91,11 @@ class Sampling:
 RESPONSE_FIELDS = ("tools", "text", "tool_choice", "parallel_tool_calls", "max_tool_calls", "max_turns")
 
 
-def _check_responses(fields: dict[str, Any], param: str, mcp_commands: list[str] | None) -> None:
-    """A responses run's fields as a run takes them: MCP servers are reached now."""
-    from kiln import agent  # the agent loop imports the server's request shapes; evals only need it here
-
-    try:
-        agent.request("x", **fields)
-        agent.check_tools(fields.get("tools"), mcp_commands)
-    except InvalidRequest as exc:
-        raise exc.with_param(f"{param}.{exc.param}" if exc.param else param) from None
+def sampling_api(params: Any) -> str:
+    """The run a suite's sampling params ask for: "responses" when they set a Responses field
+    (tools, text, ...), else "completions"."""
+    responses = isinstance(params, dict) and any(params.get(k) is not None for k in RESPONSE_FIELDS)
+    return "responses" if responses else "completions"
 
 
 def _is_int(value: Any) -> bool:

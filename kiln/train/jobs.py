@@ -389,11 +389,7 @@ class JobManager:
                                  param=f"{at}.{unknown[0]}")
         if not isinstance(fields.get("tools"), list) or not fields["tools"]:
             raise InvalidRequest(f"{at}.tools must list the episodes' tools", param=f"{at}.tools")
-        try:
-            agent.request("x", **fields)
-            agent.check_tools(fields["tools"], self.settings.server.mcp_commands)
-        except InvalidRequest as exc:
-            raise exc.with_param(f"{at}.{exc.param}" if exc.param else at) from None
+        agent.check(fields, self.settings.server.mcp_commands, at=at)
         return dict(fields)
 
     def _policy_config(self, cls, section: str, knobs: dict, common: dict, prompts_per_step: int,
