@@ -209,6 +209,8 @@ SCHEMA: tuple[Key, ...] = (
         "memory a job may use on the CPU; 0 = the host's available memory (accelerators report their own)"),
     Key("train", "serving_share", "float", 0.5, fraction,
         "while requests are being served, the share of accelerator time a training job leaves to them"),
+    Key("train", "max_slice_ms", "float", 100.0, positive,
+        "longest stretch a training step holds the accelerator while serving waits; longer steps run in slices"),
     Key("train", "data_dir", "str", "", None,
         "uploaded files, jobs, checkpoints and evals; empty = <cache dir>/data"),
     Key("train", "teachers", "list[str]", [], None,

@@ -121,6 +121,7 @@ class AsyncEngine:
         self.config = self._core.config
         self.max_model_len = self._core.max_model_len
         self.snapshot: dict[str, Any] = self._core.snapshot()
+        self._core.ownership.serving_busy = lambda: self.snapshot["running"] + self.num_waiting() > 0
         if metrics is not None:
             metrics.attach(lambda: {**self.snapshot, "waiting": self.num_waiting()})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

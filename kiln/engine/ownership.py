@@ -10,6 +10,11 @@ An inference step is held from its dispatch until its results are on the host, w
 scheduling spans the planning of the next step. A write made by the thread that holds such a
 step (the engine thread loading an adapter into a slot while planning) does not wait for it: the
 step in flight reads the slot arrays it was dispatched with, and the write makes new ones.
+
+Training steps run as a sequence of short writes, slices (kiln.train.slices), and take turns
+with serving (`training_slice`): while serving has work, a slice waits until a serving step has
+run since the previous slice and serving has had its share of the time since, so a stream waits
+for at most one slice between two tokens and training keeps the rest of the accelerator.
 """
 
 from __future__ import annotations
@@ -17,7 +22,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+TURN_WAIT_CAP_S = 1.0  # a slice waits at most this long for serving's turn (a step stuck compiling)
 
 
 class Ownership:
@@ -30,6 +40,14 @@ class Ownership:
         self.writes = 0
         self.write_wait_s = 0.0  # total time writers waited for a boundary
         self.write_hold_s = 0.0  # total time writers held the accelerator
+        self.serving_busy: Callable[[], bool] = lambda: False  # whether requests are running or waiting
+        self.inference_done = 0  # inference steps completed
+        self._turn_mark = 0  # inference_done when the last training slice ended
+        self._slice_end = 0.0
+        self._slice_held = 0.0
+        self.slices = 0
+        self.slice_s: deque[float] = deque(maxlen=4096)  # the last slices' lengths
+        self.serving_steps_between = 0  # serving steps run between training slices
 
     def begin_inference(self, wait: bool = True) -> bool:
         """One inference step starts (held until `end_inference`, while it is on the device); it waits
@@ -47,6 +65,7 @@ class Ownership:
     def end_inference(self) -> None:
         with self._cond:
             self._steps -= 1
+            self.inference_done += 1
             me = threading.get_ident()
             self._held[me] -= 1
             if not self._held[me]:
@@ -86,6 +105,34 @@ class Ownership:
                 self.write_hold_s += time.monotonic() - t1
                 self._cond.notify_all()
 
+    @contextlib.contextmanager
+    def training_slice(self, what: str, share: float) -> Iterator[None]:
+        """One slice of a training step, held as a write after its turn: while serving is busy it
+        waits until a serving step has completed since the previous slice and `share` of the time
+        since that slice started has gone to serving (capped at TURN_WAIT_CAP_S)."""
+        with self._cond:
+            if self.slices and self.serving_busy():
+                ready_at = self._slice_end + self._slice_held * share / (1.0 - share)
+                give_up = time.monotonic() + TURN_WAIT_CAP_S
+                while ((self.inference_done == self._turn_mark or time.monotonic() < ready_at)
+                       and time.monotonic() < give_up and self.serving_busy()):
+                    self._cond.wait(timeout=0.005)  # a completed step notifies
+            self.serving_steps_between += self.inference_done - self._turn_mark
+        with self.write(what):
+            started = time.monotonic()
+            yield
+            held = time.monotonic() - started
+        with self._cond:
+            self.slices += 1
+            self.slice_s.append(held)
+            self._slice_end, self._slice_held, self._turn_mark = time.monotonic(), held, self.inference_done
+
+    def _slice_summary(self) -> dict:
+        ms = np.asarray(self.slice_s) * 1e3
+        stat = lambda f: round(float(f(ms)), 3) if len(ms) else None  # noqa: E731
+        return {"count": self.slices, "p50_ms": stat(np.median), "p99_ms": stat(lambda x: np.percentile(x, 99)),
+                "max_ms": stat(np.max), "serving_steps_between": self.serving_steps_between}
+
     def snapshot(self) -> dict:
         with self._cond:
             return {
@@ -95,4 +142,5 @@ class Ownership:
                 "writes": self.writes,
                 "write_wait_s": round(self.write_wait_s, 6),
                 "write_hold_s": round(self.write_hold_s, 6),
+                "training_slices": self._slice_summary(),
             }

@@ -10,6 +10,7 @@ the server holds: nothing is copied.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,8 @@ import numpy as np
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import decoder_layer, logits, project, rms_norm
-from kiln.models.lora import TARGET_MODULES, module_shapes
+from kiln.models.decoder import decoder_layer, logits, matmul, rms_norm
+from kiln.models.lora import TARGET_MODULES, lora_delta, module_shapes
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives uniform weights, never NaN
 
@@ -53,15 +54,17 @@ def _dense_attention(q, k, v, visible, cfg: ModelConfig):
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B * S, KH * G, D)
 
 
-def forward_hidden(params: dict, lora: dict | None, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig,
-                   scale: float = 1.0, remat: bool = False) -> jax.Array:
-    """Final-normed hidden states [B*S, hidden] of right-padded rows tokens [B, S] (valid: [B, S]).
+class LayerContext(NamedTuple):
+    """What every layer of a dense causal batch [B, S] reads besides its weights."""
 
-    `remat` recomputes each layer's activations in the backward pass (`jax.checkpoint`):
-    activation memory of one layer instead of all of them."""
-    B, S = tokens.shape
-    T = B * S
-    h = params["embed"][tokens.reshape(T)].astype(jnp.float32)
+    cos: jax.Array
+    sin: jax.Array
+    visible: jax.Array  # [B, S, S] (query, key)
+    token_weight: jax.Array  # [T, 1]: the LoRA scale of every token (one adapter)
+
+
+def layer_context(valid: jax.Array, cfg: ModelConfig, scale: float) -> LayerContext:
+    B, S = valid.shape
     inv_freq, rope_scale = rope.inv_freq_and_scale(cfg)
     positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), B)
     cos, sin = rope.cos_sin(positions, jnp.asarray(inv_freq), rope_scale)
@@ -69,17 +72,45 @@ def forward_hidden(params: dict, lora: dict | None, tokens: jax.Array, valid: ja
     causal = k_pos <= q_pos
     if cfg.sliding_window:
         causal &= k_pos > q_pos - cfg.sliding_window
-    visible = causal[None] & valid[:, None, :]
-    token_weight = jnp.full((T, 1), scale, jnp.float32)  # one adapter (G = 1) on every token
+    return LayerContext(cos, sin, causal[None] & valid[:, None, :], jnp.full((B * S, 1), scale, jnp.float32))
+
+
+def embed(params: dict, tokens: jax.Array) -> jax.Array:
+    """The float32 residual stream [B*S, hidden] of token rows [B, S]."""
+    return params["embed"][tokens.reshape(-1)].astype(jnp.float32)
+
+
+def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerContext, cfg: ModelConfig,
+                base=None) -> jax.Array:
+    """One decoder layer (the serving layer, attending densely). `base(x, w, name)` computes a
+    projection's frozen part x @ w; the LoRA delta is added to it (kiln.train.slices replays
+    saved base products through it)."""
+    lora_g1 = None if lora_layer is None else {m: {k: w[None] for k, w in p.items()} for m, p in lora_layer.items()}
+
+    def proj(x, name):
+        out = matmul(x, layer[name]) if base is None else base(x, layer[name], name)
+        if lora_g1 is not None and name in lora_g1:
+            out = out + lora_delta(x, lora_g1[name], ctx.token_weight)
+        return out
 
     def attend(q, k, v):
         with jax.named_scope("attention"):
-            return _dense_attention(q, k, v, visible, cfg), None
+            return _dense_attention(q, k, v, ctx.visible, cfg), None
+
+    return decoder_layer(h, layer, proj, ctx.cos, ctx.sin, attend, cfg)[0]
+
+
+def forward_hidden(params: dict, lora: dict | None, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig,
+                   scale: float = 1.0, remat: bool = False) -> jax.Array:
+    """Final-normed hidden states [B*S, hidden] of right-padded rows tokens [B, S] (valid: [B, S]).
+
+    `remat` recomputes each layer's activations in the backward pass (`jax.checkpoint`):
+    activation memory of one layer instead of all of them."""
+    h = embed(params, tokens)
+    ctx = layer_context(valid, cfg, scale)
 
     def layer_fn(h, layer, lora_layer):
-        lora_g1 = None if lora_layer is None else {m: {k: w[None] for k, w in p.items()} for m, p in lora_layer.items()}
-        proj = lambda x, name: project(x, layer, lora_g1, name, token_weight)  # noqa: E731
-        return decoder_layer(h, layer, proj, cos, sin, attend, cfg)[0]
+        return train_layer(h, layer, lora_layer, ctx, cfg)
 
     if remat:
         layer_fn = jax.checkpoint(layer_fn)

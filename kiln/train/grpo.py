@@ -30,7 +30,6 @@ Defaults follow TRL 1.16 where it has one, for these reasons:
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import math
 import threading
@@ -55,6 +54,7 @@ from kiln.train.data import bucket, length_buckets
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
 from kiln.train.run import LoraRun, adapter_store, drive
+from kiln.train.slices import SlicedStep, StepAbandoned, Turns
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SEQUENCE_BUCKETS = length_buckets(1 << 16)  # four per octave: a step pads by at most a quarter
@@ -90,6 +90,7 @@ class GRPOConfig:
     mask_truncated_completions: bool = False
     ignore_eos: bool = False  # benchmarks: every completion runs to max_completion_tokens
     micro_batch_rows: int = 16  # sequences per forward/backward; a step accumulates them all
+    max_slice_ms: float = setting_default("train.max_slice_ms")  # see kiln.train.slices
     # sample step k+1's rollouts while step k trains: they come from a policy one version stale,
     # which truncated importance sampling corrects (see GRPORun.advance)
     overlap_rollouts: bool = False
@@ -205,14 +206,17 @@ def completion_logprobs(params, lora, batch: RolloutBatch, cfg: ModelConfig, sca
 def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config: GRPOConfig,
                       teacher_cfg: ModelConfig | None = None, teacher_scale: float = 1.0):
     """The jitted pieces of a policy step: gradients of one micro-batch, the optimizer update, and
-    token logprobs (old policy, reference, teacher) without gradients. With `config.jsd_beta`
-    set (distillation), the loss adds the generalized JSD to the teacher's full distribution;
-    the teacher (params, LoRA or None) is then the gradient function's fourth argument."""
+    token logprobs (old policy, reference, teacher) without gradients; and the loss after the
+    decoder (`head_loss`, for sliced steps). With `config.jsd_beta` set (distillation), the loss
+    adds the generalized JSD to the teacher's full distribution; the teacher (params, LoRA or
+    None) is then the gradient function's fourth argument."""
     scale, temperature = config.scale, config.temperature
     jsd_beta = getattr(config, "jsd_beta", None)
 
-    def loss_fn(lora, params, batch: RolloutBatch, teacher=None):
-        raw = completion_logits(params, lora, batch, cfg, scale)
+    def head_loss(params, hidden, batch: RolloutBatch, norm=1.0, teacher_logits=None):
+        """The loss terms of completion tokens given their final hidden states, as sums (the loss
+        weights already span the whole generation batch, so any split of the tokens adds up)."""
+        raw = lm_logits(params, hidden)
         logits = raw / temperature
         logprobs = losses.token_logprobs(logits, batch.loss_targets)
         if config.num_iterations > 1:
@@ -229,15 +233,21 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
         w = batch.loss_weight
         per_token = per_token + config.beta * kl
         jsd = jnp.zeros_like(logprobs)
-        if jsd_beta is not None:
-            t_params, t_lora = teacher
-            t_logits = completion_logits(t_params, t_lora, batch, teacher_cfg, teacher_scale) / temperature
-            jsd = losses.generalized_jsd(logits, t_logits, jsd_beta)
+        if teacher_logits is not None:
+            jsd = losses.generalized_jsd(logits, teacher_logits / temperature, jsd_beta)
             per_token = per_token + config.jsd_coef * jsd
         loss = jnp.sum(per_token * w)
         aux = {"loss": loss, "clipped": jnp.sum(clipped * w), "kl": jnp.sum(kl * w), "jsd": jnp.sum(jsd * w),
                "entropy": jnp.sum(jax.lax.stop_gradient(losses.entropy(logits)) * w), "weight": jnp.sum(w)}
         return loss, aux
+
+    def loss_fn(lora, params, batch: RolloutBatch, teacher=None):
+        hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale)[batch.loss_index]
+        teacher_logits = None
+        if jsd_beta is not None:
+            t_params, t_lora = teacher
+            teacher_logits = completion_logits(t_params, t_lora, batch, teacher_cfg, teacher_scale)
+        return head_loss(params, hidden, batch, 1.0, teacher_logits)
 
     def grads(lora, params, batch: RolloutBatch, teacher=None):
         return jax.grad(loss_fn, has_aux=True)(lora, params, batch, teacher)
@@ -249,7 +259,7 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
     def logprobs(lora, params, batch: RolloutBatch):
         return completion_logprobs(params, lora, batch, cfg, scale, temperature)
 
-    return jax.jit(grads), jax.jit(update, donate_argnums=(0, 1)), jax.jit(logprobs)
+    return jax.jit(grads), jax.jit(update, donate_argnums=(0, 1)), jax.jit(logprobs), head_loss
 
 
 Reward = Callable[[list[str | dict], list[Any]], list[float]]  # (output texts or sample namespaces, items)
@@ -325,8 +335,9 @@ class GRPORun(LoraRun):
         return self.step
 
     def _set_steps(self, steps) -> None:
-        grads, self._update, logprobs = steps
+        grads, self._update, logprobs, head_loss = steps
         self._jitted = {"grads": grads, "logprobs": logprobs}
+        self._sliced = SlicedStep(self.cfg, self.config.scale, head_loss, self.config.max_slice_ms)
 
     @property
     def done(self) -> bool:
@@ -386,20 +397,30 @@ class GRPORun(LoraRun):
         rewards = np.array([[r.reward for r in g] for g in groups], np.float32)
         advantages = np.asarray(losses.group_advantages(jnp.asarray(rewards), c.scale_rewards)).reshape(-1)
         batches = rollout_batches(rollouts, advantages, c)
-        lock = ownership.write if ownership is not None else lambda _: contextlib.nullcontext()
-        batches, extra = self._with_logprobs(batches, lock)
+        turns = Turns.of(ownership)
+        batches, extra = self._with_logprobs(batches, turns.write)
         teacher = self._teacher_arg()
-        steps = [self._compiled("grads", self.lora, b, teacher) for b in batches]  # compiled outside ownership
+        # a batch too long for one slice runs in slices (not with a teacher's full distribution in the loss)
+        plans = [self._sliced.plan(b) if turns.shared and teacher is None else None for b in batches]
+        steps = [self._compiled("grads", self.lora, b, teacher) if plan is None else None  # compiled outside ownership
+                 for b, plan in zip(batches, plans, strict=True)]
         stats = {"loss": 0.0, "clipped": 0.0, "kl": 0.0, "jsd": 0.0, "entropy": 0.0, "weight": 0.0}
         grad_norm = 0.0
         for _ in range(c.num_iterations):
-            with lock(f"{self.kind} {self.name}: step {self.step + 1}"):
-                total = None
-                for b, step in zip(batches, steps, strict=True):
-                    g, aux = step(self.lora, self.params, b, teacher)
-                    total = g if total is None else jax.tree.map(jnp.add, total, g)
-                    for k in stats:
-                        stats[k] += float(aux[k])
+            total = None
+            for i, (b, step, plan) in enumerate(zip(batches, steps, plans, strict=True)):
+                if plan is None:
+                    with turns.write(f"{self.kind} {self.name}: step {self.step + 1}, batch {i + 1}"):
+                        started = time.perf_counter()
+                        g, aux = step(self.lora, self.params, b, teacher)
+                        jax.block_until_ready(g)
+                        self._sliced.record_fused(b, time.perf_counter() - started)
+                else:
+                    g, _, aux = self._sliced.grads(self.params, self.lora, b, 1.0, plan, turns.write)
+                total = g if total is None else jax.tree.map(jnp.add, total, g)
+                for k in stats:
+                    stats[k] += float(aux[k])
+            with turns.write(f"{self.kind} {self.name}: step {self.step + 1}, update"):
                 self.lora, self.opt_state, norm = self._update(self.lora, self.opt_state, total)
                 grad_norm = float(norm)
         self.step += 1
@@ -427,10 +448,13 @@ class GRPORun(LoraRun):
             return batches, {}
         old = [self._compiled("logprobs", self.lora, b) for b in batches] if c.num_iterations > 1 else None
         ref = [self._compiled("logprobs", None, b) for b in batches] if c.beta else None
-        with lock(f"grpo {self.name}: logprobs"):
-            return [b._replace(old_logprobs=np.asarray(old[i](self.lora, self.params, b)) if old else b.old_logprobs,
-                               ref_logprobs=np.asarray(ref[i](None, self.params, b)) if ref else b.ref_logprobs)
-                    for i, b in enumerate(batches)], {}
+        out = []
+        for i, b in enumerate(batches):  # a write per micro-batch
+            with lock(f"grpo {self.name}: logprobs, batch {i + 1}"):
+                out.append(b._replace(
+                    old_logprobs=np.asarray(old[i](self.lora, self.params, b)) if old else b.old_logprobs,
+                    ref_logprobs=np.asarray(ref[i](None, self.params, b)) if ref else b.ref_logprobs))
+        return out, {}
 
     def _teacher_arg(self):
         return None
@@ -456,12 +480,14 @@ class GRPORun(LoraRun):
         flat = [r for g in groups for r in g]
         self.score(groups, indices)
         t2 = time.perf_counter()
-        metrics = self.train_step(groups, ownership)
+        try:
+            metrics = self.train_step(groups, ownership)
+        except StepAbandoned:  # stopped between two slices: nothing applied
+            return None
         t3 = time.perf_counter()
         tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in flat)
         metrics.update(step=self.step, rollout_seconds=t1 - t0, reward_seconds=t2 - t1, train_seconds=t3 - t2,
                        tokens_per_second=tokens / (t3 - t0), rollout_staleness=int(stale))
-        self.held = metrics["train_seconds"]
         if self.validation and (self.step % self.eval_interval == 0 or self.done):
             metrics["valid_reward_mean"] = self.evaluate([p.ids for p in self.validation],
                                                          [p.item for p in self.validation], self.eval_samples)

@@ -46,6 +46,7 @@ from kiln.train.opd import OPDConfig, OPDRun, Teacher
 from kiln.train.run import TrainingRun, advance_to_end
 from kiln.train.serving_share import ServingShare
 from kiln.train.sft import SFTConfig, SFTRun
+from kiln.train.slices import StepAbandoned
 from kiln.train.store import TrainingStore, new_id, now
 
 log = logging.getLogger("kiln.train")
@@ -168,7 +169,6 @@ class SubmittedRolloutsRun(GRPORun):
         self._take = take
 
     def advance(self, ownership=None) -> dict | None:
-        self.held = 0.0
         submission = self._take()
         if submission is None:
             return None
@@ -177,10 +177,12 @@ class SubmittedRolloutsRun(GRPORun):
             started = time.perf_counter()
             metrics = self.train_step(groups, ownership)
             metrics.update(step=self.step, train_seconds=time.perf_counter() - started)
+        except StepAbandoned as exc:  # the job stopped between two slices: the batch is not trained on
+            future.set_exception(exc)
+            return None
         except Exception as exc:
             future.set_exception(exc)
             raise
-        self.held = metrics["train_seconds"]
         if final:
             self.total_steps = self.step
         future.set_result({"object": "fine_tuning.job.rollouts", "step": self.step, "final": final or self.done,
@@ -314,7 +316,8 @@ class JobManager:
             modules=modules, sft_defaults=sft_defaults,
             hyperparameters={"n_epochs": n_epochs, "batch_size": batch_size, "learning_rate_multiplier": multiplier},
             common=dict(lora_rank=rank, lora_alpha=alpha, target_modules=tuple(modules),
-                        learning_rate=base_lr * multiplier, n_epochs=n_epochs, seed=seed))
+                        learning_rate=base_lr * multiplier, n_epochs=n_epochs, seed=seed,
+                        max_slice_ms=self.settings.train.max_slice_ms))
 
     def _supervised(self, kind: str, options: dict, hp: dict, kiln: dict, shared: _SharedOptions, training: dict,
                     validation: dict | None) -> _MethodChoice:
@@ -698,10 +701,9 @@ class JobManager:
             if run.step % spec.checkpoint_every == 0 and not run.done:
                 self._save_checkpoint(manager, run, job, metrics)
 
-        # (advance compiles outside ownership, then takes it; serving gets its share of time between)
+        # (advance compiles outside ownership, then takes it a slice at a time, taking turns with serving)
         return advance_to_end(run, self.engine.ownership, stop=stop, on_step=on_step,
-                              between=lambda: self.share.leave_time(run.held, self._cv,
-                                                                    lambda: self._interrupted(job_id)))
+                              share=self.settings.train.serving_share)
 
     def _make_run(self, spec: JobSpec) -> TrainingRun:
         """The job's run: each method builds its own (`_RUNS`)."""

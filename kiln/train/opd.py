@@ -25,6 +25,7 @@ from kiln.errors import InvalidRequest
 from kiln.models.config import ModelConfig
 from kiln.train import losses
 from kiln.train.grpo import GRPOConfig, GRPORun, RolloutBatch, completion_logprobs, make_policy_steps
+from kiln.train.slices import StepAbandoned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +107,10 @@ class OPDRun(GRPORun):
         tokens it sampled); metric `reverse_kl`, their negated weighted mean."""
         t = self.teacher
         steps = [self._compiled("teacher", t.lora, b, params=t.params) for b in batches]
-        with lock(f"opd {self.name}: teacher logprobs"):
-            teacher = [np.asarray(step(t.lora, t.params, b)) for step, b in zip(steps, batches, strict=True)]
+        teacher = []
+        for i, (step, b) in enumerate(zip(steps, batches, strict=True)):  # a write per micro-batch
+            with lock(f"opd {self.name}: teacher logprobs, batch {i + 1}"):
+                teacher.append(np.asarray(step(t.lora, t.params, b)))
         gaps = [np.where(b.loss_weight > 0, losses.reverse_kl(b.sampler_logprobs, lp), 0.0)
                 for b, lp in zip(batches, teacher, strict=True)]
         weight = max(sum(float(np.sum(b.loss_weight)) for b in batches), 1e-9)
@@ -124,14 +127,16 @@ class OPDRun(GRPORun):
         t0 = time.perf_counter()
         groups = self.sample(self.step_prompts())
         t1 = time.perf_counter()
-        metrics = self.train_step(groups, ownership)
+        try:
+            metrics = self.train_step(groups, ownership)
+        except StepAbandoned:  # stopped between two slices: nothing applied
+            return None
         t2 = time.perf_counter()
         tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for g in groups for r in g)
         metrics.update(step=self.step, rollout_seconds=t1 - t0, train_seconds=t2 - t1,
                        tokens_per_second=tokens / (t2 - t0))
         for key in ("reward_mean", "reward_std"):
             metrics.pop(key, None)
-        self.held = metrics["train_seconds"]
         return metrics
 
     def summary(self, metrics: dict) -> str:

@@ -14,8 +14,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kiln.config import setting_default
 from kiln.train.artifact import adapter_manifest
 from kiln.train.forward import lora_to_numpy
+from kiln.train.slices import Turns
 
 
 class TrainingRun(Protocol):
@@ -24,7 +26,6 @@ class TrainingRun(Protocol):
     step: int  # optimizer steps taken
     micro_step: int  # what checkpoints are numbered by
     trained_tokens: int
-    held: float  # seconds the last `advance` held accelerator ownership
     progress_keys: dict[str, str]  # metric -> label shown on the progress bar
 
     @property
@@ -33,10 +34,11 @@ class TrainingRun(Protocol):
     def prepare(self) -> None:
         """Work that needs no accelerator ownership (a compile), done before `advance`."""
 
-    def advance(self, ownership=None) -> dict | None:
-        """Moves the run on, holding `ownership` (the engine's accelerator ownership, or None)
-        only while it touches device state; returns the metrics of an optimizer step it
-        completed, or None when this call completed none."""
+    def advance(self, ownership: Turns | None = None) -> dict | None:
+        """Moves the run on, holding the accelerator through `ownership` (see slices.Turns) only
+        while it touches device state, in slices where a step is long; returns the metrics of an
+        optimizer step it completed, or None when this call completed none (or was stopped
+        between two slices, its step unapplied)."""
 
     def summary(self, metrics: dict) -> str:
         """A step's metrics in a few words, for a job's events."""
@@ -61,7 +63,6 @@ class LoraRun:
     kind: str
     method: str  # the OpenAI method type of the manifest
     counters: tuple[str, ...]
-    held = 0.0
 
     def prepare(self) -> None:
         pass
@@ -114,15 +115,17 @@ def _timestamp() -> str:
 
 
 def advance_to_end(run: TrainingRun, ownership=None, *, on_step: Callable[[dict], None] = lambda metrics: None,
-                   stop: Callable[[], bool] = lambda: False, between: Callable[[], None] = lambda: None) -> bool:
-    """Advances `run` until it is done: `stop()` is asked before each advance (True ends the run here,
-    and this returns False), `between()` runs after each advance, and `on_step(metrics)` after each
-    optimizer step."""
+                   stop: Callable[[], bool] = lambda: False,
+                   share: float = setting_default("train.serving_share")) -> bool:
+    """Advances `run` until it is done: `stop()` is asked before each advance and before each slice
+    of a step (True ends the run there, the step in progress unapplied, and this returns False),
+    and `on_step(metrics)` runs after each optimizer step. Under an engine's `ownership` every
+    write of the run takes turns with serving, leaving it `share` of the accelerator's time."""
+    turns = Turns.of(ownership, share=share, stop=stop)
     while not run.done:
-        if stop():
+        if turns.stop():
             return False
-        metrics = run.advance(ownership)
-        between()
+        metrics = run.advance(turns)
         if metrics is not None:
             on_step(metrics)
     return True

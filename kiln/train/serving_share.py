@@ -1,11 +1,9 @@
-"""How a fine-tuning job shares the accelerator with serving: the bytes serving holds, the KV
-pool a job shrinks before it trains and grows back after, and the time it leaves to serving
-after each training step."""
+"""How a fine-tuning job shares the accelerator's memory with serving: the bytes serving holds, and
+the KV pool a job shrinks before it trains and grows back after. (Its time is shared slice by
+slice: see Ownership.training_slice.)"""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 
 from kiln.errors import InsufficientMemory
@@ -45,21 +43,3 @@ class ServingShare:
     def grow_kv(self, event: Callable[[str], None]) -> None:
         self.engine.resize_kv(self.kv_blocks)
         event(f"KV pool grown back to {self.kv_blocks} blocks")
-
-    def serving_busy(self) -> bool:
-        snapshot = self.engine.snapshot
-        return snapshot["running"] + snapshot["waiting"] > 0 or self.engine.num_waiting() > 0
-
-    def leave_time(self, held: float, cv: threading.Condition, interrupted: Callable[[], bool]) -> None:
-        """While requests are being served, waits after a training step that held the
-        accelerator `held` seconds so that serving gets `[train] serving_share` of its time: a
-        stream then waits at most one training step between two tokens, and most of its tokens
-        not at all. `interrupted()` (checked under `cv`, whose notifications wake the wait) ends
-        it early."""
-        share = self.settings.train.serving_share
-        deadline = time.monotonic() + held * share / (1.0 - share)
-        while time.monotonic() < deadline and self.serving_busy():
-            with cv:
-                if interrupted():
-                    return
-                cv.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic())))

@@ -8,7 +8,6 @@ the adapter to the store.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import math
@@ -39,6 +38,7 @@ from kiln.train.data import (
 from kiln.train.forward import forward_hidden, init_lora
 from kiln.train.optim import adamw, learning_rate_schedule
 from kiln.train.run import LoraRun, adapter_store, drive
+from kiln.train.slices import SlicedStep, StepAbandoned, Turns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +56,7 @@ class SFTConfig:
     weight_decay: float = setting_default("train.weight_decay")
     max_grad_norm: float = setting_default("train.max_grad_norm")
     remat: str = setting_default("train.remat")
+    max_slice_ms: float = setting_default("train.max_slice_ms")
     seed: int = setting_default("train.seed")
 
     @classmethod
@@ -79,14 +80,27 @@ def trained_logits(params, lora, batch: Batch, cfg: ModelConfig, scale: float, r
     return logits(params, hidden[batch.loss_index])
 
 
+def head_loss(params, hidden: jax.Array, batch: Batch, norm) -> tuple[jax.Array, dict]:
+    """The cross-entropy and accuracy of trained positions given their final hidden states, as sums
+    scaled by `norm` (1 / the batch's trained tokens): the mean over the batch, in parts that add."""
+    out = logits(params, hidden)
+    nll = -losses.token_logprobs(out, batch.loss_targets)
+    correct = (jnp.argmax(out, axis=-1) == batch.loss_targets).astype(jnp.float32)
+    return jnp.sum(nll * batch.loss_mask) * norm, {"accuracy": jnp.sum(correct * batch.loss_mask) * norm}
+
+
+def loss_norm(batch: Batch):
+    return 1.0 / jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
+
+
 def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: float, remat: bool):
-    """One micro-batch: loss, gradients w.r.t. the LoRA params only, optimizer update.
-    The LoRA params and optimizer state are donated (updated in place)."""
+    """One micro-batch in one executable: loss, gradients w.r.t. the LoRA params only, optimizer
+    update. The LoRA params and optimizer state are donated (updated in place)."""
 
     def loss_fn(lora, params, batch: Batch):
-        logits = trained_logits(params, lora, batch, cfg, scale, remat)
-        loss = losses.cross_entropy(logits, batch.loss_targets, batch.loss_mask)
-        return loss, losses.token_accuracy(logits, batch.loss_targets, batch.loss_mask)
+        hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale, remat)
+        loss, aux = head_loss(params, hidden[batch.loss_index], batch, loss_norm(batch))
+        return loss, aux["accuracy"]
 
     def step(lora, opt_state, params, batch: Batch):
         (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora, params, batch)
@@ -95,6 +109,16 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: f
         return optax.apply_updates(lora, updates), opt_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_update(tx: optax.GradientTransformation):
+    """The optimizer update of a sliced step's gradients (params and state donated); and their norm."""
+
+    def update(lora, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, optax.tree.norm(grads)
+
+    return jax.jit(update, donate_argnums=(0, 1))
 
 
 def make_eval_step(cfg: ModelConfig, scale: float):
@@ -137,6 +161,8 @@ class SFTRun(LoraRun):
         self.opt_state = tx.init(self.lora)
         self.remat = remat
         self._train_step = make_train_step(cfg, tx, config.scale, remat)
+        self._update = make_update(tx)
+        self._sliced = SlicedStep(cfg, config.scale, head_loss, config.max_slice_ms)
         self._eval_step = make_eval_step(cfg, config.scale)
         self.micro_step = 0
         self.trained_tokens = 0  # tokens in the loss
@@ -175,35 +201,56 @@ class SFTRun(LoraRun):
         step each."""
         return set(self._executables)
 
-    def prepare(self) -> None:
-        """Fetches the next batch and compiles its step if its shape is new. It touches no
+    def prepare(self, turns: Turns | None = None) -> None:
+        """Fetches the next batch and compiles its step (fused, or its slices) when new. It touches no
         device state, so a job runs it outside accelerator ownership: compiling never blocks
         serving."""
         if self._prepared is None:
             self._prepared = self._next_batch()
-        shape = _shape(self._prepared)
-        if shape not in self._executables:
+        shape, plan = _shape(self._prepared), self._plan(turns)
+        if plan is not None:
+            self._sliced.prepare(self.params, self.lora, self._prepared, plan)
+        elif shape not in self._executables:
             self._executables[shape] = self._train_step.lower(self.lora, self.opt_state, self.params,
                                                               self._prepared).compile()
 
+    def _plan(self, turns: Turns | None):
+        """How the prepared batch runs: fused (None) alone in its process, else as `[train]
+        max_slice_ms` and the measured costs allow (see kiln.train.slices)."""
+        return self._sliced.plan(self._prepared) if turns is not None and turns.shared else None
+
     def advance(self, ownership=None) -> dict | None:
-        """Runs one micro-batch under `ownership` (compiling before, outside it); returns the
-        optimizer step's metrics when it completes one, with the validation metrics when that
-        step ends an epoch or the run."""
+        """Runs one micro-batch, taking turns with serving under `ownership` (compiling before,
+        outside it); returns the optimizer step's metrics when it completes one, with the
+        validation metrics when that step ends an epoch or the run. Stopped between two slices,
+        it returns None with nothing applied, the batch kept for the next call."""
         if self.done:
             raise RuntimeError("the run is complete")
-        self.prepare()
-        with ownership.write(f"training {self.name}") if ownership is not None else contextlib.nullcontext():
-            started = time.monotonic()
-            metrics = self._micro_step()
-            self.held = time.monotonic() - started
-        return metrics
+        turns = Turns.of(ownership)
+        self.prepare(turns)
+        batch, plan = self._prepared, self._plan(turns)
+        try:
+            if plan is None:
+                with turns.write(f"training {self.name}"):
+                    started = time.perf_counter()
+                    self.lora, self.opt_state, metrics = self._executables[_shape(batch)](
+                        self.lora, self.opt_state, self.params, batch)
+                    jax.block_until_ready(metrics)
+                    self._sliced.record_fused(batch, time.perf_counter() - started)
+            else:
+                norm = 1.0 / max(float(batch.loss_mask.sum()), 1.0)
+                grads, loss, aux = self._sliced.grads(self.params, self.lora, batch, norm, plan, turns.write)
+                with turns.write(f"training {self.name}: update"):
+                    self.lora, self.opt_state, grad_norm = self._update(self.lora, self.opt_state, grads)
+                    jax.block_until_ready(grad_norm)
+                metrics = {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": grad_norm}
+        except StepAbandoned:
+            return None
+        self._prepared = None
+        return self._micro_step(batch, metrics)
 
-    def _micro_step(self) -> dict | None:
+    def _micro_step(self, batch: Batch, metrics: dict) -> dict | None:
         epoch = self.epoch
-        batch, self._prepared = self._prepared, None
-        step = self._executables[_shape(batch)]
-        self.lora, self.opt_state, metrics = step(self.lora, self.opt_state, self.params, batch)
         self.micro_step += 1
         self.trained_tokens += int(batch.loss_mask.sum())
         self.input_tokens += int(batch.valid.sum())

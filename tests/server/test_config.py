@@ -223,6 +223,7 @@ def test_unknown_section_lists_accepted_sections(kiln, tmp_path):
         ({"KILN_ENGINE_BLOCK_SIZE": "24"}, "KILN_ENGINE_BLOCK_SIZE: invalid value '24'"),
         ({"KILN_ENGINE_DECODE_ROW_BUCKETS": "1,x"}, "KILN_ENGINE_DECODE_ROW_BUCKETS: invalid value '1,x'"),
         ({"KILN_SERVER_LOG_LEVEL": "loud"}, "KILN_SERVER_LOG_LEVEL: invalid value 'loud'"),
+        ({"KILN_TRAIN_MAX_SLICE_MS": "0"}, "KILN_TRAIN_MAX_SLICE_MS: invalid value '0'"),
     ],
 )
 def test_invalid_environment_values_are_fatal(kiln, env, needle):
@@ -238,6 +239,7 @@ def test_invalid_environment_values_are_fatal(kiln, env, needle):
         ("[engine]\nmax_num_seqs = true\n", "invalid value True for engine.max_num_seqs"),
         ("[server]\ndrain_timeout_s = -1\n", "invalid value -1 for server.drain_timeout_s: expected a number >= 0"),
         ('[engine]\nasync_scheduling = "sometimes"\n', "invalid value 'sometimes' for engine.async_scheduling"),
+        ("[train]\nmax_slice_ms = -5\n", "invalid value -5 for train.max_slice_ms: expected a number > 0"),
     ],
 )
 def test_invalid_file_values_are_fatal(kiln, tmp_path, text, needle):
