@@ -95,7 +95,7 @@ class StepLayout:
         for i, (r, _) in enumerate(rows):
             p = r.params
             temperature[i], top_p[i], min_p[i] = p.temperature, p.top_p, p.min_p
-            top_k[i] = max(p.top_k, 0)
+            top_k[i] = p.top_k if 0 < p.top_k < self.cfg.vocab_size else 0  # k >= the vocabulary keeps all
             presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             seed[i] = (r.seed & 0xFFFFFFFF, (r.seed >> 32) & 0xFFFFFFFF)
             step[i] = r.num_output_ahead

@@ -162,7 +162,7 @@ class SFTRun(LoraRun):
         self.remat = remat
         self._train_step = make_train_step(cfg, tx, config.scale, remat)
         self._update = make_update(tx)
-        self._sliced = SlicedStep(cfg, config.scale, head_loss, config.max_slice_ms)
+        self._sliced = SlicedStep(cfg, config.scale, head_loss, config.max_slice_ms, remat)
         self._eval_step = make_eval_step(cfg, config.scale)
         self.micro_step = 0
         self.trained_tokens = 0  # tokens in the loss

@@ -8,7 +8,8 @@ A step that fits in one slice runs fused, as one executable. A longer one runs a
    the loss's gradient with respect to the last layer's output;
 3. backward slices over the same groups in reverse; each re-runs its group's cheap parts (norms,
    attention, LoRA) around the saved products, which it replays without multiplying again
-   (`_replay`), and back-propagates into the group's LoRA gradients and its input.
+   (`_replay`), and back-propagates into the group's LoRA gradients and its input. With remat
+   (a job short of memory) nothing but the groups' inputs is kept, and they multiply again.
 
 The optimizer update is one more slice, taken by the run: the adapter changes all at once.
 Gradients equal the fused step's within float tolerance (the same functions, summed in another
@@ -168,8 +169,10 @@ class SlicedStep:
     in slices (see the module docstring). One per run: it holds the jitted slice functions and
     the measured costs."""
 
-    def __init__(self, cfg: ModelConfig, scale: float, head_loss: HeadLoss, max_slice_ms: float):
+    def __init__(self, cfg: ModelConfig, scale: float, head_loss: HeadLoss, max_slice_ms: float,
+                 remat: bool = False):
         self.cfg, self.scale, self.head_loss = cfg, scale, head_loss
+        self.remat = remat  # keep only each group's input; backward slices multiply again (a job short of memory)
         self.max_slice_s = max_slice_ms / 1e3
         self.costs = SliceCosts()
         self.slices = 0  # slices run (fused steps excluded)
@@ -220,8 +223,10 @@ class SlicedStep:
             saved = {}
 
             def base(x, w, name):
-                saved[name] = matmul(x, w)
-                return saved[name]
+                out = matmul(x, w)
+                if not self.remat:
+                    saved[name] = out
+                return out
 
             return train_layer(h, xs[0], xs[1], ctx, self.cfg, base), saved
 
@@ -235,7 +240,7 @@ class SlicedStep:
 
         def body(h, xs):
             layer, lora_layer, i = xs
-            replay = lambda x, w, name: _replay(x, w, saved[name][i])  # noqa: E731
+            replay = None if self.remat else lambda x, w, name: _replay(x, w, saved[name][i])  # noqa: E731
             return train_layer(h, layer, lora_layer, ctx, self.cfg, replay), None
 
         def f(h, lora_g):

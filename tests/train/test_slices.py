@@ -66,14 +66,15 @@ def test_sliced_sft_gradients_equal_the_fused_step(model):
         return losses.cross_entropy(out, batch.loss_targets, batch.loss_mask)
 
     reference, expected = jax.value_and_grad(loss)(lora)
-    sliced = SlicedStep(cfg, 2.0, head_loss, max_slice_ms=100)
     norm = 1.0 / float(batch.loss_mask.sum())
-    for plan in PLANS:
-        grads, value, aux = sliced.grads(model.params, lora, batch, norm, plan, no_turns)
-        assert float(value) == pytest.approx(float(reference), rel=1e-5)
-        assert_trees_close(grads, expected)
-    per_plan = [2 * cfg.num_layers // p.group + -(-len(batch.loss_index) // p.chunk) for p in PLANS]
-    assert sliced.slices == sum(per_plan)
+    for remat in (False, True):  # products replayed, or multiplied again
+        sliced = SlicedStep(cfg, 2.0, head_loss, max_slice_ms=100, remat=remat)
+        for plan in PLANS:
+            grads, value, aux = sliced.grads(model.params, lora, batch, norm, plan, no_turns)
+            assert float(value) == pytest.approx(float(reference), rel=1e-5)
+            assert_trees_close(grads, expected)
+        per_plan = [2 * cfg.num_layers // p.group + -(-len(batch.loss_index) // p.chunk) for p in PLANS]
+        assert sliced.slices == sum(per_plan)
 
 
 def test_sliced_grpo_gradients_equal_the_fused_step(model):
