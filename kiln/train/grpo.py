@@ -396,8 +396,8 @@ class GRPORun(LoraRun):
         rollouts = [r for g in groups for r in g]
         rewards = np.array([[r.reward for r in g] for g in groups], np.float32)
         advantages = np.asarray(losses.group_advantages(jnp.asarray(rewards), c.scale_rewards)).reshape(-1)
-        batches = rollout_batches(rollouts, advantages, c)
         turns = Turns.of(ownership)
+        batches = self.micro_batches(rollouts, advantages, turns.shared)
         batches, extra = self._with_logprobs(batches, turns.write)
         teacher = self._teacher_arg()
         # a batch too long for one slice runs in slices (not with a teacher's full distribution in the loss)
@@ -439,6 +439,18 @@ class GRPORun(LoraRun):
         if getattr(c, "jsd_beta", None) is not None:  # distillation's full-distribution term
             self.last_metrics["jsd"] = stats["jsd"] / weight
         return self.last_metrics
+
+    def micro_batches(self, rollouts: list[Rollout], advantages: np.ndarray, shared: bool) -> list[RolloutBatch]:
+        """The generation batch as micro-batches of `micro_batch_rows` sequences; while the run shares
+        the accelerator, of fewer (halved until they fit, or one) where one layer of a micro-batch
+        is measured to take longer than `max_slice_ms`. The loss weights span the whole generation
+        batch, so any split adds up to the same gradient."""
+        rows = self.config.micro_batch_rows
+        batches = rollout_batches(rollouts, advantages, self.config)
+        while shared and rows > 1 and any(self._sliced.layer_too_long(b) for b in batches):
+            rows //= 2
+            batches = rollout_batches(rollouts, advantages, dataclasses.replace(self.config, micro_batch_rows=rows))
+        return batches
 
     def _with_logprobs(self, batches: list[RolloutBatch], lock) -> tuple[list[RolloutBatch], dict]:
         """The batches with what the loss needs besides the rollouts: the old policy's logprobs

@@ -190,6 +190,11 @@ class SlicedStep:
                         smallest)
         return plan
 
+    def layer_too_long(self, batch) -> bool:
+        """Whether one layer of this batch, forward or backward, is measured to take longer than a slice."""
+        smallest = self.costs.smallest_ms(batch.tokens.size)
+        return smallest is not None and smallest > self.max_slice_s * 1e3
+
     def record_fused(self, batch, seconds: float) -> None:
         B, S = batch.tokens.shape
         self.costs.record("fused", B * S * self.cfg.num_layers, seconds)

@@ -161,3 +161,26 @@ def test_a_slice_waits_for_a_serving_step_while_serving_is_busy():
     assert order.count("train") == 3 and order.count("serve") == 3
     assert "train, train" not in ", ".join(order)  # a serving step between any two slices
     assert ownership.snapshot()["training_slices"]["serving_steps_between"] >= 2
+
+
+def test_grpo_micro_batches_shrink_until_a_layer_fits_a_slice(policy_engine):
+    from conftest import random_prompts
+
+    from kiln.train.grpo import GRPORun
+
+    config = GRPOConfig(lora_rank=8, lora_alpha=16, micro_batch_rows=16, max_slice_ms=50)
+    run = GRPORun(policy_engine, random_prompts(2), [None] * 2, None, config, name="slice-rows")
+    try:
+        rollouts = [Rollout([5, 6, 7, 8], [9 + i] * 12, [-1.0] * 12, False, float(i)) for i in range(16)]
+        adv = np.linspace(-1, 1, 16).astype(np.float32)
+        assert [b.tokens.shape[0] for b in run.micro_batches(rollouts, adv, shared=True)] == [16]  # nothing measured
+        S = run.micro_batches(rollouts, adv, shared=True)[0].tokens.shape[1]
+        for kind in ("forward", "backward"):  # one layer of 16 rows measured at 3 slices' length
+            run._sliced.costs.record(kind, 16 * S, 3 * 0.05)
+        parts = run.micro_batches(rollouts, adv, shared=True)
+        assert [b.tokens.shape[0] for b in parts] == [4] * 4
+        assert [b.tokens.shape[0] for b in run.micro_batches(rollouts, adv, shared=False)] == [16]  # alone: as asked
+        whole = run.micro_batches(rollouts, adv, shared=False)[0]
+        assert sum(float(b.loss_weight.sum()) for b in parts) == pytest.approx(float(whole.loss_weight.sum()))
+    finally:
+        run.close()
