@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -180,12 +181,22 @@ def engine_step_times(core: EngineCore, blocks: int = 5, steps: int = 8) -> dict
             "host": statistics.median(host)}
 
 
-def load_transformers():
+def model_path() -> Path:
+    """The model the benches run: the server's own setting, KILN_MODEL_PATH (a GGUF file or an HF
+    directory), else the embedded default model."""
+    return Path(os.environ["KILN_MODEL_PATH"]) if os.environ.get("KILN_MODEL_PATH") else default_model_path()
+
+
+def load_transformers(dtype: str = "float32"):
+    """transformers on the same weights, on the GPU when torch sees one."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    path = model_path()
+    where = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return AutoModelForCausalLM.from_pretrained(str(path.parent if where else path), dtype=getattr(torch, dtype),
+                                                **where).to(device).eval()
 
 
 def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> Callable[[], None]:
@@ -193,13 +204,15 @@ def hf_generate(hf, prompts: list[list[int]], new_tokens: int) -> Callable[[], N
     import torch
 
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device)
 
     def run():
         with torch.no_grad():
             hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                         do_sample=False, pad_token_id=0)
+        if hf.device.type == "cuda":
+            torch.cuda.synchronize()
 
     return run
 

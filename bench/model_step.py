@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import jax
@@ -70,7 +71,8 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     new = args.new_tokens
 
-    models = [load_model(show_progress=False, layer_loop=args.layer_loop, dtype=args.dtype, quantization=q)
+    models = [load_model(os.environ.get("KILN_MODEL_PATH") or None, show_progress=False, layer_loop=args.layer_loop,
+                         dtype=args.dtype, quantization=q)
               for q in args.quantization.split(",")]
     model = models[0]
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}; {new} new tokens")
@@ -78,7 +80,7 @@ def main():
         weights = sum(x.nbytes for x in jax.tree.leaves(m.params)) / 2**20
         layout = "unrolled" if isinstance(m.params["layers"], list) else "scan"
         print(f"weights {m.quantization}: {weights:.0f} MiB on the device, layers {layout}")
-    hf = None if args.skip_hf else load_transformers()
+    hf = None if args.skip_hf else load_transformers("float32" if jax.default_backend() == "cpu" else model.dtype)
     llm = None
     try:
         from llama_cpp import Llama

@@ -57,6 +57,8 @@ from kiln.engine.core import EngineCore
 from kiln.engine.params import SamplingParams
 from kiln.models.loader import DEFAULT_MODEL_ID, load_model
 
+MODEL_ID = DEFAULT_MODEL_ID  # the served model's id (main sets it from the loaded model)
+
 TOPICS = ["the sea", "copper", "bicycles", "the moon", "bread", "rivers", "glass", "owls", "volcanoes", "tea",
           "trains", "honey", "clocks", "maps", "snow", "silk"]
 FORMS = ["Write two sentences about {}.", "What is interesting about {}?", "Explain {} to a child.",
@@ -74,7 +76,7 @@ JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema"
 
 
 async def stream_chat(client: httpx.AsyncClient, content: str, new_tokens: int, constrained: bool = False) -> dict:
-    body = {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": content}], "max_tokens": new_tokens,
+    body = {"model": MODEL_ID, "messages": [{"role": "user", "content": content}], "max_tokens": new_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if constrained:
         body["response_format"] = JSON_FORMAT
@@ -195,7 +197,8 @@ def main():
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--dtype", default="auto", help="Kiln's weights and KV (transformers stays float32)")
+    ap.add_argument("--dtype", default="auto",
+                    help="Kiln's weights and KV (transformers: float32 on a CPU, the same dtype on accelerators)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="skip the cold start (an empty executable cache)")
     ap.add_argument("--server-log-level", default="warning", help="info shows the server's startup and steps")
@@ -204,8 +207,9 @@ def main():
     new = args.new_tokens
     big = max(levels)
 
-    model = load_model(show_progress=False, dtype=args.dtype)
-    tok = model.tokenizer
+    global MODEL_ID
+    model = load_model(os.environ.get("KILN_MODEL_PATH") or None, show_progress=False, dtype=args.dtype)
+    MODEL_ID, tok = model.model_id, model.tokenizer
     render = lambda q: tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]),  # noqa: E731
                                   add_special_tokens=False)
     prompt_len = statistics.median(len(render(q)) for q in questions(1, big))
@@ -226,10 +230,18 @@ def main():
             fraction = t["chain"] / t["step"]
         core.close()
         del core, run
-    print(f"  bare step measured at {context} tokens of context", flush=True)
+    print(f"  bare step at {context} tokens of context: " + ", ".join(f"{c} rows {step[c]:.1f} tok/s" for c in levels),
+          flush=True)
     prefill_gflops, prefill_peak, prefill_s = prefill_fraction(model, 32)
     steps = host_time(model, big, context)
-    print("  prefill and host time measured", flush=True)
+    print(f"  prefill of 32 short chat prompts: {prefill_s:.2f}s, {prefill_gflops:.1f} GFLOP/s = "
+          f"{prefill_gflops / prefill_peak:.0%} of the matmul peak at prefill shapes ({prefill_peak:.1f} GFLOP/s)")
+    for layers in (model.config.num_layers, 2):
+        on, off = steps[layers, "on"], steps[layers, "off"]
+        print(f"  host time of a {big}-row decode step ({layers} layers): {on['host'] * 1e3:.1f} ms; not hidden behind "
+              f"the device step: {on['added'] * 1e3:.1f} ms with async scheduling on (engine step "
+              f"{on['engine'] * 1e3:.1f} ms vs bare {on['bare'] * 1e3:.1f} ms), {off['added'] * 1e3:.1f} ms with it "
+              f"off (engine step {off['engine'] * 1e3:.1f} ms vs bare {off['bare'] * 1e3:.1f} ms)")
 
     starts = {}
     if not args.skip_cold:
@@ -244,11 +256,14 @@ def main():
     results, waits = {}, {}
     for c in levels:
         proc, url, ready = start_kiln(big, args.dtype, args.server_log_level)
-        starts.setdefault("warm", (ready, startup(url)))
+        info = startup(url)  # with --skip-cold on an empty cache, the first of these builds the set
+        starts.setdefault("cold" if info["built"] else "warm", (ready, info))
+        print(f"  start: ready in {ready:.1f}s ({info['built']} built, {info['loaded']} loaded)", flush=True)
         try:
             results[c] = served(args, c, new, url)
             print(f"  served c={c}: first contact {results[c]['first']['wall']:.1f}s, then "
-                  f"{results[c]['wall']:.1f}s per round", flush=True)
+                  f"{results[c]['wall']:.1f}s per round ({results[c]['tps']:.1f} tok/s, TTFT "
+                  f"{results[c]['ttft'] * 1e3:.0f} ms)", flush=True)
             if c == big:
                 prefix_cold, prefix_hit = prefix_ttft(url, tok)
                 asyncio.run(served_round(url, questions(90, big), new, half_constrained=True))  # compiles the grammar
@@ -263,7 +278,7 @@ def main():
     if not args.skip_hf:
         import torch
 
-        hf = load_transformers()
+        hf = load_transformers("float32" if jax.default_backend() == "cpu" else model.dtype)
         print(f"transformers on torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
         for c in levels:
             hf_tps[c] = c * new / timed({"hf": hf_generate(hf, [render(q) for q in questions(1, c)], new)},
@@ -288,14 +303,6 @@ def main():
     print(f"steps that waited for a compile: {', '.join(f'c={c}: {int(w)}' for c, w in waits.items())}")
     print(f"bare {big}-row step: {step_flops(model.config, big) * step[big] / big / 1e9:.1f} GFLOP/s = "
           f"{fraction:.0%} of a plain jitted chain of the same matmuls")
-    print(f"prefill of 32 short chat prompts: {prefill_s:.2f}s, {prefill_gflops:.1f} GFLOP/s = "
-          f"{prefill_gflops / prefill_peak:.0%} of the matmul peak at prefill shapes ({prefill_peak:.1f} GFLOP/s)")
-    for layers in (model.config.num_layers, 2):
-        on, off = steps[layers, "on"], steps[layers, "off"]
-        print(f"host time of a {big}-row decode step ({layers} layers): {on['host'] * 1e3:.1f} ms; not hidden behind "
-              f"the device step: {on['added'] * 1e3:.1f} ms with async scheduling on (engine step "
-              f"{on['engine'] * 1e3:.1f} ms vs bare {on['bare'] * 1e3:.1f} ms), {off['added'] * 1e3:.1f} ms with it "
-              f"off (engine step {off['engine'] * 1e3:.1f} ms vs bare {off['bare'] * 1e3:.1f} ms)")
     for name, (ready, info) in starts.items():
         print(f"{name} start: ready in {ready:.1f}s; step set {info['executables']} executables, "
               f"{info['built']} built, {info['loaded']} loaded, in {info['seconds']:.1f}s; "
