@@ -39,6 +39,13 @@ VARIANTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+    # fused qkv_proj and gate_up_proj; a window shorter than the tests' sequences
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 24, "pad_token_id": 0}),
+    # LongRoPE past 64 positions, on half of each head's dims (Phi-4-mini's layout)
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", {
+        "pad_token_id": 0, "sliding_window": None, "partial_rotary_factor": 0.5, "original_max_position_embeddings": 64,
+        "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
+                         "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 64}}),
 }
 
 

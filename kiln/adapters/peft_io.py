@@ -4,6 +4,9 @@ PEFT stores lora_A as [r, in] and lora_B as [out, r] per layer and module under 
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`; Kiln keeps
 {module: {"a": [L, in, r], "b": [L, r, out]}} in the HF layout of the base weights, so
 adapters move to and from vLLM and transformers unchanged.
+
+A fused projection's adapter (Phi-3's `qkv_proj` and `gate_up_proj`) reads exactly as one
+adapter per part: each part keeps the shared lora_A and its own rows of lora_B.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ import numpy as np
 from kiln.errors import InvalidAdapter
 from kiln.models.config import ModelConfig
 from kiln.models.lora import TARGET_MODULES, module_shapes
+from kiln.models.weights import FUSED_TENSORS
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _PARENT = {m: ("self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for m in TARGET_MODULES}
+_FUSED = {suffix.split(".")[1]: parts for suffix, parts in FUSED_TENSORS.items()}  # qkv_proj -> (q, k, v)
 
 
 def is_peft_dir(path: str | Path) -> bool:
@@ -73,18 +78,22 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
         if m is None:
             raise InvalidAdapter(f"{path}: tensor {key!r} is not a LoRA weight of a decoder projection")
         layer, module, part = int(m.group(1)), m.group(3), m.group(4)
-        if module not in shapes:
+        parts = _FUSED.get(module, (module,))
+        if any(p not in shapes for p in parts):
             raise InvalidAdapter(f"{path}: tensor {key!r} targets {module!r}; Kiln adapts {', '.join(TARGET_MODULES)}")
         if layer >= cfg.num_layers:
             raise InvalidAdapter(f"{path}: tensor {key!r} is for layer {layer}, the model has {cfg.num_layers}")
-        fan_in, fan_out = shapes[module]
-        expected = (rank, fan_in) if part == "A" else (fan_out, rank)
+        fan_in, widths = shapes[parts[0]][0], [shapes[p][1] for p in parts]
+        expected = (rank, fan_in) if part == "A" else (sum(widths), rank)
         if tuple(value.shape) != expected:
             raise InvalidAdapter(f"{path}: tensor {key!r} has shape {tuple(value.shape)}, expected {expected} "
                                   "for this base model")
-        w = weights.setdefault(module, {"a": np.zeros((cfg.num_layers, fan_in, rank), np.float32),
-                                        "b": np.zeros((cfg.num_layers, rank, fan_out), np.float32)})
-        w["a" if part == "A" else "b"][layer] = np.asarray(value, np.float32).T
+        value = np.asarray(value, np.float32)
+        pieces = [value] * len(parts) if part == "A" else np.split(value, np.cumsum(widths)[:-1], axis=0)
+        for name, piece in zip(parts, pieces, strict=True):
+            w = weights.setdefault(name, {"a": np.zeros((cfg.num_layers, fan_in, rank), np.float32),
+                                          "b": np.zeros((cfg.num_layers, rank, shapes[name][1]), np.float32)})
+            w["a" if part == "A" else "b"][layer] = piece.T
     if not weights:
         raise InvalidAdapter(f"{path}: {WEIGHTS} holds no LoRA weights")
     info = {"rank": rank, "alpha": alpha, "use_rslora": bool(config.get("use_rslora")),

@@ -13,7 +13,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "Phi3ForCausalLM": {},  # fused qkv_proj and gate_up_proj, split at load (weights.FUSED_TENSORS)
 }
+# Architectures whose configs' sliding_window applies to every layer.
+SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +37,17 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable for jit static args
+    partial_rotary_factor: float = 1.0  # the fraction of each head's dims that rotate (the first ones)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -57,10 +65,12 @@ class ModelConfig:
             heads = int(hf["num_attention_heads"])
             rope_scaling = hf.get("rope_scaling") or None
             rope_theta = hf.get("rope_theta")
+            partial = hf.get("partial_rotary_factor")
             if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
                 # transformers 5 folds rope_theta and scaling into rope_parameters
                 params = dict(hf["rope_parameters"])
                 rope_theta = params.pop("rope_theta", 10000.0)
+                partial = params.pop("partial_rotary_factor", partial)
                 if params.get("rope_type", "default") != "default":
                     rope_scaling = params
             if rope_scaling is not None:
@@ -68,6 +78,11 @@ class ModelConfig:
                 rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
                 rope_scaling["rope_type"] = rope_type
                 rope_scaling.pop("type", None)
+                rope_scaling.pop("partial_rotary_factor", None)
+                if rope_type == "longrope":  # Phi-3 keeps the pretraining length beside the scaling
+                    rope_scaling.setdefault("original_max_position_embeddings",
+                                            hf.get("original_max_position_embeddings"))
+                    rope_scaling = {k: tuple(v) if isinstance(v, list) else v for k, v in rope_scaling.items()}
                 if rope_type == "default":
                     rope_scaling = None
             eos = hf.get("eos_token_id")
@@ -87,8 +102,9 @@ class ModelConfig:
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", extras.get("attention_bias", False))),
                 qk_norm=bool(extras.get("qk_norm", False)),
-                sliding_window=(hf.get("sliding_window") or None) if arch == "MistralForCausalLM" else None,
+                sliding_window=(hf.get("sliding_window") or None) if arch in SLIDING_WINDOW else None,
                 rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+                partial_rotary_factor=float(partial if partial is not None else 1.0),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -104,6 +120,7 @@ class ModelConfig:
                 "MistralForCausalLM": "mistral",
                 "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3",
+                "Phi3ForCausalLM": "phi3",
             }[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -115,6 +132,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling_dict,
+            "partial_rotary_factor": self.partial_rotary_factor,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,

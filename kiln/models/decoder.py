@@ -265,8 +265,7 @@ def forward_hidden(
     inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
     kv_dtype = kv_float_dtype(kv, params)
     h = params["embed"][inputs.tokens].astype(jnp.float32)  # the residual stream is float32 whatever the weights
-    inv_freq, rope_scale = rope.inv_freq_and_scale(cfg)
-    cos, sin = rope.cos_sin(inputs.positions, jnp.asarray(inv_freq), rope_scale)
+    cos, sin = rope.tables(cfg, inputs.positions)
     token_weight = None if lora is None else slot_weights(lora, inputs.adapters, h.dtype)
 
     def layer_fn(carry, xs):

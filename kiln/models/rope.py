@@ -1,6 +1,14 @@
 """Rotary position embeddings: inverse frequencies for the rope_scaling types HF models use.
 
 Rotation uses the HF ("rotate half") layout; GGUF's interleaved layout is undone at load time.
+With a partial_rotary_factor below 1 only the first `rotary_dim` dims of each head rotate.
+
+LongRoPE (Phi-3) has two sets of frequencies: short ones for positions before the pretraining
+length (original_max_position_embeddings) and long ones from there on, chosen per token. That
+is what transformers computes for every sequence that stays within that length and for every
+token decoded past it; a single forward pass over a prompt that crosses it rotates the whole
+prompt with the long set there, and here the tokens before that length keep the short set (as
+a cached prefix of the prompt would have them).
 """
 
 from __future__ import annotations
@@ -14,8 +22,8 @@ from kiln.models.config import ModelConfig
 
 
 def inv_freq_and_scale(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """Returns (inverse frequencies [head_dim/2], cos/sin scaling factor)."""
-    dim = cfg.head_dim
+    """Returns (inverse frequencies [rotary_dim/2], cos/sin scaling factor); LongRoPE's short set."""
+    dim = cfg.rotary_dim
     base = cfg.rope_theta
     inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     rs = cfg.rope_scaling_dict
@@ -37,7 +45,34 @@ def inv_freq_and_scale(cfg: ModelConfig) -> tuple[np.ndarray, float]:
         return np.where(medium, smoothed, scaled).astype(np.float32), 1.0
     if kind == "yarn":
         return _yarn(cfg, rs, dim, base)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn")
+    if kind == "longrope":
+        return _longrope(cfg, rs, long=False)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn, longrope")
+
+
+def _longrope(cfg: ModelConfig, rs: dict, long: bool) -> tuple[np.ndarray, float]:
+    original = rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or cfg.max_position_embeddings / original
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = np.asarray(rs["long_factor" if long else "short_factor"], np.float32)
+    dim = cfg.rotary_dim
+    inv = 1.0 / (ext * cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    return inv.astype(np.float32), float(attention_factor)
+
+
+def tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos/sin tables [..., rotary_dim] of the model's rotary embedding at these positions."""
+    inv_freq, scale = inv_freq_and_scale(cfg)
+    cos, sin = cos_sin(positions, jnp.asarray(inv_freq), scale)
+    rs = cfg.rope_scaling_dict
+    if rs and rs["rope_type"] == "longrope":
+        long_freq, _ = _longrope(cfg, rs, long=True)
+        long_cos, long_sin = cos_sin(positions, jnp.asarray(long_freq), scale)
+        past = (positions >= rs["original_max_position_embeddings"])[..., None]
+        cos, sin = jnp.where(past, long_cos, cos), jnp.where(past, long_sin, sin)
+    return cos, sin
 
 
 def _yarn(cfg: ModelConfig, rs: dict, dim: int, base: float) -> tuple[np.ndarray, float]:
@@ -80,7 +115,10 @@ def cos_sin(positions: jnp.ndarray, inv_freq: jnp.ndarray, scale: float) -> tupl
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    """x: [T, heads, head_dim]; cos/sin: [T, rotary_dim] (the dims past it pass unrotated)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     out = x.astype(jnp.float32) * cos[:, None, :] + rotated.astype(jnp.float32) * sin[:, None, :]

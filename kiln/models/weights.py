@@ -31,6 +31,11 @@ LAYER_TENSORS = {
     "mlp.down_proj.weight": ("down_proj", True),
 }
 _KILN_TO_HF_LAYER = {v[0]: (k, v[1]) for k, v in LAYER_TENSORS.items()}
+# Fused HF projections (Phi-3) -> the Kiln weights they hold, in order along HF's output axis.
+FUSED_TENSORS = {
+    "self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+    "mlp.gate_up_proj.weight": ("gate_proj", "up_proj"),
+}
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -85,14 +90,24 @@ def build_params(
         m = _LAYER.match(name)
         if m:
             idx, suffix = int(m.group(1)), m.group(2)
-            if suffix not in LAYER_TENSORS or LAYER_TENSORS[suffix][0] not in layers:
+            if suffix in FUSED_TENSORS:
+                parts = FUSED_TENSORS[suffix]
+            elif suffix in LAYER_TENSORS and LAYER_TENSORS[suffix][0] in layers:
+                parts = (LAYER_TENSORS[suffix][0],)
+            else:
                 continue
-            key, transpose = LAYER_TENSORS[suffix]
             if idx >= cfg.num_layers:
                 raise ModelLoadError(f"layer index {idx} >= num_hidden_layers {cfg.num_layers}", file=source(name),
                                      tensor=name)
-            layers[key][idx] = _checked(read(name), shapes[key], transpose, name, source(name))
-            seen.add((key, idx))
+            if len(parts) == 1:
+                layers[parts[0]][idx] = _checked(read(name), shapes[parts[0]], LAYER_TENSORS[suffix][1], name,
+                                                 source(name))
+            else:  # [sum of outputs, in]: each part's rows, transposed to [in, out]
+                widths = [shapes[k][1] for k in parts]
+                fused = _checked(read(name), (shapes[parts[0]][0], sum(widths)), True, name, source(name))
+                for key, part in zip(parts, np.split(fused, np.cumsum(widths)[:-1], axis=1), strict=True):
+                    layers[key][idx] = part
+            seen.update((key, idx) for key in parts)
         elif name == "model.embed_tokens.weight":
             out["embed"] = _checked(read(name), shapes["embed"], False, name, source(name)).astype(dtype)
         elif name == "model.norm.weight":

@@ -65,9 +65,8 @@ class LayerContext(NamedTuple):
 
 def layer_context(valid: jax.Array, cfg: ModelConfig, scale: float) -> LayerContext:
     B, S = valid.shape
-    inv_freq, rope_scale = rope.inv_freq_and_scale(cfg)
     positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), B)
-    cos, sin = rope.cos_sin(positions, jnp.asarray(inv_freq), rope_scale)
+    cos, sin = rope.tables(cfg, positions)
     q_pos, k_pos = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
     causal = k_pos <= q_pos
     if cfg.sliding_window:

@@ -29,7 +29,9 @@ def hf_logits(model, ids):
 
 def test_config_reads_architecture_features(tiny):
     variant, _, cfg, _ = tiny
-    assert (cfg.rope_scaling is not None) == (variant in ("llama-linear", "llama3-rope", "llama-yarn"))
+    assert (cfg.rope_scaling is not None) == (variant in ("llama-linear", "llama3-rope", "llama-yarn", "phi3-longrope"))
+    assert cfg.sliding_window == (24 if variant == "phi3" else None)
+    assert cfg.rotary_dim == (cfg.head_dim // 2 if variant == "phi3-longrope" else cfg.head_dim)
     assert cfg.attention_bias == (variant == "qwen2")
     assert cfg.qk_norm == (variant == "qwen3")
     assert cfg.tie_word_embeddings == (variant == "llama-tied")
@@ -84,3 +86,36 @@ def test_mixed_batch_of_decode_rows_and_prefill_chunks(tiny):
     np.testing.assert_allclose(logits[0], refs[0][20], atol=TOL, rtol=0)
     np.testing.assert_allclose(logits[1:6], refs[1][16:21], atol=TOL, rtol=0)
     np.testing.assert_allclose(logits[6:18], refs[2], atol=TOL, rtol=0)
+
+
+def test_longrope_decodes_past_the_pretraining_length_with_the_long_factors(tmp_path):
+    """Decoding past original_max_position_embeddings (64), every new token rotates with LongRoPE's
+    long factors and the cached keys keep the short ones, as transformers' cached generation does."""
+    import dataclasses
+
+    model = make_hf_model("phi3-longrope")
+    cfg, params, _ = load_hf_dir(save_hf_model(model, tmp_path), np.float32, show_progress=False)
+    ids = np.random.RandomState(4).randint(3, cfg.vocab_size, size=80)
+    with torch.no_grad():
+        out = model(torch.tensor(ids[None, :50]), use_cache=True)
+        ref, cache = [out.logits[0].numpy()], out.past_key_values
+        for pos in range(50, len(ids)):
+            out = model(torch.tensor([[int(ids[pos])]]), past_key_values=cache, use_cache=True)
+            ref.append(out.logits[0].numpy())
+            cache = out.past_key_values
+    ref = np.concatenate(ref)
+    short_only = dict(cfg.rope_scaling_dict, long_factor=cfg.rope_scaling_dict["short_factor"])
+    short_cfg = dataclasses.replace(cfg, rope_scaling=tuple(sorted(short_only.items())))
+    for config, same in ((cfg, True), (short_cfg, False)):
+        table = [5, 1, 3, 2, 4, 6]
+        kv = init_kv_cache(config, num_blocks=8, block_size=BLOCK)
+        logits, kv = jit_forward(params, kv, build_step_inputs([RowWork(list(ids[:50]), 0, table)], BLOCK), config)
+        got = [np.asarray(logits)]
+        for pos in range(50, len(ids)):
+            step = build_step_inputs([RowWork([int(ids[pos])], pos, table)], BLOCK, num_tokens=4, num_tiles=2,
+                                     tile_size=1)
+            logits, kv = jit_forward(params, kv, step, config)
+            got.append(np.asarray(logits)[:1])
+        got = np.concatenate(got)
+        np.testing.assert_allclose(got[:64], ref[:64], atol=TOL, rtol=0)  # before 64: the short factors
+        assert np.allclose(got[64:], ref[64:], atol=TOL, rtol=0) == same  # from 64 on: the long ones matter
