@@ -46,12 +46,19 @@ VARIANTS = {
         "pad_token_id": 0, "sliding_window": None, "partial_rotary_factor": 0.5, "original_max_position_embeddings": 64,
         "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
                          "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 64}}),
+    # GeGLU, (1 + w) sandwich norms, scaled embeddings, q/k norms, query_pre_attn_scalar; a windowed
+    # layer with its own RoPE base, then a global one with linear scaling
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 16, "sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"],
+        "query_pre_attn_scalar": 24, "rope_theta": None,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
 }
 
 
 def make_hf_model(variant: str, seed: int = 0, **overrides):
     config_cls, model_cls, extra = VARIANTS[variant]
-    kwargs = {**BASE, **extra, **overrides}
+    kwargs = {k: v for k, v in {**BASE, **extra, **overrides}.items() if v is not None or k != "rope_theta"}
     if "rope_scaling" in kwargs:  # transformers 5 spells it rope_parameters
         kwargs["rope_parameters"] = {"rope_theta": kwargs.pop("rope_theta"), **kwargs.pop("rope_scaling")}
     config = getattr(transformers, config_cls)(**kwargs)
@@ -69,6 +76,18 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
 def save_hf_model(model, path: Path, max_shard_size: str | None = None) -> Path:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+def served_hf_dir(variant: str, path: Path, kiln_cache: Path, **overrides) -> Path:
+    """A tiny HF model directory with the suite's byte-level tokenizer (taken from the tiny GGUF's
+    conversion in `kiln_cache`, which the tiny_model fixture makes), loadable by the server."""
+    import shutil
+
+    save_hf_model(make_hf_model(variant, vocab_size=260, **overrides), path)
+    converted = next(p for p in (kiln_cache / "converted").iterdir() if (p / "tokenizer.json").exists())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(converted / name, path / name)
     return path
 
 

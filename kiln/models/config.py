@@ -14,9 +14,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
     "Phi3ForCausalLM": {},  # fused qkv_proj and gate_up_proj, split at load (weights.FUSED_TENSORS)
+    "Gemma3ForCausalLM": {"qk_norm": True},  # the text model of Gemma 3 (see `_gemma3`)
 }
 # Architectures whose configs' sliding_window applies to every layer.
-SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM")
+SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,13 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable for jit static args
     partial_rotary_factor: float = 1.0  # the fraction of each head's dims that rotate (the first ones)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_tanh (GeGLU)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma stores weight - 1
+    sandwich_norms: bool = False  # a norm on the attention's and the MLP's outputs too (Gemma)
+    embed_scale: float | None = None  # the embeddings times this (Gemma: sqrt(hidden_size))
+    query_scale: float | None = None  # attention scores' scale; None = head_dim ** -0.5
+    sliding_layers: tuple[bool, ...] | None = None  # per layer: windowed (local) or global; None = all alike
+    local_rope_theta: float | None = None  # the windowed layers' RoPE base (unscaled), when it differs
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -48,6 +56,10 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -66,7 +78,10 @@ class ModelConfig:
             rope_scaling = hf.get("rope_scaling") or None
             rope_theta = hf.get("rope_theta")
             partial = hf.get("partial_rotary_factor")
-            if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
+            gemma = _gemma3(hf, arch == "Gemma3ForCausalLM", source)
+            if gemma:
+                rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
+            elif rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
                 # transformers 5 folds rope_theta and scaling into rope_parameters
                 params = dict(hf["rope_parameters"])
                 rope_theta = params.pop("rope_theta", 10000.0)
@@ -88,6 +103,7 @@ class ModelConfig:
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
+                **gemma,
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden,
@@ -99,7 +115,7 @@ class ModelConfig:
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", bool(gemma))),
                 attention_bias=bool(hf.get("attention_bias", extras.get("attention_bias", False))),
                 qk_norm=bool(extras.get("qk_norm", False)),
                 sliding_window=(hf.get("sliding_window") or None) if arch in SLIDING_WINDOW else None,
@@ -112,6 +128,8 @@ class ModelConfig:
             raise ModelLoadError(f"invalid model config: {exc!r}", file=source) from exc
 
     def to_hf(self) -> dict[str, Any]:
+        if self.architecture == "Gemma3ForCausalLM":
+            raise ModelLoadError("a Gemma 3 config is not written back (only GGUF conversions write configs)")
         """An HF config.json equivalent (used when caching converted GGUF weights)."""
         out: dict[str, Any] = {
             "architectures": [self.architecture],
@@ -141,3 +159,37 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
         return out
+
+
+def _gemma3(hf: dict[str, Any], is_gemma3: bool, source: str) -> dict[str, Any]:
+    """Gemma 3's departures from the Llama layout (empty for other families): GeGLU, (1 + w)
+    RMSNorms around attention and MLP, scaled embeddings, query_pre_attn_scalar, and layers that
+    alternate between a sliding window with their own RoPE base and global attention."""
+    if not is_gemma3:
+        return {}
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ModelLoadError(f"{key} is not supported yet", file=source)
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError("use_bidirectional_attention is not supported (Kiln serves causal decoders)", file=source)
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % int(hf.get("sliding_window_pattern") or 6) == 0 else "sliding_attention"
+        for i in range(layers)]
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # transformers 5: one set per layer type
+        full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
+        theta, local_theta = full.pop("rope_theta", 1_000_000.0), local.get("rope_theta", 10_000.0)
+        scaling = full if full.get("rope_type", "default") != "default" else None
+    else:
+        theta, local_theta = hf.get("rope_theta", 1_000_000.0), hf.get("rope_local_base_freq", 10_000.0)
+        scaling = hf.get("rope_scaling")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)", file=source)
+    return {
+        "rope_theta": float(theta), "rope_scaling": scaling, "hidden_act": "gelu_tanh", "norm_offset": 1.0,
+        "sandwich_norms": True, "embed_scale": float(hf["hidden_size"]) ** 0.5,
+        "query_scale": float(hf.get("query_pre_attn_scalar") or 256) ** -0.5,
+        "sliding_layers": tuple(t == "sliding_attention" for t in types), "local_rope_theta": float(local_theta),
+    }

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kiln.models import quant, rope
 from kiln.models.config import ModelConfig
@@ -101,10 +102,30 @@ def kv_float_dtype(kv: KVCache, params: Params):
     return params["embed"].dtype if kv.k.dtype == jnp.uint16 else kv.k.dtype
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
+    if cfg.norm_offset:  # Gemma: (1 + w), in float32, then cast
+        return (x32 * (cfg.norm_offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
+
+
+def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The float32 residual stream of these token ids (the residual stream is float32 whatever the
+    weights; Gemma scales it by sqrt(hidden_size), rounded to the weights' dtype as transformers does)."""
+    h = params["embed"][tokens].astype(jnp.float32)
+    if cfg.embed_scale is not None:
+        h = h * float(np.asarray(cfg.embed_scale, params["embed"].dtype))
+    return h
+
+
+def layer_rope(tables, layer: dict):
+    """A layer's (cos, sin): `tables` is one pair, or (global, local) pairs for models whose
+    layers each carry a "sliding" flag (see `rope.layer_tables`)."""
+    if "sliding" not in layer:
+        return tables
+    (cos, sin), (local_cos, local_sin) = tables
+    return jnp.where(layer["sliding"], local_cos, cos), jnp.where(layer["sliding"], local_sin, sin)
 
 
 def _as_operand(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -160,13 +181,14 @@ def _gather_blocks(pool: jax.Array, layer_idx, tables: jax.Array, dtype) -> jax.
 
 
 def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfig, kv_dtype,
-               dynamic_context: bool = True):
+               dynamic_context: bool = True, sliding=None):
     """Portable XLA paged attention over tiles. q: [T, H, D]; pools: [L, KH, N, B, D]. Returns [T, H, D].
 
     Each tile's queries attend to its row's blocks, read chunk by chunk with an online softmax up to
     the step's largest position (a loop whose trip count is data): one gather of the chunk's blocks
     per chunk, batched matmuls over (KV head, tile), keys masked by position. Without
-    `dynamic_context` every chunk of the table is read (a program with no data-dependent loop)."""
+    `dynamic_context` every chunk of the table is read (a program with no data-dependent loop).
+    `sliding`: the layer's flag where layers differ (the window applies where it is set)."""
     T = q.shape[0]
     NT, QT = inputs.tile_tokens.shape
     KH, D = cfg.num_kv_heads, cfg.head_dim
@@ -176,7 +198,7 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     gather = jnp.where(valid, inputs.tile_tokens, 0)
     # queries of a (KV head, tile) pair as matrix rows (g, q); the G heads of a group share K/V (GQA)
     q_tiles = q[gather].reshape(NT, QT, KH, G, D).transpose(2, 0, 3, 1, 4).reshape(KH, NT, G * QT, D)
-    q_tiles = q_tiles.astype(jnp.float32) * (D**-0.5)
+    q_tiles = q_tiles.astype(jnp.float32) * cfg.attention_scale
     q_pos = jnp.where(valid, inputs.positions[gather], -1)  # [NT, QT]
     q_pos = jnp.broadcast_to(q_pos[None, :, None, :], (KH, NT, G, QT)).reshape(KH, NT, G * QT, 1)
     window = cfg.sliding_window
@@ -193,8 +215,10 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
         scores = jnp.einsum("ktqd,ktcd->ktqc", q_tiles, k)
         key_pos = start * B + jnp.arange(n_blocks * B, dtype=jnp.int32)
         visible = key_pos <= q_pos
-        if window:
+        if window and sliding is None:
             visible &= key_pos > q_pos - window
+        elif window:
+            visible &= (key_pos > q_pos - window) | ~sliding
         scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(-1))
         p = jnp.exp(scores - m_new[..., None])
@@ -220,32 +244,37 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     return jnp.zeros((T + 1, KH * G, D), q.dtype).at[scatter].set(out.astype(q.dtype))[:T]
 
 
-def decoder_layer(h: jax.Array, layer: dict, proj: Callable, cos, sin, attend: Callable, cfg: ModelConfig):
+def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Callable, cfg: ModelConfig):
     """One pre-norm transformer layer over the float32 residual stream h [T, hidden].
 
-    proj(x, name) applies the layer's projection `name` (with any LoRA); attend(q, k, v), given
-    roped q [T, H, D] and k, v [T, KH, D], returns (attention output [T, H, D], aux). Serving
-    attends through the paged KV pool (aux: the updated pool), training attends densely.
-    Returns (h, aux)."""
+    proj(x, name) applies the layer's projection `name` (with any LoRA); `tables` its RoPE tables
+    (see `layer_rope`); attend(q, k, v, sliding), given roped q [T, H, D] and k, v [T, KH, D] and
+    the layer's sliding flag (None where layers do not differ), returns (attention output
+    [T, H, D], aux). Serving attends through the paged KV pool (aux: the updated pool), training
+    attends densely. Returns (h, aux)."""
     T = h.shape[0]
     H, KH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     with jax.named_scope("qkv"):
-        x = rms_norm(h, layer["attn_norm"], cfg.rms_norm_eps)
+        x = rms_norm(h, layer["attn_norm"], cfg)
         q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
         if cfg.attention_bias:
             q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
         q, k, v = q.reshape(T, H, D), k.reshape(T, KH, D), v.reshape(T, KH, D)
         if cfg.qk_norm:
-            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            q = rms_norm(q, layer["q_norm"], cfg)
+            k = rms_norm(k, layer["k_norm"], cfg)
+        cos, sin = layer_rope(tables, layer)
         q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
-    attn, aux = attend(q, k, v)
+    attn, aux = attend(q, k, v, layer.get("sliding"))
     with jax.named_scope("o_proj"):
-        h = h + proj(attn.astype(h.dtype).reshape(T, H * D), "o_proj")
+        out = proj(attn.astype(h.dtype).reshape(T, H * D), "o_proj")
+        h = h + (rms_norm(out, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else out)
     with jax.named_scope("mlp"):
-        x = rms_norm(h, layer["mlp_norm"], cfg.rms_norm_eps)
-        gated = jax.nn.silu(proj(x, "gate_proj")) * proj(x, "up_proj")
-        h = h + proj(gated, "down_proj")
+        x = rms_norm(h, layer["mlp_norm"], cfg)
+        gate = proj(x, "gate_proj")
+        gate = jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
+        out = proj(gate * proj(x, "up_proj"), "down_proj")
+        h = h + (rms_norm(out, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else out)
     return h, aux
 
 
@@ -264,23 +293,24 @@ def forward_hidden(
     row's slot (inputs.adapters), all n slots in one matmul each. `dynamic_context`: see `_attention`."""
     inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
     kv_dtype = kv_float_dtype(kv, params)
-    h = params["embed"][inputs.tokens].astype(jnp.float32)  # the residual stream is float32 whatever the weights
-    cos, sin = rope.tables(cfg, inputs.positions)
+    h = embed_tokens(params, inputs.tokens, cfg)
+    tables = rope.layer_tables(cfg, inputs.positions)
     token_weight = None if lora is None else slot_weights(lora, inputs.adapters, h.dtype)
 
     def layer_fn(carry, xs):
         h, k_all, v_all, idx = carry
         layer, lora_layer = xs
 
-        def paged_attention(q, k, v):
+        def paged_attention(q, k, v, sliding):
             with jax.named_scope("kv_write"):
                 k_pool = _write_kv(k_all, idx, inputs.slots, k, kv_dtype)
                 v_pool = _write_kv(v_all, idx, inputs.slots, v, kv_dtype)
             with jax.named_scope("attention"):
-                return _attention(q, k_pool, v_pool, idx, inputs, cfg, kv_dtype, dynamic_context), (k_pool, v_pool)
+                return _attention(q, k_pool, v_pool, idx, inputs, cfg, kv_dtype, dynamic_context,
+                                  sliding), (k_pool, v_pool)
 
         proj = lambda x, name: project(x, layer, lora_layer, name, token_weight)  # noqa: E731
-        h, (k_all, v_all) = decoder_layer(h, layer, proj, cos, sin, paged_attention, cfg)
+        h, (k_all, v_all) = decoder_layer(h, layer, proj, tables, paged_attention, cfg)
         return (h, k_all, v_all, idx + 1), None
 
     layers = params["layers"]
@@ -294,7 +324,7 @@ def forward_hidden(
         lora_layers = None if lora is None else lora["layers"]
         (h, k_all, v_all, _), _ = jax.lax.scan(layer_fn, (h, kv.k, kv.v, jnp.int32(0)), (layers, lora_layers),
                                                unroll=unroll)
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), KVCache(k_all, v_all)
+    return rms_norm(h, params["final_norm"], cfg), KVCache(k_all, v_all)
 
 
 def logits(params: Params, hidden: jax.Array) -> jax.Array:

@@ -13,6 +13,7 @@ a cached prefix of the prompt would have them).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -60,6 +61,15 @@ def _longrope(cfg: ModelConfig, rs: dict, long: bool) -> tuple[np.ndarray, float
     dim = cfg.rotary_dim
     inv = 1.0 / (ext * cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
     return inv.astype(np.float32), float(attention_factor)
+
+
+def layer_tables(cfg: ModelConfig, positions: jnp.ndarray):
+    """What every layer's rotary embedding is chosen from: one (cos, sin) pair, or for models whose
+    windowed layers have a RoPE base of their own (Gemma 3) the (global, local) pairs."""
+    if cfg.sliding_layers is None:
+        return tables(cfg, positions)
+    local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta or cfg.rope_theta, rope_scaling=None)
+    return tables(cfg, positions), tables(local, positions)
 
 
 def tables(cfg: ModelConfig, positions: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:

@@ -30,7 +30,13 @@ LAYER_TENSORS = {
     "mlp.up_proj.weight": ("up_proj", True),
     "mlp.down_proj.weight": ("down_proj", True),
 }
-_KILN_TO_HF_LAYER = {v[0]: (k, v[1]) for k, v in LAYER_TENSORS.items()}
+# Gemma's sandwich norms: its post_attention_layernorm normalizes the attention's output, and
+# the MLP has a norm before it (Kiln's mlp_norm) and one after it.
+SANDWICH_TENSORS = {
+    "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+}
 # Fused HF projections (Phi-3) -> the Kiln weights they hold, in order along HF's output axis.
 FUSED_TENSORS = {
     "self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
@@ -61,7 +67,19 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
     if cfg.qk_norm:
         shapes.update(q_norm=(d,), k_norm=(d,))
+    if cfg.sandwich_norms:
+        shapes.update(post_attn_norm=(h,), post_mlp_norm=(h,))
     return shapes
+
+
+def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """HF per-layer suffix -> (kiln name, transposed) for this model's layout."""
+    return {**LAYER_TENSORS, **SANDWICH_TENSORS} if cfg.sandwich_norms else LAYER_TENSORS
+
+
+def _hf_suffixes(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """The inverse: kiln name -> (HF per-layer suffix, transposed)."""
+    return {v[0]: (k, v[1]) for k, v in layer_tensors(cfg).items()}
 
 
 GLOBAL_NAMES = ("embed", "final_norm", "lm_head")
@@ -80,7 +98,7 @@ def build_params(
     read(name) returns the HF tensor; source(name) names its file for errors. Every expected
     tensor must be present with the expected shape; extra tensors (e.g. rotary caches) are ignored.
     """
-    shapes = expected_shapes(cfg)
+    shapes, suffixes = expected_shapes(cfg), layer_tensors(cfg)
     layer_names = [n for n in shapes if n not in GLOBAL_NAMES]
     layers = {n: np.empty((cfg.num_layers, *shapes[n]), dtype) for n in layer_names}
     seen: set[tuple[str, int]] = set()
@@ -92,15 +110,15 @@ def build_params(
             idx, suffix = int(m.group(1)), m.group(2)
             if suffix in FUSED_TENSORS:
                 parts = FUSED_TENSORS[suffix]
-            elif suffix in LAYER_TENSORS and LAYER_TENSORS[suffix][0] in layers:
-                parts = (LAYER_TENSORS[suffix][0],)
+            elif suffix in suffixes and suffixes[suffix][0] in layers:
+                parts = (suffixes[suffix][0],)
             else:
                 continue
             if idx >= cfg.num_layers:
                 raise ModelLoadError(f"layer index {idx} >= num_hidden_layers {cfg.num_layers}", file=source(name),
                                      tensor=name)
             if len(parts) == 1:
-                layers[parts[0]][idx] = _checked(read(name), shapes[parts[0]], LAYER_TENSORS[suffix][1], name,
+                layers[parts[0]][idx] = _checked(read(name), shapes[parts[0]], suffixes[suffix][1], name,
                                                  source(name))
             else:  # [sum of outputs, in]: each part's rows, transposed to [in, out]
                 widths = [shapes[k][1] for k in parts]
@@ -118,11 +136,13 @@ def build_params(
             progress(1)
     for key in ("embed", "final_norm") + (("lm_head",) if "lm_head" in shapes else ()):
         if key not in out:
-            raise ModelLoadError("missing tensor", file=source(""), tensor=_hf_name(key))
+            raise ModelLoadError("missing tensor", file=source(""), tensor=_hf_name(cfg, key))
     for key in layer_names:
         for idx in range(cfg.num_layers):
             if (key, idx) not in seen:
-                raise ModelLoadError("missing tensor", file=source(""), tensor=_hf_name(key, idx))
+                raise ModelLoadError("missing tensor", file=source(""), tensor=_hf_name(cfg, key, idx))
+    if cfg.sliding_layers is not None:  # each layer carries its kind, so every layer loop reads it as data
+        layers["sliding"] = np.asarray(cfg.sliding_layers, bool)
     out["layers"] = layers
     return out
 
@@ -136,14 +156,14 @@ def _checked(array: np.ndarray, shape: tuple[int, ...], transpose: bool, name: s
     return array.T if transpose else array
 
 
-def _hf_name(key: str, idx: int | None = None) -> str:
+def _hf_name(cfg: ModelConfig, key: str, idx: int | None = None) -> str:
     if key == "embed":
         return "model.embed_tokens.weight"
     if key == "final_norm":
         return "model.norm.weight"
     if key == "lm_head":
         return "lm_head.weight"
-    return f"model.layers.{idx}.{_KILN_TO_HF_LAYER[key][0]}"
+    return f"model.layers.{idx}.{_hf_suffixes(cfg)[key][0]}"
 
 
 def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
@@ -152,8 +172,9 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
            "model.norm.weight": np.asarray(params["final_norm"])}
     if params.get("lm_head") is not None:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
+    suffixes = _hf_suffixes(cfg)
     for key, stacked in params["layers"].items():
-        suffix, transpose = _KILN_TO_HF_LAYER[key]
+        suffix, transpose = suffixes[key]
         stacked = np.asarray(stacked)
         for idx in range(cfg.num_layers):
             w = stacked[idx]

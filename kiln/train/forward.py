@@ -10,7 +10,7 @@ the server holds: nothing is copied.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +18,7 @@ import numpy as np
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import decoder_layer, logits, matmul, rms_norm
+from kiln.models.decoder import decoder_layer, embed_tokens, logits, matmul, rms_norm
 from kiln.models.lora import TARGET_MODULES, lora_delta, module_shapes
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives uniform weights, never NaN
@@ -48,7 +48,7 @@ def _dense_attention(q, k, v, visible, cfg: ModelConfig):
     G = cfg.num_heads // KH
     q = q.reshape(B, S, KH, G, D)
     k, v = k.reshape(B, S, KH, D), v.reshape(B, S, KH, D)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * (D**-0.5)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * cfg.attention_scale
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B * S, KH * G, D)
@@ -57,26 +57,31 @@ def _dense_attention(q, k, v, visible, cfg: ModelConfig):
 class LayerContext(NamedTuple):
     """What every layer of a dense causal batch [B, S] reads besides its weights."""
 
-    cos: jax.Array
-    sin: jax.Array
-    visible: jax.Array  # [B, S, S] (query, key)
+    tables: Any  # the layers' RoPE tables (decoder.layer_rope picks a layer's)
+    visible: jax.Array  # [B, S, S] (query, key): causal, windowed where every layer is
+    windowed: jax.Array | None  # [B, S, S]: the windowed layers' where layers differ (Gemma 3)
     token_weight: jax.Array  # [T, 1]: the LoRA scale of every token (one adapter)
 
 
 def layer_context(valid: jax.Array, cfg: ModelConfig, scale: float) -> LayerContext:
     B, S = valid.shape
     positions = jnp.tile(jnp.arange(S, dtype=jnp.int32), B)
-    cos, sin = rope.tables(cfg, positions)
+    tables = rope.layer_tables(cfg, positions)
     q_pos, k_pos = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
     causal = k_pos <= q_pos
-    if cfg.sliding_window:
-        causal &= k_pos > q_pos - cfg.sliding_window
-    return LayerContext(cos, sin, causal[None] & valid[:, None, :], jnp.full((B * S, 1), scale, jnp.float32))
+    window = (k_pos > q_pos - cfg.sliding_window) if cfg.sliding_window else None
+    windowed = None
+    if window is not None and cfg.sliding_layers is None:
+        causal &= window
+    elif window is not None:
+        windowed = (causal & window)[None] & valid[:, None, :]
+    return LayerContext(tables, causal[None] & valid[:, None, :], windowed,
+                        jnp.full((B * S, 1), scale, jnp.float32))
 
 
-def embed(params: dict, tokens: jax.Array) -> jax.Array:
+def embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The float32 residual stream [B*S, hidden] of token rows [B, S]."""
-    return params["embed"][tokens.reshape(-1)].astype(jnp.float32)
+    return embed_tokens(params, tokens.reshape(-1), cfg)
 
 
 def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerContext, cfg: ModelConfig,
@@ -92,11 +97,12 @@ def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerCo
             out = out + lora_delta(x, lora_g1[name], ctx.token_weight)
         return out
 
-    def attend(q, k, v):
+    def attend(q, k, v, sliding):
+        visible = ctx.visible if sliding is None else jnp.where(sliding, ctx.windowed, ctx.visible)
         with jax.named_scope("attention"):
-            return _dense_attention(q, k, v, ctx.visible, cfg), None
+            return _dense_attention(q, k, v, visible, cfg), None
 
-    return decoder_layer(h, layer, proj, ctx.cos, ctx.sin, attend, cfg)[0]
+    return decoder_layer(h, layer, proj, ctx.tables, attend, cfg)[0]
 
 
 def forward_hidden(params: dict, lora: dict | None, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig,
@@ -105,7 +111,7 @@ def forward_hidden(params: dict, lora: dict | None, tokens: jax.Array, valid: ja
 
     `remat` recomputes each layer's activations in the backward pass (`jax.checkpoint`):
     activation memory of one layer instead of all of them."""
-    h = embed(params, tokens)
+    h = embed(params, tokens, cfg)
     ctx = layer_context(valid, cfg, scale)
 
     def layer_fn(h, layer, lora_layer):
@@ -120,7 +126,7 @@ def forward_hidden(params: dict, lora: dict | None, tokens: jax.Array, valid: ja
             h = layer_fn(h, layer, lora_layer)
     else:
         h, _ = jax.lax.scan(lambda h, xs: (layer_fn(h, *xs), None), h, (layers, lora))
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return rms_norm(h, params["final_norm"], cfg)
 
 
 def forward_logits(params: dict, lora: dict | None, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig,

@@ -222,7 +222,7 @@ class SlicedStep:
     def _forward_group(self, params, layers, lora, h, tokens, valid, start, *, group: int, first: bool):
         """The group's output and its frozen products {name: [group, T, out]}."""
         ctx = layer_context(valid, self.cfg, self.scale)
-        h = embed(params, tokens) if first else h
+        h = embed(params, tokens, self.cfg) if first else h
 
         def body(h, xs):
             saved = {}
@@ -249,7 +249,7 @@ class SlicedStep:
             return train_layer(h, layer, lora_layer, ctx, self.cfg, replay), None
 
         def f(h, lora_g):
-            return self._run_group(layers, lora_g, embed(params, tokens) if first else h, ctx, body)[0]
+            return self._run_group(layers, lora_g, embed(params, tokens, self.cfg) if first else h, ctx, body)[0]
 
         dh_in, dlora = jax.vjp(f, h, self._layers(lora, start, group))[1](dh)
         return dh_in, jax.tree.map(lambda g, d: jax.lax.dynamic_update_slice_in_dim(g, d, start, 0), grads, dlora)
@@ -259,7 +259,7 @@ class SlicedStep:
         index = chunk.loss_index
 
         def f(x):
-            return self.head_loss(params, rms_norm(x, params["final_norm"], self.cfg.rms_norm_eps), chunk, norm)
+            return self.head_loss(params, rms_norm(x, params["final_norm"], self.cfg), chunk, norm)
 
         (loss, aux), dx = jax.value_and_grad(f, has_aux=True)(h[index])
         return loss, aux, dh.at[index].add(dx)

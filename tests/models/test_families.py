@@ -3,12 +3,11 @@ transformers' on the same random tiny weights (parity of logits is in test_model
 
 import asyncio
 import random
-import shutil
 
 import numpy as np
 import pytest
 import torch
-from tiny_models import make_hf_model, save_hf_model
+from tiny_models import make_hf_model, served_hf_dir
 
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
@@ -19,16 +18,13 @@ SMALL = dict(block_size=16, decode_row_buckets=(1, 2, 4), prefill_token_buckets=
              max_num_batched_tokens=64, num_kv_blocks=32)
 
 
-@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope"])
+@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope", "gemma3"])
 def test_served_greedy_tokens_equal_transformers(variant, tiny_model, kiln_cache, tmp_path):
     """Phi-3 (fused projections split at load; a 24-token sliding window, or LongRoPE on half of
-    each head's dims, crossing its 64-token pretraining length while decoding)."""
+    each head's dims, crossing its 64-token pretraining length while decoding) and Gemma 3 (a
+    windowed layer and a global one)."""
     hf = make_hf_model(variant, vocab_size=260, seed=11)
-    path = save_hf_model(hf, tmp_path / variant)
-    converted = next(p for p in (kiln_cache / "converted").iterdir() if (p / "tokenizer.json").exists())
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # the tiny byte-level tokenizer
-        shutil.copy(converted / name, path / name)
-    model = load_model(path, show_progress=False)
+    model = load_model(served_hf_dir(variant, tmp_path / variant, kiln_cache, seed=11), show_progress=False)
     rng = np.random.RandomState(5)
     prompts = [list(rng.randint(3, 250, size=n)) for n in (9, 40, 30)]
     new = 40

@@ -29,12 +29,14 @@ def hf_logits(model, ids):
 
 def test_config_reads_architecture_features(tiny):
     variant, _, cfg, _ = tiny
-    assert (cfg.rope_scaling is not None) == (variant in ("llama-linear", "llama3-rope", "llama-yarn", "phi3-longrope"))
-    assert cfg.sliding_window == (24 if variant == "phi3" else None)
+    scaled = ("llama-linear", "llama3-rope", "llama-yarn", "phi3-longrope", "gemma3")
+    assert (cfg.rope_scaling is not None) == (variant in scaled)
+    assert cfg.sliding_window == (24 if variant in ("phi3", "gemma3") else None)
+    assert cfg.sliding_layers == ((True, False) if variant == "gemma3" else None)
     assert cfg.rotary_dim == (cfg.head_dim // 2 if variant == "phi3-longrope" else cfg.head_dim)
     assert cfg.attention_bias == (variant == "qwen2")
-    assert cfg.qk_norm == (variant == "qwen3")
-    assert cfg.tie_word_embeddings == (variant == "llama-tied")
+    assert cfg.qk_norm == (variant in ("qwen3", "gemma3"))
+    assert cfg.tie_word_embeddings == (variant in ("llama-tied", "gemma3"))
     if variant == "qwen3":
         assert cfg.head_dim * cfg.num_heads != cfg.hidden_size
 

@@ -20,7 +20,7 @@ from kiln.models.weights import FUSED_TENSORS
 from kiln.train import losses
 from kiln.train.forward import forward_logits
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope", "gemma3"]
 # Phi-3's PEFT adapters target its fused projections; Kiln reads each as one adapter per part.
 FUSED_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 FUSED = {suffix.split(".")[1]: parts for suffix, parts in FUSED_TENSORS.items()}
