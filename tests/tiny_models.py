@@ -53,6 +53,11 @@ VARIANTS = {
         "query_pre_attn_scalar": 24, "rope_theta": None,
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    # mixtures of experts: top 2 of 4 experts, renormalized (Mixtral) or not (Qwen3-MoE's default)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                        "sliding_window": None}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 48, "head_dim": 32}),
 }
 
 

@@ -141,6 +141,9 @@ class Runner:
         self._install_lock = threading.Lock()
         self._gate_lock = threading.Lock()
         layer_params = sum(i * o for i, o in module_shapes(cfg).values())
+        if cfg.num_experts:  # the router and the token's experts
+            experts = 3 * cfg.experts_per_token * cfg.expert_intermediate_size
+            layer_params += cfg.hidden_size * (cfg.num_experts + experts)
         self.flops_per_token = 2 * cfg.num_layers * layer_params
         kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.kv_dtype.itemsize
         self.flops_per_key_read = kv_bytes * KV_BYTE_FLOPS

@@ -15,9 +15,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen3ForCausalLM": {"qk_norm": True},
     "Phi3ForCausalLM": {},  # fused qkv_proj and gate_up_proj, split at load (weights.FUSED_TENSORS)
     "Gemma3ForCausalLM": {"qk_norm": True},  # the text model of Gemma 3 (see `_gemma3`)
+    "MixtralForCausalLM": {"moe": True},  # every layer's MLP: top-k of num_local_experts SwiGLU experts
+    "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
 }
 # Architectures whose configs' sliding_window applies to every layer.
-SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM")
+SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,10 @@ class ModelConfig:
     query_scale: float | None = None  # attention scores' scale; None = head_dim ** -0.5
     sliding_layers: tuple[bool, ...] | None = None  # per layer: windowed (local) or global; None = all alike
     local_rope_theta: float | None = None  # the windowed layers' RoPE base (unscaled), when it differs
+    num_experts: int = 0  # mixture of experts: every layer's MLP is this many experts (0: one dense MLP)
+    experts_per_token: int = 0  # the router's top k
+    expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the top k routing weights renormalized to sum to 1
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -102,8 +108,10 @@ class ModelConfig:
                     rope_scaling = None
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            moe = _moe(hf, arch, source) if extras.get("moe") else {}
             return cls(
                 **gemma,
+                **moe,
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden,
@@ -192,4 +200,22 @@ def _gemma3(hf: dict[str, Any], is_gemma3: bool, source: str) -> dict[str, Any]:
         "sandwich_norms": True, "embed_scale": float(hf["hidden_size"]) ** 0.5,
         "query_scale": float(hf.get("query_pre_attn_scalar") or 256) ** -0.5,
         "sliding_layers": tuple(t == "sliding_attention" for t in types), "local_rope_theta": float(local_theta),
+    }
+
+
+def _moe(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """A mixture-of-experts MLP in every layer (Mixtral, Qwen3-MoE)."""
+    experts = int(hf.get("num_local_experts") or hf.get("num_experts") or 0)
+    if experts < 1 or int(hf.get("num_experts_per_tok") or 0) < 1:
+        raise ModelLoadError("a mixture-of-experts config needs num_experts and num_experts_per_tok", file=source)
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step") or 1) != 1:
+        raise ModelLoadError("dense MLP layers between expert layers (mlp_only_layers, decoder_sparse_step) are "
+                             "not supported yet", file=source)
+    if arch == "Qwen3MoeForCausalLM" and hf.get("shared_expert_intermediate_size"):
+        raise ModelLoadError("shared experts are not supported yet", file=source)
+    mixtral = arch == "MixtralForCausalLM"
+    return {
+        "num_experts": experts, "experts_per_token": int(hf["num_experts_per_tok"]),
+        "expert_intermediate_size": int(hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"]),
+        "norm_topk_prob": True if mixtral else bool(hf.get("norm_topk_prob", False)),
     }

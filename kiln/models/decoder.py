@@ -271,11 +271,40 @@ def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Cal
         h = h + (rms_norm(out, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else out)
     with jax.named_scope("mlp"):
         x = rms_norm(h, layer["mlp_norm"], cfg)
-        gate = proj(x, "gate_proj")
-        gate = jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
-        out = proj(gate * proj(x, "up_proj"), "down_proj")
+        if cfg.num_experts:
+            out = experts_mlp(x, layer, cfg)
+        else:
+            out = proj(_activation(proj(x, "gate_proj"), cfg) * proj(x, "up_proj"), "down_proj")
         h = h + (rms_norm(out, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else out)
     return h, aux
+
+
+def _activation(gate: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
+
+
+def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
+    """A mixture of experts over x [T, hidden]: each token's top-k experts by the router's softmax
+    (renormalized where the config says), run as grouped matmuls over the T*k (token, expert)
+    pairs sorted by expert (`lax.ragged_dot`: each expert multiplies only its own tokens), and
+    summed back per token with their routing weights."""
+    T, K, E = x.shape[0], cfg.experts_per_token, cfg.num_experts
+    probs = jax.nn.softmax(matmul(x, layer["router"]), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, K)  # [T, K]
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    order = jnp.argsort(chosen.reshape(-1), stable=True)  # the pairs grouped by expert
+    token = order // K
+    sizes = jnp.bincount(chosen.reshape(-1), length=E).astype(jnp.int32)
+
+    def grouped(a, w):
+        return jax.lax.ragged_dot(a.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32)
+
+    xs = x[token]
+    y = grouped(_activation(grouped(xs, layer["experts_gate"]), cfg) * grouped(xs, layer["experts_up"]),
+                layer["experts_down"])
+    y = y * weights.reshape(-1)[order][:, None]
+    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
 
 
 def forward_hidden(

@@ -25,10 +25,10 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each LoRA-targetable projection."""
     h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
-    }
+    attention = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+    if cfg.num_experts:  # a mixture of experts has no dense MLP projections: LoRA adapts attention
+        return attention
+    return {**attention, "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
 
 def slot_weights(lora: dict, token_slots: jax.Array, dtype) -> jax.Array:
@@ -61,7 +61,7 @@ def empty_lora_state(cfg: ModelConfig, n_slots: int, rank: int, modules=TARGET_M
             "a": jnp.zeros((cfg.num_layers, n_slots, shapes[m][0], rank), dtype),
             "b": jnp.zeros((cfg.num_layers, n_slots, rank, shapes[m][1]), dtype),
         }
-        for m in modules
+        for m in modules if m in shapes  # a mixture of experts has no dense MLP projections
     }
     return {"scale": jnp.zeros((n_slots,), jnp.float32), "layers": layers}
 

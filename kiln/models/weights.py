@@ -44,6 +44,14 @@ FUSED_TENSORS = {
 }
 
 
+# A mixture of experts' tensors (Mixtral: block_sparse_moe.*, w1/w3/w2; Qwen3-MoE: mlp.*): the
+# router [E, in], and each expert's projections, held stacked per layer as [E, in, out].
+ROUTER_TENSORS = {"block_sparse_moe.gate.weight": ("router", True), "mlp.gate.weight": ("router", True)}
+_EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_TENSORS = {"w1": "experts_gate", "gate_proj": "experts_gate", "w3": "experts_up", "up_proj": "experts_up",
+                  "w2": "experts_down", "down_proj": "experts_down"}
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Kiln param name -> shape (per layer for layer params, in Kiln's [in, out] orientation)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -69,12 +77,18 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(q_norm=(d,), k_norm=(d,))
     if cfg.sandwich_norms:
         shapes.update(post_attn_norm=(h,), post_mlp_norm=(h,))
+    if cfg.num_experts:
+        E, ei = cfg.num_experts, cfg.expert_intermediate_size
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del shapes[name]
+        shapes.update(router=(h, E), experts_gate=(E, h, ei), experts_up=(E, h, ei), experts_down=(E, ei, h))
     return shapes
 
 
 def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     """HF per-layer suffix -> (kiln name, transposed) for this model's layout."""
-    return {**LAYER_TENSORS, **SANDWICH_TENSORS} if cfg.sandwich_norms else LAYER_TENSORS
+    out = {**LAYER_TENSORS, **SANDWICH_TENSORS} if cfg.sandwich_norms else dict(LAYER_TENSORS)
+    return {**out, **ROUTER_TENSORS} if cfg.num_experts else out
 
 
 def _hf_suffixes(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
@@ -102,12 +116,26 @@ def build_params(
     layer_names = [n for n in shapes if n not in GLOBAL_NAMES]
     layers = {n: np.empty((cfg.num_layers, *shapes[n]), dtype) for n in layer_names}
     seen: set[tuple[str, int]] = set()
+    experts_seen: dict[tuple[str, int], set[int]] = {}
     out: dict = {}
     names = list(names)
     for name in names:
         m = _LAYER.match(name)
         if m:
             idx, suffix = int(m.group(1)), m.group(2)
+            expert = _EXPERT.match(suffix) if cfg.num_experts else None
+            if expert:
+                key, e = EXPERT_TENSORS[expert.group(2)], int(expert.group(1))
+                if idx >= cfg.num_layers or e >= cfg.num_experts:
+                    raise ModelLoadError(f"expert {e} of layer {idx} is past the config's {cfg.num_experts} experts "
+                                         f"and {cfg.num_layers} layers", file=source(name), tensor=name)
+                layers[key][idx, e] = _checked(read(name), shapes[key][1:], True, name, source(name))
+                experts_seen.setdefault((key, idx), set()).add(e)
+                if len(experts_seen[key, idx]) == cfg.num_experts:
+                    seen.add((key, idx))
+                if progress:
+                    progress(1)
+                continue
             if suffix in FUSED_TENSORS:
                 parts = FUSED_TENSORS[suffix]
             elif suffix in suffixes and suffixes[suffix][0] in layers:
@@ -163,6 +191,8 @@ def _hf_name(cfg: ModelConfig, key: str, idx: int | None = None) -> str:
         return "model.norm.weight"
     if key == "lm_head":
         return "lm_head.weight"
+    if key in EXPERT_TENSORS.values():
+        return f"model.layers.{idx}: an expert's {key.removeprefix('experts_')} projection"
     return f"model.layers.{idx}.{_hf_suffixes(cfg)[key][0]}"
 
 

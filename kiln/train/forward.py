@@ -29,8 +29,11 @@ def init_lora(cfg: ModelConfig, rank: int, modules=TARGET_MODULES, seed: int = 0
     a = sqrt(5)), B = 0, so training starts from the base model exactly. float32."""
     key = jax.random.PRNGKey(seed)
     params = {}
+    shapes = module_shapes(cfg)
     for i, module in enumerate(modules):
-        fan_in, fan_out = module_shapes(cfg)[module]
+        if module not in shapes:  # e.g. the MLP's projections of a mixture of experts
+            continue
+        fan_in, fan_out = shapes[module]
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.random.uniform(jax.random.fold_in(key, i), (cfg.num_layers, fan_in, rank), jnp.float32, -bound, bound)
         params[module] = {"a": a, "b": jnp.zeros((cfg.num_layers, rank, fan_out), jnp.float32)}

@@ -37,12 +37,14 @@ def available_bytes(budget_setting: int = 0) -> tuple[int, str]:
 def lora_bytes(cfg: ModelConfig, rank: int, modules) -> int:
     """float32 LoRA params of one adapter of this rank on these modules."""
     shapes = module_shapes(cfg)
-    return F32 * cfg.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules)
+    return F32 * cfg.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules if m in shapes)
 
 
 def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, remat: bool) -> int:
     T = rows * seq_len
     q, kv, i, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, cfg.hidden_size
+    if cfg.num_experts:  # a token's experts' activations
+        i = cfg.experts_per_token * cfg.expert_intermediate_size
     # kept per layer: norms' inputs and outputs, q/k/v (and roped), attention output, the MLP's
     # gate, up, activation and product, and the attention scores and probabilities
     per_layer = F32 * (T * (4 * h + 2 * q + 4 * kv + q + 4 * i) + 2 * rows * cfg.num_heads * seq_len * seq_len)

@@ -18,11 +18,11 @@ SMALL = dict(block_size=16, decode_row_buckets=(1, 2, 4), prefill_token_buckets=
              max_num_batched_tokens=64, num_kv_blocks=32)
 
 
-@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope", "gemma3"])
+@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope", "gemma3", "mixtral", "qwen3-moe"])
 def test_served_greedy_tokens_equal_transformers(variant, tiny_model, kiln_cache, tmp_path):
     """Phi-3 (fused projections split at load; a 24-token sliding window, or LongRoPE on half of
-    each head's dims, crossing its 64-token pretraining length while decoding) and Gemma 3 (a
-    windowed layer and a global one)."""
+    each head's dims, crossing its 64-token pretraining length while decoding), Gemma 3 (a
+    windowed layer and a global one), and mixtures of experts (Mixtral, Qwen3-MoE)."""
     hf = make_hf_model(variant, vocab_size=260, seed=11)
     model = load_model(served_hf_dir(variant, tmp_path / variant, kiln_cache, seed=11), show_progress=False)
     rng = np.random.RandomState(5)
@@ -61,3 +61,41 @@ def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
             out.append(int(step.logits[0, -1].argmax()))
             ids = torch.tensor([[out[-1]]])
     return out
+
+
+def test_sft_on_a_mixture_of_experts_lowers_its_loss_and_exports_to_peft(tiny_model, kiln_cache, tmp_path):
+    """LoRA on a tiny Qwen3-MoE's attention learns a fixed reply; the adapter, exported to PEFT,
+    gives transformers + peft the logits Kiln's training forward gives."""
+    import json
+
+    from peft import PeftModel
+
+    from kiln.adapters import peft_io
+    from kiln.adapters.store import AdapterStore, load_weights
+    from kiln.train.forward import forward_logits
+    from kiln.train.sft import SFTConfig, sft
+
+    path = served_hf_dir("qwen3-moe", tmp_path / "moe", kiln_cache, seed=3, initializer_range=0.25)
+    model = load_model(path, show_progress=False)
+    reply = "the answer is blue"
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                        {"role": "assistant", "content": reply}]})
+                               for q in ["hello", "ping", "who are you", "2+2", "bye", "a colour?"]))
+    result = sft(str(train), "moe-adapter", model=model, store=AdapterStore(tmp_path / "store"), progress=False,
+                 config=SFTConfig(lora_rank=8, lora_alpha=16.0, learning_rate=1e-2, n_epochs=10, batch_size=3,
+                                  max_seq_len=64))
+    losses = [h["train_loss"] for h in result.history]
+    assert losses[-1] < 0.3 * losses[0]
+    weights = load_weights(result.artifact)
+    assert sorted(weights) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # attention: the experts stay frozen
+    m = result.artifact.manifest
+    out = peft_io.write_peft(tmp_path / "peft", weights, m.rank, m.alpha, m.use_rslora, m.base_model.id)
+    reference = PeftModel.from_pretrained(make_hf_model("qwen3-moe", vocab_size=260, seed=3, initializer_range=0.25),
+                                          str(out)).eval()
+    ids = [5, 80, 13, 200, 7, 44, 101]
+    with torch.no_grad():
+        ref = reference(input_ids=torch.tensor([ids])).logits[0].numpy()
+    tokens, valid = np.array([ids], np.int32), np.ones((1, len(ids)), bool)
+    got = forward_logits(model.params, result.run.weights(), tokens, valid, model.config, m.alpha / m.rank)
+    np.testing.assert_allclose(np.asarray(got)[0], ref, atol=1e-4, rtol=0)

@@ -50,14 +50,14 @@ def no_turns(what):
     return contextlib.nullcontext()
 
 
-@pytest.fixture(scope="module", params=["unrolled", "scan", "gemma3"])
+@pytest.fixture(scope="module", params=["unrolled", "scan", "gemma3", "qwen3-moe"])
 def model(request, tiny_model, kiln_cache, tmp_path_factory):
     """The tiny llama with its layers as a list and stacked (scanned); a tiny Gemma 3 (windowed and
-    global layers, sandwich norms)."""
-    if request.param == "gemma3":
+    global layers, sandwich norms) and a tiny Qwen3-MoE."""
+    if request.param in ("gemma3", "qwen3-moe"):
         from tiny_models import served_hf_dir
 
-        path = served_hf_dir("gemma3", tmp_path_factory.mktemp("gemma3"), kiln_cache, seed=3)
+        path = served_hf_dir(request.param, tmp_path_factory.mktemp(request.param), kiln_cache, seed=3)
         return load_model(path, show_progress=False, layer_loop="scan")
     return load_model(tiny_model.source, show_progress=False, layer_loop=request.param)
 

@@ -20,7 +20,7 @@ from kiln.models.weights import FUSED_TENSORS
 from kiln.train import losses
 from kiln.train.forward import forward_logits
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope", "gemma3"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope", "gemma3", "mixtral", "qwen3-moe"]
 # Phi-3's PEFT adapters target its fused projections; Kiln reads each as one adapter per part.
 FUSED_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 FUSED = {suffix.split(".")[1]: parts for suffix, parts in FUSED_TENSORS.items()}
@@ -45,8 +45,10 @@ def arch(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     hf = make_hf_model(request.param, seed=5)
     cfg, params, _ = load_hf_dir(save_hf_model(hf, root / "model"), np.float32, show_progress=False)
-    peft_model = make_peft_adapter(hf, root / "adapter", rank=4, alpha=8.0, seed=7,
-                                   modules=FUSED_MODULES if request.param.startswith("phi3") else ALL_MODULES)
+    modules = FUSED_MODULES if request.param.startswith("phi3") else ALL_MODULES
+    if request.param in ("mixtral", "qwen3-moe"):  # LoRA on a mixture of experts adapts attention
+        modules = ALL_MODULES[:4]
+    peft_model = make_peft_adapter(hf, root / "adapter", rank=4, alpha=8.0, seed=7, modules=modules)
     weights, info = peft_io.read_peft(root / "adapter", cfg)
     lora = jax.tree.map(jnp.asarray, weights)
     return request.param, cfg, params, peft_model, lora, info["alpha"] / info["rank"]
