@@ -122,8 +122,18 @@ def llama_permute(w, n_heads):
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model, path: Path, quant=None) -> Path:
-    """Writes an HF llama model as a llama.cpp-style GGUF (optionally Q8_0 matrices)."""
+# A small SentencePiece vocabulary: llama.cpp's special and byte tokens, single characters, and
+# every prefix of a few words after the space marker (so that BPE merges reach each word).
+_SPM_WORDS = ["the", "and", "hello", "world", "is", "it", "in", "on", "an", "of", "to", "kiln"]
+SPM_PIECES = list(dict.fromkeys(
+    ["\u2581"] + list("abcdefghijklmnopqrstuvwxyz0123456789,.!?'")
+    + [("\u2581" + w)[:n] for w in _SPM_WORDS for n in range(2, len(w) + 2)] + ["he", "ll", "llo", "or", "ld"]))
+SPM_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
+
+
+def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2") -> Path:
+    """Writes an HF llama model as a llama.cpp-style GGUF (optionally Q8_0 matrices), with the
+    byte-level BPE test tokenizer, or with `tokenizer="llama"` the SentencePiece one (SPM_TOKENS)."""
     import gguf
     import numpy as np
 
@@ -137,17 +147,28 @@ def write_gguf(model, path: Path, quant=None) -> Path:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    tokens = byte_vocab() + SPECIALS
-    assert len(tokens) == cfg.vocab_size
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3] * len(SPECIALS))
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(258)
-    w.add_pad_token_id(259)
-    w.add_add_bos_token(False)
+    if tokenizer == "llama":
+        assert len(SPM_TOKENS) == cfg.vocab_size
+        w.add_tokenizer_model("llama")
+        w.add_token_list(SPM_TOKENS)
+        w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+        # longer pieces score better, so that merges build words (a log-probability in real files)
+        w.add_token_scores([0.0] * 259 + [-1000.0 + 10 * len(t) - i * 1e-3 for i, t in enumerate(SPM_PIECES)])
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        tokens = byte_vocab() + SPECIALS
+        assert len(tokens) == cfg.vocab_size
+        w.add_token_list(tokens)
+        w.add_token_types([1] * 256 + [3] * len(SPECIALS))
+        w.add_token_merges([])
+        w.add_bos_token_id(256)
+        w.add_eos_token_id(258)
+        w.add_pad_token_id(259)
+        w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     names = {
         "input_layernorm.weight": "attn_norm.weight",

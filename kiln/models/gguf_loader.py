@@ -71,6 +71,18 @@ def _pre_tokenizer(pre: str):
     ])
 
 
+def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies (its file lists none): every split of a
+    piece into two pieces of the vocabulary, the best-scored merged piece first (then the shorter
+    left part, as transformers orders them)."""
+    found = []
+    for piece, i in vocab.items():
+        pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        found += [(scores[i], left, right) for left, right in sorted(pairs, key=lambda p: (vocab[p[0]], vocab[p[1]]))]
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in found]
+
+
 def _nibbles(qs: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
     """Q4_x block bytes [out, blocks, 16] as levels [out, in]."""
     return np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n_out, n_in)
@@ -229,23 +241,41 @@ class GGUFModel:
 
     def tokenizer(self) -> Tokenizer:
         model = self.meta("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ModelLoadError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE)",
-                                 file=str(self.path))
-        pre_name = self.meta("tokenizer.ggml.pre", "default")
-        pre = _pre_tokenizer(pre_name)
-        if pre is None:
-            raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre_name!r}", file=str(self.path))
         tokens = list(self.meta("tokenizer.ggml.tokens"))
-        merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []]
-        tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-        tok.pre_tokenizer = pre
-        tok.decoder = decoders.ByteLevel()
+        if model == "llama":
+            tok = self._sentencepiece(tokens)
+        elif model == "gpt2":
+            pre_name = self.meta("tokenizer.ggml.pre", "default")
+            pre = _pre_tokenizer(pre_name)
+            if pre is None:
+                raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre_name!r}", file=str(self.path))
+            merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []]
+            tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+            tok.pre_tokenizer = pre
+            tok.decoder = decoders.ByteLevel()
+        else:
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {model!r} (supported: gpt2 byte-level BPE, "
+                                 "llama SentencePiece BPE)", file=str(self.path))
         types = list(self.meta("tokenizer.ggml.token_type") or [])
         special = [AddedToken(tokens[i], special=True, normalized=False) for i, ty in enumerate(types) if ty == 3]
         user = [AddedToken(tokens[i], special=False, normalized=False) for i, ty in enumerate(types) if ty == 4]
         tok.add_special_tokens(special)
         tok.add_tokens(user)
+        return tok
+
+    def _sentencepiece(self, tokens: list[str]) -> Tokenizer:
+        """SentencePiece BPE (Llama 2, Mistral): "▁" for spaces and before the text, pieces merged
+        best score first, bytes (<0x..> tokens) for what the pieces do not cover."""
+        vocab = {t: i for i, t in enumerate(tokens)}
+        merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges") or []]
+        if not merges:
+            merges = _merges_from_scores(vocab, list(self.meta("tokenizer.ggml.scores") or [0.0] * len(tokens)))
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+        prefix = bool(self.meta("tokenizer.ggml.add_space_prefix", True))
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                     split=False)
+        steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        tok.decoder = decoders.Sequence(steps + [decoders.Strip(content=" ", left=1)] * prefix)
         return tok
 
     def tokenizer_config(self) -> dict:
@@ -260,7 +290,9 @@ class GGUFModel:
             "eos_token": token("eos"),
             "unk_token": token("unknown"),
             "pad_token": token("padding"),
-            "add_bos_token": bool(self.meta("tokenizer.ggml.add_bos_token", False)),
+            # llama.cpp adds BOS for a SentencePiece vocabulary whose file does not say otherwise
+            "add_bos_token": bool(self.meta("tokenizer.ggml.add_bos_token",
+                                            self.meta("tokenizer.ggml.model") == "llama")),
             "add_eos_token": bool(self.meta("tokenizer.ggml.add_eos_token", False)),
             "chat_template": self.meta("tokenizer.chat_template"),
         }

@@ -89,3 +89,37 @@ def test_incremental_detokenizer_property(tok, text):
     deltas = _stream(tok, ids)
     assert "".join(deltas) == tok.decode(ids)
     assert all("\ufffd" not in d for d in deltas[:-1]) or "\ufffd" in tok.decode(ids)
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory, kiln_cache):
+    """A GGUF with a SentencePiece ("llama") vocabulary and no merges, as Llama 2 and Mistral files have."""
+    from tiny_models import SPM_TOKENS, make_hf_model, write_gguf
+
+    path = tmp_path_factory.mktemp("spm") / "spm.gguf"
+    return write_gguf(make_hf_model("llama", vocab_size=len(SPM_TOKENS), seed=4), path, tokenizer="llama")
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list("the and hello world kiln,.!?' \nXé日ÿ")),
+                    max_size=40))
+def test_sentencepiece_gguf_tokenizes_as_transformers_does(spm_gguf, text):
+    """Pieces merged best score first, the space marker before the text, bytes for what no piece
+    covers; BOS added as llama.cpp does; decoding gives the text back."""
+    from transformers import AutoTokenizer
+
+    from kiln.models.loader import load_model
+
+    ours, ref = _spm_tokenizers.get(spm_gguf) or _spm_tokenizers.setdefault(spm_gguf, (
+        load_model(spm_gguf, show_progress=False).tokenizer,
+        AutoTokenizer.from_pretrained(str(spm_gguf.parent), gguf_file=spm_gguf.name)))
+    ids = ours.encode(text)
+    assert ids == ref(text)["input_ids"]
+    assert ids[:1] == [1]  # <s>
+    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    if text and not text.startswith(" "):
+        assert ours.decode(ids, skip_special_tokens=True) == text
+    assert "".join(_stream(ours, ids[1:])) == ours.decode(ids[1:], skip_special_tokens=True)
+
+
+_spm_tokenizers: dict = {}
