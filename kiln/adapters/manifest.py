@@ -32,9 +32,10 @@ def validate_name(name: object) -> str:
     return name
 
 
-class BaseModelRef(msgspec.Struct, forbid_unknown_fields=False):
+class BaseModelRef(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
     id: str
     weights_digest: str
+    architecture: str | None = None  # HF's name for the family: how a PEFT export lays out fused modules
 
 
 class ParentRef(msgspec.Struct, forbid_unknown_fields=False):

@@ -6,7 +6,10 @@ PEFT stores lora_A as [r, in] and lora_B as [out, r] per layer and module under 
 adapters move to and from vLLM and transformers unchanged.
 
 A fused projection's adapter (Phi-3's `qkv_proj` and `gate_up_proj`) reads exactly as one
-adapter per part: each part keeps the shared lora_A and its own rows of lora_B.
+adapter per part: each part keeps the shared lora_A and its own rows of lora_B. Written for such
+a model, the parts' adapters become one fused adapter of n times the rank (their lora_A stacked,
+their lora_B block-diagonal, and lora_alpha scaled so that alpha / r stays), through PEFT's
+rank_pattern and alpha_pattern.
 """
 
 from __future__ import annotations
@@ -102,16 +105,53 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
     return weights, info
 
 
-def write_peft(path: str | Path, weights: dict, rank: int, alpha: float, use_rslora: bool, base_model: str) -> Path:
+# the architectures whose HF modules fuse Kiln's projections
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
+
+
+def _fused(weights: dict, rank: int) -> tuple[dict, dict]:
+    """The parts' adapters as fused modules' ({module: {"a", "b"}}, {module: parts written})."""
+    out, counts = {}, {}
+    for module, parts in _FUSED.items():
+        present = [p for p in parts if p in weights]
+        if not present:
+            continue
+        L = weights[present[0]]["a"].shape[0]
+        width = {p: weights[p]["b"].shape[2] for p in present}
+        for p in parts:  # a part not adapted keeps zero rows, as wide as its twin (k and v; gate and up)
+            twin = {"k_proj": "v_proj", "v_proj": "k_proj", "gate_proj": "up_proj", "up_proj": "gate_proj"}.get(p)
+            if p not in width and twin in width:
+                width[p] = width[twin]
+        if len(width) < len(parts):
+            raise InvalidAdapter(f"cannot write {module} for PEFT: adapt k_proj or v_proj with q_proj")
+        widths = [width[p] for p in parts]
+        a = np.concatenate([weights[p]["a"] for p in present], axis=2)  # [L, in, n*r]
+        b = np.zeros((L, len(present) * rank, sum(widths)), np.float32)
+        offsets = dict(zip(parts, np.cumsum([0] + widths[:-1]), strict=True))
+        for j, p in enumerate(present):
+            b[:, j * rank:(j + 1) * rank, offsets[p]:offsets[p] + widths[parts.index(p)]] = weights[p]["b"]
+        out[module], counts[module] = {"a": a, "b": b}, len(present)
+    return out, counts
+
+
+def write_peft(path: str | Path, weights: dict, rank: int, alpha: float, use_rslora: bool, base_model: str,
+               architecture: str | None = None) -> Path:
     """Writes a PEFT LoRA adapter directory that transformers + peft and vLLM load."""
     from safetensors.numpy import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {}
+    tensors, rank_pattern, alpha_pattern = {}, {}, {}
+    if architecture in FUSED_ARCHITECTURES:
+        fused, counts = _fused(weights, rank)
+        weights = {m: w for m, w in weights.items() if not any(m in parts for parts in _FUSED.values())} | fused
+        for module, n in counts.items():
+            rank_pattern[module] = n * rank
+            alpha_pattern[module] = alpha * (n ** 0.5 if use_rslora else n)
     for module, w in weights.items():
         for layer in range(w["a"].shape[0]):
-            prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
+            parent = "self_attn" if module == "qkv_proj" else "mlp" if module == "gate_up_proj" else _PARENT[module]
+            prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(w["a"][layer].T, np.float32)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(w["b"][layer].T, np.float32)
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
@@ -120,6 +160,7 @@ def write_peft(path: str | Path, weights: dict, rank: int, alpha: float, use_rsl
         "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora, "target_modules": sorted(weights),
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None, "inference_mode": True, "init_lora_weights": True,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
     }
     (path / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return path

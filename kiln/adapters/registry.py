@@ -65,7 +65,8 @@ def peft_artifact(name: str, path: str | Path, model: LoadedModel) -> tuple[Mani
     """A PEFT adapter directory as the manifest and weights of a Kiln artifact bound to `model`."""
     weights, info = peft_io.read_peft(path, model.config)
     manifest = Manifest(
-        name=validate_name(name), base_model=BaseModelRef(model.model_id, model.weights_digest),
+        name=validate_name(name), base_model=BaseModelRef(model.model_id, model.weights_digest,
+                                                          model.config.architecture),
         rank=info["rank"], alpha=info["alpha"], use_rslora=info["use_rslora"], target_modules=info["target_modules"],
         weights_digest="", provenance=provenance("import:peft"),
         config={"peft": info["peft_config"], "imported_from": str(path)},
@@ -90,7 +91,8 @@ def import_peft(store: AdapterStore, name: str, path: str | Path, model: LoadedM
 def export_peft(artifact: Artifact, path: str | Path) -> Path:
     """Writes a Kiln artifact as a PEFT directory (for transformers + peft, vLLM)."""
     m = artifact.manifest
-    return peft_io.write_peft(path, load_weights(artifact), m.rank, m.alpha, m.use_rslora, m.base_model.id)
+    return peft_io.write_peft(path, load_weights(artifact), m.rank, m.alpha, m.use_rslora, m.base_model.id,
+                              m.base_model.architecture)
 
 
 @dataclasses.dataclass

@@ -17,10 +17,13 @@ def adapter_manifest(name: str, model, *, method: str, source: str, config: dict
     sha256, file id for jobs), the resolved config, and provenance (times, job, steps, tokens,
     the last step's metrics)."""
     from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
+    from kiln.models.lora import module_shapes
 
+    shapes = module_shapes(model.config)  # a mixture of experts' adapters have no MLP modules
     return Manifest(
-        name=name, base_model=BaseModelRef(model.model_id, model.weights_digest), rank=rank, alpha=alpha,
-        target_modules=list(modules), weights_digest="", provenance=provenance(f"training:{source}"),
+        name=name, base_model=BaseModelRef(model.model_id, model.weights_digest, model.config.architecture),
+        rank=rank, alpha=alpha, target_modules=[m for m in modules if m in shapes], weights_digest="",
+        provenance=provenance(f"training:{source}"),
         training_inputs_digest=inputs[0]["sha256"] if inputs else "", training_inputs=inputs,
         config={"method": method, **config},
         training={**training, "steps": steps, "trained_tokens": trained_tokens, "final_metrics": final_metrics})

@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from tiny_models import make_hf_model, served_hf_dir
+from tiny_models import make_hf_model, save_hf_model, served_hf_dir
 
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
@@ -99,3 +99,35 @@ def test_sft_on_a_mixture_of_experts_lowers_its_loss_and_exports_to_peft(tiny_mo
     tokens, valid = np.array([ids], np.int32), np.ones((1, len(ids)), bool)
     got = forward_logits(model.params, result.run.weights(), tokens, valid, model.config, m.alpha / m.rank)
     np.testing.assert_allclose(np.asarray(got)[0], ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("modules", [["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj"]])
+def test_a_phi3_adapter_goes_through_kiln_and_back_to_peft(tmp_path, modules):
+    """A PEFT adapter on Phi-3's fused modules read into Kiln's per-projection adapters and written
+    back (stacked lora_A, block-diagonal lora_B, rank and alpha patterns) gives transformers + peft
+    the same logits; so does one of Kiln's that adapts only q and v."""
+    from peft import PeftModel
+    from peft_adapters import make_peft_adapter, reference_logits
+
+    from kiln.adapters import peft_io
+    from kiln.models.hf_loader import load_hf_dir
+
+    hf = make_hf_model("phi3", seed=5)
+    cfg, _, _ = load_hf_dir(save_hf_model(hf, tmp_path / "model"), np.float32, show_progress=False)
+    original = make_peft_adapter(hf, tmp_path / "peft", rank=4, alpha=8.0, seed=7, modules=modules)
+    weights, info = peft_io.read_peft(tmp_path / "peft", cfg)
+    ids = [5, 80, 13, 200, 7, 44, 101, 9]
+    for name, kept in (("all", weights), ("q and v", {m: weights[m] for m in ("q_proj", "v_proj")})):
+        out = peft_io.write_peft(tmp_path / name, kept, 4, 8.0, False, "tiny-phi3", cfg.architecture)
+        back = PeftModel.from_pretrained(make_hf_model("phi3", seed=5), str(out)).eval()
+        if name == "all":
+            expected = reference_logits(original, ids)
+        else:  # the same adapter with k's rows of lora_B zeroed
+            with torch.no_grad():
+                for n, p in original.named_parameters():
+                    if "qkv_proj.lora_B" in n:
+                        p[cfg.num_heads * cfg.head_dim:(cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim] = 0
+                    elif "lora_B" in n:
+                        p.zero_()
+            expected = reference_logits(original, ids)
+        np.testing.assert_allclose(reference_logits(back, ids), expected, atol=1e-5, rtol=0)
