@@ -59,7 +59,12 @@ def test_steps_stored_again_after_an_upgrade_still_run(tmp_path, tiny_model):
 
 def test_warmup_interrupted_with_ctrl_c_exits_quietly(tmp_path, tiny_model):
     env = suite_env(str(tiny_model.source), str(tmp_path / "cache"))  # an empty cache: it has steps to build
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "warmup"], env=env, stdout=subprocess.PIPE,
+    # As from a terminal: SIGINT neither blocked nor ignored. A test runner's state can be either (a
+    # child inherits the forking thread's signal mask), so the child sets that before it runs Kiln.
+    terminal = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
+                "signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                "os.execv(sys.executable, [sys.executable, '-m', 'kiln', 'warmup'])")
+    proc = subprocess.Popen([sys.executable, "-c", terminal], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "cache" / "jax").exists():  # the model is loaded, the compilation cache set up
