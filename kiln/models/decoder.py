@@ -283,16 +283,24 @@ def _activation(gate: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
 
 
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Each token's top-k experts by the router's softmax over x [T, hidden] and their weights
+    (renormalized to sum to 1 where the config says): (weights [T, k], experts [T, k]). Every token
+    gets its k experts: no capacity, nothing dropped."""
+    probs = jax.nn.softmax(matmul(x, router), axis=-1)
+    weights, chosen = jax.lax.top_k(probs, cfg.experts_per_token)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return weights, chosen
+
+
 def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
     """A mixture of experts over x [T, hidden]: each token's top-k experts by the router's softmax
     (renormalized where the config says), run as grouped matmuls over the T*k (token, expert)
     pairs sorted by expert (`lax.ragged_dot`: each expert multiplies only its own tokens), and
     summed back per token with their routing weights."""
     T, K, E = x.shape[0], cfg.experts_per_token, cfg.num_experts
-    probs = jax.nn.softmax(matmul(x, layer["router"]), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, K)  # [T, K]
-    if cfg.norm_topk_prob:
-        weights = weights / weights.sum(-1, keepdims=True)
+    weights, chosen = route(x, layer["router"], cfg)
     order = jnp.argsort(chosen.reshape(-1), stable=True)  # the pairs grouped by expert
     token = order // K
     sizes = jnp.bincount(chosen.reshape(-1), length=E).astype(jnp.int32)

@@ -122,3 +122,36 @@ def test_longrope_decodes_past_the_pretraining_length_with_the_long_factors(tmp_
         got = np.concatenate(got)
         np.testing.assert_allclose(got[:64], ref[:64], atol=TOL, rtol=0)  # before 64: the short factors
         assert np.allclose(got[64:], ref[64:], atol=TOL, rtol=0) == same  # from 64 on: the long ones matter
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe"])
+def test_routing_equals_transformers_token_by_token(variant, tmp_path):
+    """Kiln's router picks each token's experts with transformers' weights, on the first layer's MLP
+    inputs of a fixed batch and on inputs every token of which prefers one expert; the layer's output
+    equals transformers' either way: no capacity, no token dropped however unevenly they route."""
+    import jax
+
+    from kiln.models.decoder import experts_mlp, route
+
+    hf = make_hf_model(variant, seed=5)
+    cfg, params, _ = load_hf_dir(save_hf_model(hf, tmp_path / variant), np.float32, show_progress=False)
+    layer = jax.tree.map(lambda a: a[0], params["layers"])
+    block = hf.model.layers[0].mlp
+    seen = []
+    handle = block.register_forward_hook(lambda module, args, out: seen.append(args[0][0].detach()))
+    hf_logits(hf, np.random.RandomState(3).randint(3, cfg.vocab_size, size=40))
+    handle.remove()
+    rng = np.random.RandomState(4)
+    favourite = block.gate.weight[2].detach().numpy()  # inputs along expert 2's router row
+    lopsided = torch.tensor(favourite / np.linalg.norm(favourite) ** 2 * 6 + rng.normal(0, 0.05, (40, cfg.hidden_size)),
+                            dtype=torch.float32)
+    for x in (seen[0], lopsided):
+        with torch.no_grad():
+            _, ref_weights, ref_experts = block.gate(x)
+            ref_out = block(x[None])[0].numpy()
+        weights, experts = route(jax.numpy.asarray(x.numpy()), layer["router"], cfg)
+        np.testing.assert_array_equal(np.asarray(experts), ref_experts.numpy())
+        np.testing.assert_allclose(np.asarray(weights), ref_weights.numpy(), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(experts_mlp(jax.numpy.asarray(x.numpy()), layer, cfg)), ref_out,
+                                   atol=1e-5, rtol=0)
+    assert (ref_experts[:, 0] == 2).all()  # the lopsided batch: every token's first pick is expert 2
