@@ -85,12 +85,14 @@ def save_hf_model(model, path: Path, max_shard_size: str | None = None) -> Path:
 
 
 def served_hf_dir(variant: str, path: Path, kiln_cache: Path, **overrides) -> Path:
-    """A tiny HF model directory with the suite's byte-level tokenizer (taken from the tiny GGUF's
+    """A tiny HF model directory with the suite's byte-level tokenizer (taken from a tiny GGUF's
     conversion in `kiln_cache`, which the tiny_model fixture makes), loadable by the server."""
+    import json
     import shutil
 
     save_hf_model(make_hf_model(variant, vocab_size=260, **overrides), path)
-    converted = next(p for p in (kiln_cache / "converted").iterdir() if (p / "tokenizer.json").exists())
+    converted = next(p for p in sorted((kiln_cache / "converted").iterdir()) if (p / "tokenizer.json").exists()
+                     and json.loads((p / "config.json").read_text())["vocab_size"] == 260)  # not the default model's
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(converted / name, path / name)
     return path
@@ -131,22 +133,109 @@ SPM_PIECES = list(dict.fromkeys(
 SPM_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + SPM_PIECES
 
 
-def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2") -> Path:
-    """Writes an HF llama model as a llama.cpp-style GGUF (optionally Q8_0 matrices), with the
-    byte-level BPE test tokenizer, or with `tokenizer="llama"` the SentencePiece one (SPM_TOKENS)."""
+# HF per-layer suffix -> llama.cpp's tensor name (every family the tests write)
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3: fused in the file too
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # a mixture of experts' router
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+}
+_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma3_text": "gemma3"}
+_GGUF_GEMMA_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                     "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+
+
+def llama3_rope_factors(cfg):
+    """llama.cpp's converter's rope_freqs for a Llama 3 rope_scaling: each frequency's divisor."""
+    import math
+
+    import numpy as np
+
+    rs = cfg.rope_parameters
+    dim = cfg.head_dim
+    freqs = 1.0 / (rs["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=None) -> Path:
+    """Writes an HF model (Llama, Mixtral, Qwen3-MoE, Phi-3 or Gemma 3) as llama.cpp's converter would
+    (its architecture's keys and tensor names; Llama 3's scaling as rope_freqs, Phi-3's LongRoPE factors
+    as tensors, Gemma's norms as the 1 + w they scale by; optionally Q8_0 matrices), with the
+    byte-level BPE test tokenizer, or with `tokenizer="llama"` the SentencePiece one (SPM_TOKENS).
+    `extra(writer)` adds keys of a test's own."""
     import gguf
     import numpy as np
 
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = _GGUF_ARCH[cfg.model_type]
+    rope = cfg.rope_parameters
+    if arch == "gemma3":  # one set per layer kind; llama.cpp keeps the global one (and its linear scaling)
+        rope = rope["full_attention"]
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if arch != "phi3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    tensors = {}
+    if arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
+        if rope.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "llama3":
+        tensors["rope_freqs.weight"] = llama3_rope_factors(cfg)
+    if arch == "phi3":
+        partial = getattr(cfg, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+        w.add_rope_dimension_count(int(head_dim * partial))
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        if cfg.sliding_window:
+            w.add_sliding_window(cfg.sliding_window)
+        if rope.get("rope_type") == "longrope":
+            import math
+
+            scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+            orig = cfg.original_max_position_embeddings
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))
+            tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
+            tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     if tokenizer == "llama":
         assert len(SPM_TOKENS) == cfg.vocab_size
         w.add_tokenizer_model("llama")
@@ -170,32 +259,31 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2") -> Path:
         w.add_pad_token_id(259)
         w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
-    names = {
-        "input_layernorm.weight": "attn_norm.weight",
-        "post_attention_layernorm.weight": "ffn_norm.weight",
-        "self_attn.q_proj.weight": "attn_q.weight",
-        "self_attn.k_proj.weight": "attn_k.weight",
-        "self_attn.v_proj.weight": "attn_v.weight",
-        "self_attn.o_proj.weight": "attn_output.weight",
-        "mlp.gate_proj.weight": "ffn_gate.weight",
-        "mlp.up_proj.weight": "ffn_up.weight",
-        "mlp.down_proj.weight": "ffn_down.weight",
-    }
+    if extra is not None:
+        extra(w)
     for name, tensor in model.state_dict().items():
         arr = tensor.detach().numpy().astype(np.float32)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1.0
         if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
+            tensors["token_embd.weight"] = arr
         elif name == "model.norm.weight":
-            gname = "output_norm.weight"
+            tensors["output_norm.weight"] = arr
         elif name == "lm_head.weight":
-            gname = "output.weight"
+            tensors["output.weight"] = arr
         else:
             layer, rest = name[len("model.layers."):].split(".", 1)
-            gname = f"blk.{layer}.{names[rest]}"
-            if rest == "self_attn.q_proj.weight":
+            if rest == "mlp.experts.gate_up_proj":  # [E, 2 * ff, hidden]: gate, then up
+                gate, up = np.split(arr, 2, axis=1)
+                tensors[f"blk.{layer}.ffn_gate_exps.weight"], tensors[f"blk.{layer}.ffn_up_exps.weight"] = gate, up
+                continue
+            if arch == "llama" and rest == "self_attn.q_proj.weight":
                 arr = llama_permute(arr, cfg.num_attention_heads)
-            elif rest == "self_attn.k_proj.weight":
+            elif arch == "llama" and rest == "self_attn.k_proj.weight":
                 arr = llama_permute(arr, cfg.num_key_value_heads)
+            names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA_NORMS} if arch == "gemma3" else _GGUF_LAYER_NAMES
+            tensors[f"blk.{layer}.{names[rest]}"] = arr
+    for gname, arr in tensors.items():
         if quant is not None and arr.ndim == 2:
             block, type_size = gguf.GGML_QUANT_SIZES[quant]
             try:

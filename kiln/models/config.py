@@ -41,6 +41,8 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable for jit static args
     partial_rotary_factor: float = 1.0  # the fraction of each head's dims that rotate (the first ones)
+    # each rotary frequency divided by its factor: how a GGUF file holds Llama 3's scaling (rope_freqs)
+    rope_freq_factors: tuple[float, ...] | None = None
     hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_tanh (GeGLU)
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma stores weight - 1
     sandwich_norms: bool = False  # a norm on the attention's and the MLP's outputs too (Gemma)
@@ -109,6 +111,7 @@ class ModelConfig:
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             moe = _moe(hf, arch, source) if extras.get("moe") else {}
+            factors = hf.get("rope_freq_factors")
             return cls(
                 **gemma,
                 **moe,
@@ -129,6 +132,7 @@ class ModelConfig:
                 sliding_window=(hf.get("sliding_window") or None) if arch in SLIDING_WINDOW else None,
                 rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
                 partial_rotary_factor=float(partial if partial is not None else 1.0),
+                rope_freq_factors=tuple(float(f) for f in factors) if factors else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -136,8 +140,6 @@ class ModelConfig:
             raise ModelLoadError(f"invalid model config: {exc!r}", file=source) from exc
 
     def to_hf(self) -> dict[str, Any]:
-        if self.architecture == "Gemma3ForCausalLM":
-            raise ModelLoadError("a Gemma 3 config is not written back (only GGUF conversions write configs)")
         """An HF config.json equivalent (used when caching converted GGUF weights)."""
         out: dict[str, Any] = {
             "architectures": [self.architecture],
@@ -147,6 +149,9 @@ class ModelConfig:
                 "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3",
                 "Phi3ForCausalLM": "phi3",
+                "MixtralForCausalLM": "mixtral",
+                "Qwen3MoeForCausalLM": "qwen3_moe",
+                "Gemma3ForCausalLM": "gemma3_text",
             }[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -166,6 +171,22 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
+        if self.architecture == "Gemma3ForCausalLM":  # transformers 5's form (see `_gemma3`)
+            full = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling_dict or {})}
+            out.update(layer_types=["sliding_attention" if s else "full_attention" for s in self.sliding_layers],
+                       query_pre_attn_scalar=round(self.attention_scale**-2, 6), hidden_activation="gelu_pytorch_tanh",
+                       rope_parameters={"full_attention": full, "sliding_attention": {
+                           "rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}})
+            del out["rope_theta"], out["rope_scaling"]
+        if self.rope_freq_factors:  # Kiln's own key: transformers has no form of a GGUF file's rope_freqs
+            out["rope_freq_factors"] = list(self.rope_freq_factors)
+        if self.num_experts:
+            out.update(num_local_experts=self.num_experts, num_experts=self.num_experts,
+                       num_experts_per_tok=self.experts_per_token, norm_topk_prob=self.norm_topk_prob)
+            if self.architecture == "MixtralForCausalLM":
+                out["intermediate_size"] = self.expert_intermediate_size
+            else:
+                out["moe_intermediate_size"] = self.expert_intermediate_size
         return out
 
 

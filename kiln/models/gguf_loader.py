@@ -1,8 +1,10 @@
 """Loads GGUF files: metadata -> config, dequantized tensors -> HF layout, tokenizer -> tokenizer.json;
 and Q8_0/Q4_0/Q4_1 layer weights as Kiln's int8/int4 as stored (`stored_layers`).
 
-llama.cpp's converter permutes the Q/K rows of `llama` models for interleaved RoPE;
-we undo that so the weights match HF's rotate-half layout.
+Files are read as llama.cpp's converter writes each family: it permutes the Q/K rows of `llama`
+models for interleaved RoPE (undone here, to HF's rotate-half layout), holds Llama 3's RoPE
+scaling as per-frequency divisors (rope_freqs), a mixture's experts stacked per layer, Phi-3's
+projections fused and its LongRoPE factors as tensors, and Gemma's norms as 1 + w.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from kiln.models.config import ModelConfig
 from kiln.models.quant import GROUP, LINEAR, Int4Weight, Int8Weight, int4_from_levels
 from kiln.models.weights import build_params
 
-ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+              "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+              "gemma3": "Gemma3ForCausalLM"}  # llama with experts: Mixtral
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,8 +47,19 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# the layers' linear weights: GGUF suffix -> Kiln's name
-_LINEAR_SUFFIXES = {g: hf.split(".")[1] for g, hf in _LAYER_NAMES.items() if hf.split(".")[1] in LINEAR}
+# Phi-3 keeps its fused projections: the query, key and value rows in one tensor, gate and up in ffn_up
+# Gemma 3 has a norm after attention and one before and after the MLP
+_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+                              "ffn_up.weight": "mlp.gate_up_proj.weight"},
+                     "gemma3": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}}
+# A mixture of experts: the router, and every expert's projection stacked in one tensor [E, out, in]
+# (older Mixtral files hold one tensor per expert, ffn_gate.E.weight)
+_ROUTER_NAME = {"ffn_gate_inp.weight": "mlp.gate.weight"}
+_STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                    "ffn_down_exps.weight": "down_proj"}
+_EXPERT_OF_ITS_OWN = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 # the GGUF types each quantization holds as stored
 _STORED_AS = {"int8": (GGMLQuantizationType.Q8_0,), "int4": (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -109,6 +124,11 @@ class GGUFModel:
             raise ModelLoadError(f"unsupported GGUF architecture {self.arch!r}; supported: {sorted(ARCH_TO_HF)}",
                                  file=str(path))
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.layer_names = {**_LAYER_NAMES, **_ROUTER_NAME, **_ARCH_LAYER_NAMES.get(self.arch, {})}
+        # the layers' linear weights as the file names them -> Kiln's name (fused ones are split at load)
+        self.linear_suffixes = {g: hf.split(".")[1] for g, hf in self.layer_names.items()
+                                if hf.split(".")[1] in LINEAR}
+        self._whole: tuple[str, np.ndarray] | None = None  # the stacked experts' tensor read last
         self.config = ModelConfig.from_hf(self.hf_config(), source=str(path))
 
     def meta(self, key: str, default=None):
@@ -122,45 +142,110 @@ class GGUFModel:
         hidden = int(self.meta(f"{a}.embedding_length"))
         heads = int(self.meta(f"{a}.attention.head_count"))
         tokens = self.meta("tokenizer.ggml.tokens") or []
+        rotary = self.meta(f"{a}.rope.dimension_count")
+        # Phi-3 rotates part of each head (rope.dimension_count) and names no key length
+        head_dim = int(self.meta(f"{a}.attention.key_length",
+                                 rotary if rotary and a != "phi3" else hidden // heads))
         cfg = {
             "architectures": [ARCH_TO_HF[a]],
             "vocab_size": int(self.meta(f"{a}.vocab_size", len(tokens))),
             "hidden_size": hidden,
-            "intermediate_size": int(self.meta(f"{a}.feed_forward_length")),
+            "intermediate_size": int(self.meta(f"{a}.feed_forward_length",
+                                               self.meta(f"{a}.expert_feed_forward_length", 0))),
             "num_hidden_layers": int(self.meta(f"{a}.block_count")),
             "num_attention_heads": heads,
             "num_key_value_heads": int(self.meta(f"{a}.attention.head_count_kv", heads)),
-            "head_dim": int(self.meta(f"{a}.attention.key_length",
-                                      self.meta(f"{a}.rope.dimension_count", hidden // heads))),
+            "head_dim": head_dim,
+            "partial_rotary_factor": int(rotary) / head_dim if rotary else 1.0,
             "rms_norm_eps": float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": float(self.meta(f"{a}.rope.freq_base", 10000.0)),
             "max_position_embeddings": int(self.meta(f"{a}.context_length", 2048)),
-            "tie_word_embeddings": "output.weight" not in {t.name for t in self.reader.tensors},
+            "tie_word_embeddings": "output.weight" not in self.tensors,
             "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
         }
+        if a == "phi3":
+            cfg["sliding_window"] = self.meta(f"{a}.attention.sliding_window")
+        orig = self.meta(f"{a}.rope.scaling.original_context_length")
         scaling = self.meta(f"{a}.rope.scaling.type")
         if scaling and scaling != "none":
             cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(self.meta(f"{a}.rope.scaling.factor"))}
-            orig = self.meta(f"{a}.rope.scaling.original_context_length")
             if orig:
                 cfg["rope_scaling"]["original_max_position_embeddings"] = int(orig)
-        if "rope_freqs.weight" in {t.name for t in self.reader.tensors}:
-            raise ModelLoadError("GGUF rope_freqs (llama3 rope scaling) is not supported yet", file=str(self.path),
-                                 tensor="rope_freqs.weight")
+        if "rope_factors_long.weight" in self.tensors:  # Phi-3's LongRoPE: its two sets of factors
+            cfg["original_max_position_embeddings"] = int(orig)
+            cfg["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": int(orig),
+                                   "long_factor": self.read("rope_factors_long.weight").tolist(),
+                                   "short_factor": self.read("rope_factors_short.weight").tolist()}
+            if (attention_factor := self.meta(f"{a}.rope.scaling.attn_factor")) is not None:
+                cfg["rope_scaling"]["attention_factor"] = float(attention_factor)
+        if "rope_freqs.weight" in self.tensors:  # Llama 3's scaling, as per-frequency divisors
+            factors = self.read("rope_freqs.weight").reshape(-1)
+            if factors.size != int(head_dim * cfg["partial_rotary_factor"]) // 2:
+                raise ModelLoadError(f"rope_freqs holds {factors.size} factors; the heads rotate "
+                                     f"{int(head_dim * cfg['partial_rotary_factor']) // 2} frequencies",
+                                     file=str(self.path), tensor="rope_freqs.weight")
+            cfg["rope_freq_factors"] = factors.tolist()
+        if a == "gemma3":
+            cfg.update(self._gemma3_config(cfg))
+        if experts := int(self.meta(f"{a}.expert_count", 0) or 0):
+            if self.meta(f"{a}.expert_shared_count"):
+                raise ModelLoadError("shared experts are not supported yet", file=str(self.path))
+            if a == "llama":
+                cfg["architectures"] = ["MixtralForCausalLM"]
+            cfg.update(num_local_experts=experts, num_experts=experts,
+                       num_experts_per_tok=int(self.meta(f"{a}.expert_used_count")),
+                       moe_intermediate_size=int(self.meta(f"{a}.expert_feed_forward_length",
+                                                           cfg["intermediate_size"])),
+                       # llama.cpp renormalizes the top k of these families unless the file says otherwise
+                       norm_topk_prob=bool(self.meta(f"{a}.expert_weights_norm", True)))
         return cfg
 
+    def _gemma3_config(self, cfg: dict) -> dict:
+        """What a Gemma 3 file leaves to llama.cpp's own rules: every sixth layer global (unless the
+        file lists its windowed layers), the windowed layers' RoPE base 10,000, and the attention
+        scale 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer (27B) model."""
+        a, layers = self.arch, cfg["num_hidden_layers"]
+        if self.meta(f"{a}.final_logit_softcapping") is not None:
+            raise ModelLoadError("final_logit_softcapping is not supported yet", file=str(self.path))
+        pattern = self.meta(f"{a}.attention.sliding_window_pattern", 6)
+        sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
+                   else [(i + 1) % int(pattern) != 0 for i in range(layers)])
+        scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else cfg["head_dim"]
+        full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        full.update(cfg.pop("rope_scaling", None) or {})
+        return {"model_type": "gemma3_text", "sliding_window": self.meta(f"{a}.attention.sliding_window"),
+                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+                "query_pre_attn_scalar": scalar,
+                "rope_parameters": {"full_attention": full, "sliding_attention": {
+                    "rope_type": "default", "rope_theta": float(self.meta(f"{a}.rope.freq_base_swa", 10000.0))}}}
+
     def hf_names(self) -> dict[str, str]:
-        """HF tensor name -> GGUF tensor name."""
+        """HF tensor name -> GGUF tensor name (`name#e`: expert e of a stacked experts' tensor)."""
         out = {}
         for name in self.tensors:
             if name in _GLOBAL_NAMES:
                 out[_GLOBAL_NAMES[name]] = name
-            elif (m := _BLK.match(name)) and m.group(2) in _LAYER_NAMES:
-                out[f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"] = name
+            elif m := _BLK.match(name):
+                layer, rest = f"model.layers.{m.group(1)}.", m.group(2)
+                if rest in self.layer_names:
+                    out[layer + self.layer_names[rest]] = name
+                elif rest in _STACKED_EXPERTS:
+                    for e in range(self.config.num_experts):
+                        out[f"{layer}mlp.experts.{e}.{_STACKED_EXPERTS[rest]}.weight"] = f"{name}#{e}"
+                elif own := _EXPERT_OF_ITS_OWN.match(rest):
+                    out[f"{layer}mlp.experts.{own.group(2)}.{own.group(1)}_proj.weight"] = name
         return out
 
     def read(self, gguf_name: str) -> np.ndarray:
+        name, _, expert = gguf_name.partition("#")
+        if not expert:
+            return self._read(name)
+        if self._whole is None or self._whole[0] != name:  # each expert of it is read in turn
+            self._whole = (name, self._read(name))
+        return self._whole[1][int(expert)]
+
+    def _read(self, gguf_name: str) -> np.ndarray:
         t = self.tensors[gguf_name]
         shape = tuple(int(x) for x in reversed(t.shape))
         try:
@@ -182,13 +267,15 @@ class GGUFModel:
         if self.arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = self.config.num_heads if gguf_name.endswith("attn_q.weight") else self.config.num_kv_heads
             w = unpermute_qk(w, heads)
+        if self.arch == "gemma3" and gguf_name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp's converter stores Gemma's norms as the 1 + w they scale by
         return w
 
     def stored_quantization(self) -> tuple[str, str]:
         """The quantization that holds this file's layer weights as stored, and why: int8 for Q8_0,
         int4 for Q4_0/Q4_1, none (float) for float types or a mix."""
         types = {t.tensor_type for name, t in self.tensors.items()
-                 if (m := _BLK.match(name)) and m.group(2) in _LINEAR_SUFFIXES}
+                 if (m := _BLK.match(name)) and m.group(2) in self.linear_suffixes}
         names = ", ".join(sorted(t.name for t in types))
         for quantization, stored in _STORED_AS.items():
             if types and types <= set(stored):
@@ -201,7 +288,7 @@ class GGUFModel:
         float. A name some layer stores in another type is left out (the loader quantizes it from float)."""
         types = _STORED_AS.get(quantization, ())
         out = {}
-        for gguf_suffix, name in _LINEAR_SUFFIXES.items():
+        for gguf_suffix, name in self.linear_suffixes.items():
             tensors = [self.tensors.get(f"blk.{i}.{gguf_suffix}") for i in range(self.config.num_layers)]
             if all(t is not None and t.tensor_type in types for t in tensors):
                 layers = [self._stored(t, gguf_suffix) for t in tensors]

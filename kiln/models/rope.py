@@ -23,7 +23,15 @@ from kiln.models.config import ModelConfig
 
 
 def inv_freq_and_scale(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """Returns (inverse frequencies [rotary_dim/2], cos/sin scaling factor); LongRoPE's short set."""
+    """Returns (inverse frequencies [rotary_dim/2], cos/sin scaling factor); LongRoPE's short set.
+    A GGUF file's per-frequency factors (rope_freqs) divide the frequencies, as llama.cpp applies them."""
+    inv_freq, scale = _scaled_inv_freq(cfg)
+    if cfg.rope_freq_factors:
+        inv_freq = (inv_freq / np.asarray(cfg.rope_freq_factors, np.float32)).astype(np.float32)
+    return inv_freq, scale
+
+
+def _scaled_inv_freq(cfg: ModelConfig) -> tuple[np.ndarray, float]:
     dim = cfg.rotary_dim
     base = cfg.rope_theta
     inv_freq = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))

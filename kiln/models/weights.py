@@ -51,6 +51,8 @@ _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate
 EXPERT_TENSORS = {"w1": "experts_gate", "gate_proj": "experts_gate", "w3": "experts_up", "up_proj": "experts_up",
                   "w2": "experts_down", "down_proj": "experts_down"}
 
+_EXPERT_HF = {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_down": "down_proj"}
+
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Kiln param name -> shape (per layer for layer params, in Kiln's [in, out] orientation)."""
@@ -204,8 +206,15 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
         out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params["lm_head"]).T)
     suffixes = _hf_suffixes(cfg)
     for key, stacked in params["layers"].items():
-        suffix, transpose = suffixes[key]
         stacked = np.asarray(stacked)
+        if key == "sliding":  # the layer's kind, from the config
+            continue
+        if key in _EXPERT_HF:  # [L, E, in, out] -> one [out, in] tensor per expert
+            for idx, e in np.ndindex(stacked.shape[:2]):
+                out[f"model.layers.{idx}.mlp.experts.{e}.{_EXPERT_HF[key]}.weight"] = np.ascontiguousarray(
+                    stacked[idx, e].T)
+            continue
+        suffix, transpose = suffixes[key]
         for idx in range(cfg.num_layers):
             w = stacked[idx]
             out[f"model.layers.{idx}.{suffix}"] = np.ascontiguousarray(w.T if transpose else w)

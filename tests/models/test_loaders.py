@@ -21,9 +21,9 @@ from kiln.models.loader import cache_dir, layer_param, load_model
 IDS = [5, 77, 200, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50]
 
 
-def logits_of(cfg, params, ids=IDS):
-    kv = init_kv_cache(cfg, num_blocks=4, block_size=16)
-    out, _ = jit_forward(params, kv, build_step_inputs([RowWork(list(ids), 0, [2, 1])], 16), cfg)
+def logits_of(cfg, params, ids=IDS, blocks=4):
+    kv = init_kv_cache(cfg, num_blocks=blocks, block_size=16)
+    out, _ = jit_forward(params, kv, build_step_inputs([RowWork(list(ids), 0, list(range(blocks)))], 16), cfg)
     return np.asarray(out, np.float32)
 
 
@@ -51,7 +51,7 @@ def test_gguf_and_hf_dir_give_identical_logits(hf_model, hf_dir, tmp_path, kiln_
     gguf_path = write_gguf(hf_model, tmp_path / "tiny.gguf")
     from_gguf = load_model(gguf_path, show_progress=False)
     # the converted cache dir is an HF dir; give the HF copy the same tokenizer
-    converted = next(p for p in (kiln_cache / "converted").iterdir() if (p / "kiln_source.json").exists())
+    converted = cache_dir() / "converted" / from_gguf.weights_digest[:32]
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(converted / name, hf_dir / name)
     from_hf = load_model(hf_dir, show_progress=False)
@@ -87,6 +87,71 @@ def test_second_gguf_load_reuses_the_converted_cache(hf_model, tmp_path, kiln_ca
     second = load_model(path, show_progress=False)
     assert (marker / "model.safetensors").stat().st_mtime_ns == stamp
     assert first.weights_digest == second.weights_digest
+
+
+# Each family's GGUF form, written as llama.cpp's converter writes it: Llama 3's scaling as a rope_freqs
+# tensor, Mixtral as a llama file with stacked experts, Qwen3-MoE (renormalized top k, as llama.cpp
+# runs it), Phi-3 with its fused projections, sliding window and LongRoPE factors as tensors, Gemma 3
+# with its norms stored as 1 + w (and the layer kinds and attention scale llama.cpp assumes for it: every
+# sixth layer global, 1 / sqrt(head_dim)).
+GEMMA3_AS_LLAMA_CPP_RUNS_IT = {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 16}
+GGUF_FAMILIES = [("llama3-rope", {}), ("mixtral", {}), ("qwen3-moe", {"norm_topk_prob": True}), ("phi3", {}),
+                 ("phi3-longrope", {}), ("gemma3", GEMMA3_AS_LLAMA_CPP_RUNS_IT)]
+
+
+@pytest.mark.parametrize(("variant", "overrides"), GGUF_FAMILIES, ids=[v for v, _ in GGUF_FAMILIES])
+def test_gguf_of_each_family_equals_its_hf_checkpoint(variant, overrides, tmp_path, kiln_cache):
+    hf = make_hf_model(variant, vocab_size=260, seed=3, **overrides)
+    path = write_gguf(hf, tmp_path / f"{variant}.gguf")
+    first = load_model(path, show_progress=False)
+    again = load_model(path, show_progress=False)  # from the converted cache: its config.json round trip
+    assert again.config == first.config
+    hf_dir = save_hf_model(hf, tmp_path / "hf")
+    converted = cache_dir() / "converted" / first.weights_digest[:32]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(converted / name, hf_dir / name)
+    from_hf = load_model(hf_dir, show_progress=False)
+    # 90 tokens: past Llama 3's and LongRoPE's pretraining lengths (32, 64)
+    ids = list(np.random.RandomState(0).randint(3, 250, size=90))
+    ours = logits_of(again.config, again.params, ids, blocks=8)
+    # (Gemma's norms lose a bit to the file's 1 + w)
+    np.testing.assert_allclose(ours, logits_of(from_hf.config, from_hf.params, ids, blocks=8), atol=1e-5, rtol=0)
+    # transformers over a prompt within the pretraining length (one forward over a longer one rotates
+    # all of it with LongRoPE's long factors; Kiln keeps the short ones for its first part)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids[:60]])).logits[0].numpy()
+    np.testing.assert_allclose(logits_of(again.config, again.params, ids[:60], blocks=4), ref, atol=1e-4, rtol=0)
+    if variant == "llama3-rope":
+        assert again.config.rope_freq_factors is not None and max(again.config.rope_freq_factors) == 8.0
+    if variant in ("mixtral", "qwen3-moe"):
+        assert again.config.num_experts == 4 and again.config.norm_topk_prob
+    if variant == "gemma3":
+        assert again.config.sliding_layers == (True,) * 5 + (False,) and again.config.rope_scaling_dict["factor"] == 2
+
+
+def test_a_soft_capped_gemma_gguf_is_refused_by_name(tmp_path, kiln_cache):
+    hf = make_hf_model("gemma3", vocab_size=260, seed=3, **GEMMA3_AS_LLAMA_CPP_RUNS_IT)
+    path = write_gguf(hf, tmp_path / "capped.gguf", extra=lambda w: w.add_final_logit_softcapping(30.0))
+    with pytest.raises(ModelLoadError, match="final_logit_softcapping is not supported yet") as e:
+        load_model(path, show_progress=False)
+    assert e.value.file == str(path)
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "phi3", "gemma3"])
+def test_a_quantized_gguf_of_a_new_family_holds_its_layers_as_stored(variant, tmp_path, kiln_cache):
+    """Q8_0 matrices: the attention (Phi-3: split from its fused tensor) and dense MLPs held as int8,
+    a mixture's experts, stacked, as float; the logits are those of the file dequantized."""
+    from kiln.models.quant import Int8Weight
+
+    hf = make_hf_model(variant, vocab_size=260, seed=3, **(GEMMA3_AS_LLAMA_CPP_RUNS_IT if variant == "gemma3" else {}))
+    path = write_gguf(hf, tmp_path / "q8.gguf", quant=gguf.GGMLQuantizationType.Q8_0)
+    model = load_model(path, show_progress=False, quantization="auto")
+    assert model.quantization == "int8"
+    assert isinstance(layer_param(model.params, "q_proj", 0), Int8Weight)
+    assert isinstance(layer_param(model.params, "down_proj" if variant != "mixtral" else "o_proj", 1), Int8Weight)
+    dequantized = load_model(path, show_progress=False)
+    np.testing.assert_allclose(logits_of(model.config, model.params),
+                               logits_of(dequantized.config, dequantized.params), atol=1e-5, rtol=0)
 
 
 def test_bfloat16_params(hf_model, hf_dir):
