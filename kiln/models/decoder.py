@@ -244,14 +244,16 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     return jnp.zeros((T + 1, KH * G, D), q.dtype).at[scatter].set(out.astype(q.dtype))[:T]
 
 
-def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Callable, cfg: ModelConfig):
+def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Callable, cfg: ModelConfig,
+                  experts: Callable | None = None):
     """One pre-norm transformer layer over the float32 residual stream h [T, hidden].
 
     proj(x, name) applies the layer's projection `name` (with any LoRA); `tables` its RoPE tables
     (see `layer_rope`); attend(q, k, v, sliding), given roped q [T, H, D] and k, v [T, KH, D] and
     the layer's sliding flag (None where layers do not differ), returns (attention output
     [T, H, D], aux). Serving attends through the paged KV pool (aux: the updated pool), training
-    attends densely. Returns (h, aux)."""
+    attends densely. `experts(x, layer, cfg)` runs a mixture's MLP (default `experts_mlp`; training
+    wraps it to observe the router). Returns (h, aux)."""
     T = h.shape[0]
     H, KH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     with jax.named_scope("qkv"):
@@ -272,7 +274,7 @@ def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Cal
     with jax.named_scope("mlp"):
         x = rms_norm(h, layer["mlp_norm"], cfg)
         if cfg.num_experts:
-            out = experts_mlp(x, layer, cfg)
+            out = (experts or experts_mlp)(x, layer, cfg)
         else:
             out = proj(_activation(proj(x, "gate_proj"), cfg) * proj(x, "up_proj"), "down_proj")
         h = h + (rms_norm(out, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else out)

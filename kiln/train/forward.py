@@ -18,7 +18,7 @@ import numpy as np
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import decoder_layer, embed_tokens, logits, matmul, rms_norm
+from kiln.models.decoder import decoder_layer, embed_tokens, experts_mlp, logits, matmul, rms_norm
 from kiln.models.lora import TARGET_MODULES, lora_delta, module_shapes
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives uniform weights, never NaN
@@ -64,6 +64,7 @@ class LayerContext(NamedTuple):
     visible: jax.Array  # [B, S, S] (query, key): causal, windowed where every layer is
     windowed: jax.Array | None  # [B, S, S]: the windowed layers' where layers differ (Gemma 3)
     token_weight: jax.Array  # [T, 1]: the LoRA scale of every token (one adapter)
+    valid: jax.Array  # [T]: real tokens (not padding)
 
 
 def layer_context(valid: jax.Array, cfg: ModelConfig, scale: float) -> LayerContext:
@@ -79,7 +80,7 @@ def layer_context(valid: jax.Array, cfg: ModelConfig, scale: float) -> LayerCont
     elif window is not None:
         windowed = (causal & window)[None] & valid[:, None, :]
     return LayerContext(tables, causal[None] & valid[:, None, :], windowed,
-                        jnp.full((B * S, 1), scale, jnp.float32))
+                        jnp.full((B * S, 1), scale, jnp.float32), valid.reshape(-1))
 
 
 def embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -88,10 +89,11 @@ def embed(params: dict, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerContext, cfg: ModelConfig,
-                base=None) -> jax.Array:
+                base=None, router_stats: bool = False):
     """One decoder layer (the serving layer, attending densely). `base(x, w, name)` computes a
     projection's frozen part x @ w; the LoRA delta is added to it (kiln.train.slices replays
-    saved base products through it)."""
+    saved base products through it). With `router_stats` (a mixture of experts) it returns
+    (h, the layer's `router_statistics`)."""
     lora_g1 = None if lora_layer is None else {m: {k: w[None] for k, w in p.items()} for m, p in lora_layer.items()}
 
     def proj(x, name):
@@ -105,31 +107,64 @@ def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerCo
         with jax.named_scope("attention"):
             return _dense_attention(q, k, v, visible, cfg), None
 
-    return decoder_layer(h, layer, proj, ctx.tables, attend, cfg)[0]
+    seen = []
+
+    def experts(x, layer, cfg):
+        seen.append(router_statistics(x, layer["router"], ctx.valid, cfg))
+        return experts_mlp(x, layer, cfg)
+
+    h = decoder_layer(h, layer, proj, ctx.tables, attend, cfg, experts if router_stats else None)[0]
+    return (h, seen[0]) if router_stats else h
+
+
+def router_statistics(x: jax.Array, router: jax.Array, valid: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """[2, experts]: how many real tokens picked each expert among their top k, and the sum of the
+    router's probabilities for each expert over real tokens (what the load-balancing loss reads)."""
+    probs = jax.nn.softmax(matmul(x, router), axis=-1)
+    _, chosen = jax.lax.top_k(probs, cfg.experts_per_token)
+    mask = valid.astype(jnp.float32)[:, None]
+    picks = jax.nn.one_hot(chosen, cfg.num_experts, dtype=jnp.float32).sum(axis=1)
+    return jnp.stack([jnp.sum(picks * mask, axis=0), jnp.sum(probs * mask, axis=0)])
+
+
+def load_balancing_loss(stats: jax.Array, valid_tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The Switch Transformer's auxiliary loss as transformers computes it for Mixtral and Qwen3-MoE
+    over all layers' real tokens together: experts x sum over experts of (the fraction of picks
+    that went to it) x (its mean router probability). `stats`: the layers' `router_statistics`
+    summed; `valid_tokens`: real tokens in the batch."""
+    n = jnp.maximum(valid_tokens * cfg.num_layers, 1.0)
+    return cfg.num_experts * jnp.sum((stats[0] / n) * (stats[1] / n))
 
 
 def forward_hidden(params: dict, lora: dict | None, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig,
-                   scale: float = 1.0, remat: bool = False) -> jax.Array:
+                   scale: float = 1.0, remat: bool = False, router_stats: bool = False):
     """Final-normed hidden states [B*S, hidden] of right-padded rows tokens [B, S] (valid: [B, S]).
 
     `remat` recomputes each layer's activations in the backward pass (`jax.checkpoint`):
-    activation memory of one layer instead of all of them."""
+    activation memory of one layer instead of all of them. With `router_stats` (a mixture of
+    experts) it returns (hidden, the layers' router statistics summed, see `load_balancing_loss`)."""
     h = embed(params, tokens, cfg)
     ctx = layer_context(valid, cfg, scale)
 
-    def layer_fn(h, layer, lora_layer):
-        return train_layer(h, layer, lora_layer, ctx, cfg)
+    def layer_fn(h, layer, lora_layer):  # -> (h, the layer's router statistics or None)
+        out = train_layer(h, layer, lora_layer, ctx, cfg, router_stats=router_stats)
+        return out if router_stats else (out, None)
 
     if remat:
         layer_fn = jax.checkpoint(layer_fn)
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
+        stats = []
         for i, layer in enumerate(layers):
             lora_layer = None if lora is None else jax.tree.map(lambda w, i=i: w[i], lora)
-            h = layer_fn(h, layer, lora_layer)
+            h, s = layer_fn(h, layer, lora_layer)
+            stats.append(s)
+        stats = sum(stats) if router_stats else None
     else:
-        h, _ = jax.lax.scan(lambda h, xs: (layer_fn(h, *xs), None), h, (layers, lora))
-    return rms_norm(h, params["final_norm"], cfg)
+        h, stats = jax.lax.scan(lambda h, xs: layer_fn(h, *xs), h, (layers, lora))
+        stats = stats.sum(axis=0) if router_stats else None
+    hidden = rms_norm(h, params["final_norm"], cfg)
+    return (hidden, stats) if router_stats else hidden
 
 
 def forward_logits(params: dict, lora: dict | None, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig,

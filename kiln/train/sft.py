@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from kiln.config import setting_default
+from kiln.errors import ConfigError
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits
 from kiln.train import losses
@@ -35,7 +36,7 @@ from kiln.train.data import (
     load_examples,
     make_batch,
 )
-from kiln.train.forward import forward_hidden, init_lora
+from kiln.train.forward import forward_hidden, init_lora, load_balancing_loss
 from kiln.train.optim import adamw, learning_rate_schedule
 from kiln.train.run import LoraRun, adapter_store, drive
 from kiln.train.slices import SlicedStep, StepAbandoned, Turns
@@ -58,10 +59,14 @@ class SFTConfig:
     remat: str = setting_default("train.remat")
     max_slice_ms: float = setting_default("train.max_slice_ms")
     seed: int = setting_default("train.seed")
+    # a mixture of experts' load-balancing loss, times this, added to the loss (transformers'
+    # router_aux_loss_coef; 0: off). Steps with it run fused, not in bounded slices.
+    router_aux_loss_coef: float = 0.0
 
     @classmethod
     def from_settings(cls, settings, **overrides) -> SFTConfig:
-        values = {f.name: getattr(settings.train, f.name) for f in dataclasses.fields(cls)}
+        values = {f.name: getattr(settings.train, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(settings.train, f.name)}
         values["target_modules"] = tuple(values["target_modules"])
         return cls(**{**values, **overrides})
 
@@ -93,19 +98,26 @@ def loss_norm(batch: Batch):
     return 1.0 / jnp.maximum(jnp.sum(batch.loss_mask), 1.0)
 
 
-def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: float, remat: bool):
+def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: float, remat: bool,
+                    router_aux_loss_coef: float = 0.0):
     """One micro-batch in one executable: loss, gradients w.r.t. the LoRA params only, optimizer
-    update. The LoRA params and optimizer state are donated (updated in place)."""
+    update. The LoRA params and optimizer state are donated (updated in place). A positive
+    `router_aux_loss_coef` adds a mixture's load-balancing loss (reported as router_aux_loss)."""
+    balance = router_aux_loss_coef > 0
 
     def loss_fn(lora, params, batch: Batch):
-        hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale, remat)
+        out = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale, remat, router_stats=balance)
+        hidden, stats = out if balance else (out, None)
         loss, aux = head_loss(params, hidden[batch.loss_index], batch, loss_norm(batch))
-        return loss, aux["accuracy"]
+        if balance:
+            aux["router_aux_loss"] = load_balancing_loss(stats, jnp.sum(batch.valid), cfg)
+            loss = loss + router_aux_loss_coef * aux["router_aux_loss"]
+        return loss, aux
 
     def step(lora, opt_state, params, batch: Batch):
-        (loss, accuracy), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora, params, batch)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora, params, batch)
         updates, opt_state = tx.update(grads, opt_state, lora)
-        metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads)}
         return optax.apply_updates(lora, updates), opt_state, metrics
 
     return jax.jit(step, donate_argnums=(0, 1))
@@ -160,7 +172,13 @@ class SFTRun(LoraRun):
         self.lora = init_lora(cfg, config.lora_rank, config.target_modules, config.seed)
         self.opt_state = tx.init(self.lora)
         self.remat = remat
-        self._train_step = make_train_step(cfg, tx, config.scale, remat)
+        if config.router_aux_loss_coef < 0:
+            raise ConfigError(f"router_aux_loss_coef = {config.router_aux_loss_coef}: the weight of the "
+                              "load-balancing loss is non-negative (0: off)")
+        if config.router_aux_loss_coef and not cfg.num_experts:
+            raise ConfigError(f"router_aux_loss_coef = {config.router_aux_loss_coef}: {cfg.architecture} has no "
+                              "router (the load-balancing loss is a mixture of experts')")
+        self._train_step = make_train_step(cfg, tx, config.scale, remat, config.router_aux_loss_coef)
         self._update = make_update(tx)
         self._sliced = SlicedStep(cfg, config.scale, head_loss, config.max_slice_ms, remat)
         self._eval_step = make_eval_step(cfg, config.scale)
@@ -215,9 +233,11 @@ class SFTRun(LoraRun):
                                                               self._prepared).compile()
 
     def _plan(self, turns: Turns | None):
-        """How the prepared batch runs: fused (None) alone in its process, else as `[train]
-        max_slice_ms` and the measured costs allow (see kiln.train.slices)."""
-        return self._sliced.plan(self._prepared) if turns is not None and turns.shared else None
+        """How the prepared batch runs: fused (None) alone in its process or with the router's
+        auxiliary loss, else as `[train] max_slice_ms` and the measured costs allow (see
+        kiln.train.slices)."""
+        shared = turns is not None and turns.shared and not self.config.router_aux_loss_coef
+        return self._sliced.plan(self._prepared) if shared else None
 
     def advance(self, ownership=None) -> dict | None:
         """Runs one micro-batch, taking turns with serving under `ownership` (compiling before,
@@ -266,6 +286,8 @@ class SFTRun(LoraRun):
             "train_loss": float(np.mean([float(m["loss"]) for m in pending])),
             "train_mean_token_accuracy": float(np.mean([float(m["accuracy"]) for m in pending])),
             "grad_norm": float(np.mean([float(m["grad_norm"]) for m in pending])),
+            **({"router_aux_loss": float(np.mean([float(m["router_aux_loss"]) for m in pending]))}
+               if "router_aux_loss" in pending[0] else {}),
             "learning_rate": float(self.schedule(max(0, self.step - 1))),
             "tokens_per_second": sum(m["tokens"] for m in pending) / max(elapsed, 1e-9),
         }

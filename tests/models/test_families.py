@@ -101,6 +101,32 @@ def test_sft_on_a_mixture_of_experts_lowers_its_loss_and_exports_to_peft(tiny_mo
     np.testing.assert_allclose(np.asarray(got)[0], ref, atol=1e-4, rtol=0)
 
 
+def test_the_router_aux_loss_is_off_by_default_and_reported_when_on(tiny_model, kiln_cache, tmp_path):
+    """SFT adds a mixture's load-balancing loss only when asked (router_aux_loss_coef, 0 by default),
+    reports it per step, and refuses it for a dense model or a negative weight."""
+    import json
+
+    from kiln.errors import ConfigError
+    from kiln.train.sft import SFTConfig, sft
+
+    model = load_model(served_hf_dir("qwen3-moe", tmp_path / "moe", kiln_cache, seed=3), show_progress=False)
+    data = "\n".join(json.dumps({"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok"}]})
+                     for q in ["hello", "ping", "bye"])
+    config = SFTConfig(lora_rank=4, lora_alpha=8.0, learning_rate=1e-2, n_epochs=2, batch_size=3, max_seq_len=32)
+    assert config.router_aux_loss_coef == 0.0
+    off = sft(data, model=model, config=config, save=False, progress=False).history
+    on = sft(data, model=model, config=config, router_aux_loss_coef=0.5, save=False, progress=False).history
+    assert all("router_aux_loss" not in h for h in off)
+    aux = [h["router_aux_loss"] for h in on]
+    # the first step's loss is the same cross-entropy plus half of it (the same weights so far)
+    assert on[0]["train_loss"] == pytest.approx(off[0]["train_loss"] + 0.5 * aux[0], rel=1e-5)
+    assert all(np.isfinite(aux)) and aux[0] > 1.0  # top 2 of 4: 2 when perfectly balanced, more when not
+    for bad, why in ((tiny_model, "LlamaForCausalLM has no router"), (model, "is non-negative")):
+        with pytest.raises(ConfigError, match=why):
+            sft(data, model=bad, config=config, router_aux_loss_coef=0.5 if bad is tiny_model else -1.0,
+                save=False, progress=False)
+
+
 @pytest.mark.parametrize("modules", [["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ["qkv_proj"]])
 def test_a_phi3_adapter_goes_through_kiln_and_back_to_peft(tmp_path, modules):
     """A PEFT adapter on Phi-3's fused modules read into Kiln's per-projection adapters and written

@@ -42,26 +42,32 @@ def right_padded(lengths, vocab, seed=0):
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
 def arch(request, tmp_path_factory):
-    root = tmp_path_factory.mktemp(request.param)
-    hf = make_hf_model(request.param, seed=5)
+    return with_peft_adapter(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def with_peft_adapter(variant, root):
+    hf = make_hf_model(variant, seed=5)
     cfg, params, _ = load_hf_dir(save_hf_model(hf, root / "model"), np.float32, show_progress=False)
-    modules = FUSED_MODULES if request.param.startswith("phi3") else ALL_MODULES
-    if request.param in ("mixtral", "qwen3-moe"):  # LoRA on a mixture of experts adapts attention
+    modules = FUSED_MODULES if variant.startswith("phi3") else ALL_MODULES
+    if variant in ("mixtral", "qwen3-moe"):  # LoRA on a mixture of experts adapts attention
         modules = ALL_MODULES[:4]
     peft_model = make_peft_adapter(hf, root / "adapter", rank=4, alpha=8.0, seed=7, modules=modules)
     weights, info = peft_io.read_peft(root / "adapter", cfg)
     lora = jax.tree.map(jnp.asarray, weights)
-    return request.param, cfg, params, peft_model, lora, info["alpha"] / info["rank"]
+    return variant, cfg, params, peft_model, lora, info["alpha"] / info["rank"]
 
 
-def torch_loss_and_grads(peft_model, tokens, valid, targets, mask):
+def torch_loss_and_grads(peft_model, tokens, valid, targets, mask, router_aux_loss_coef=0.0):
     peft_model.train()  # dropout is 0: train mode only enables autograd bookkeeping
     peft_model.zero_grad()
-    logits = peft_model(input_ids=torch.tensor(tokens, dtype=torch.long),
-                        attention_mask=torch.tensor(valid, dtype=torch.long)).logits
-    logp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(targets, dtype=torch.long)[..., None])[..., 0]
+    out = peft_model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                     attention_mask=torch.tensor(valid, dtype=torch.long),
+                     **({"output_router_logits": True} if router_aux_loss_coef else {}))
+    logp = torch.log_softmax(out.logits.float(), -1).gather(-1, torch.tensor(targets, dtype=torch.long)[..., None])
     m = torch.tensor(mask)
-    loss = -(logp * m).sum() / m.sum()
+    loss = -(logp[..., 0] * m).sum() / m.sum()
+    if router_aux_loss_coef:  # transformers' load-balancing loss over the real tokens of every layer
+        loss = loss + router_aux_loss_coef * out.aux_loss
     loss.backward()
     grads = {}
     for name, p in peft_model.named_parameters():
@@ -98,6 +104,32 @@ def test_lora_gradients_equal_torch_peft(arch):
                 got = fused[part]
                 rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
                 assert rel <= 1e-4, (variant, module, part, rel)
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe"])
+def test_router_aux_loss_and_its_gradients_equal_transformers_peft(variant, tmp_path):
+    """A mixture's load-balancing loss added to the cross-entropy (as SFT adds it with
+    router_aux_loss_coef): its value on padded rows and the LoRA gradients of the sum equal
+    transformers' aux_loss and torch autograd through PEFT."""
+    from kiln.models.decoder import logits as lm_logits
+    from kiln.train.forward import forward_hidden, load_balancing_loss
+
+    _, cfg, params, peft_model, lora, scale = with_peft_adapter(variant, tmp_path)
+    tokens, valid, targets, mask = right_padded([11, 7, 9], cfg.vocab_size)
+    coef = 0.5
+    ref_loss, ref_grads = torch_loss_and_grads(peft_model, tokens, valid, targets, mask, coef)
+
+    def loss_fn(lora):
+        hidden, stats = forward_hidden(params, lora, tokens, valid, cfg, scale, router_stats=True)
+        logits = lm_logits(params, hidden).reshape(*tokens.shape, -1)
+        return losses.cross_entropy(logits, targets, mask) + coef * load_balancing_loss(stats, valid.sum(), cfg)
+
+    loss, grads = jax.jit(jax.value_and_grad(loss_fn))(lora)
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+    for module, parts in ref_grads.items():
+        for part, ref in parts.items():
+            rel = np.linalg.norm(np.asarray(grads[module][part]) - ref) / np.linalg.norm(ref)
+            assert rel <= 1e-4, (variant, module, part, rel)
 
 
 def test_training_logits_equal_the_serving_path(arch):
