@@ -29,6 +29,9 @@ CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _PARENT = {m: ("self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for m in TARGET_MODULES}
+_PARENT.update(qkv_proj="self_attn", gate_up_proj="mlp")  # Phi-3's fused modules
+# the part of a fused module whose width a part left out takes (k and v; gate and up)
+_TWIN = {"k_proj": "v_proj", "v_proj": "k_proj", "gate_proj": "up_proj", "up_proj": "gate_proj"}
 _FUSED = {suffix.split(".")[1]: parts for suffix, parts in FUSED_TENSORS.items()}  # qkv_proj -> (q, k, v)
 
 
@@ -118,10 +121,9 @@ def _fused(weights: dict, rank: int) -> tuple[dict, dict]:
             continue
         L = weights[present[0]]["a"].shape[0]
         width = {p: weights[p]["b"].shape[2] for p in present}
-        for p in parts:  # a part not adapted keeps zero rows, as wide as its twin (k and v; gate and up)
-            twin = {"k_proj": "v_proj", "v_proj": "k_proj", "gate_proj": "up_proj", "up_proj": "gate_proj"}.get(p)
-            if p not in width and twin in width:
-                width[p] = width[twin]
+        for p in parts:  # a part not adapted keeps zero rows, as wide as its twin
+            if p not in width and _TWIN.get(p) in width:
+                width[p] = width[_TWIN[p]]
         if len(width) < len(parts):
             raise InvalidAdapter(f"cannot write {module} for PEFT: adapt k_proj or v_proj with q_proj")
         widths = [width[p] for p in parts]
@@ -150,8 +152,7 @@ def write_peft(path: str | Path, weights: dict, rank: int, alpha: float, use_rsl
             alpha_pattern[module] = alpha * (n ** 0.5 if use_rslora else n)
     for module, w in weights.items():
         for layer in range(w["a"].shape[0]):
-            parent = "self_attn" if module == "qkv_proj" else "mlp" if module == "gate_up_proj" else _PARENT[module]
-            prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(w["a"][layer].T, np.float32)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(w["b"][layer].T, np.float32)
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})
