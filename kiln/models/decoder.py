@@ -285,12 +285,18 @@ def _activation(gate: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
 
 
+def router_top_k(x: jax.Array, router: jax.Array, cfg: ModelConfig):
+    """The router's softmax over all experts [T, E] for x [T, hidden], and each token's top k of it
+    (probabilities [T, k], experts [T, k])."""
+    probs = jax.nn.softmax(matmul(x, router), axis=-1)
+    return probs, *jax.lax.top_k(probs, cfg.experts_per_token)
+
+
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Each token's top-k experts by the router's softmax over x [T, hidden] and their weights
     (renormalized to sum to 1 where the config says): (weights [T, k], experts [T, k]). Every token
     gets its k experts: no capacity, nothing dropped."""
-    probs = jax.nn.softmax(matmul(x, router), axis=-1)
-    weights, chosen = jax.lax.top_k(probs, cfg.experts_per_token)
+    _, weights, chosen = router_top_k(x, router, cfg)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
     return weights, chosen

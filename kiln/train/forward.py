@@ -18,7 +18,7 @@ import numpy as np
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import decoder_layer, embed_tokens, experts_mlp, logits, matmul, rms_norm
+from kiln.models.decoder import decoder_layer, embed_tokens, experts_mlp, logits, matmul, rms_norm, router_top_k
 from kiln.models.lora import TARGET_MODULES, lora_delta, module_shapes
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives uniform weights, never NaN
@@ -120,8 +120,7 @@ def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerCo
 def router_statistics(x: jax.Array, router: jax.Array, valid: jax.Array, cfg: ModelConfig) -> jax.Array:
     """[2, experts]: how many real tokens picked each expert among their top k, and the sum of the
     router's probabilities for each expert over real tokens (what the load-balancing loss reads)."""
-    probs = jax.nn.softmax(matmul(x, router), axis=-1)
-    _, chosen = jax.lax.top_k(probs, cfg.experts_per_token)
+    probs, _, chosen = router_top_k(x, router, cfg)
     mask = valid.astype(jnp.float32)[:, None]
     picks = jax.nn.one_hot(chosen, cfg.num_experts, dtype=jnp.float32).sum(axis=1)
     return jnp.stack([jnp.sum(picks * mask, axis=0), jnp.sum(probs * mask, axis=0)])
