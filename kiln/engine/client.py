@@ -430,6 +430,9 @@ class AsyncEngine:
                     else:  # submitted before the device was lost, picked up after
                         self._dispatch([Delta(req.request_id, req.index, [], "", finish_reason="error",
                                               error=DeviceLost(self._core.device_lost.message))])
+                # published before the pending count drops, so a reader (the drain's "nothing left"
+                # check) never sees the requests in neither count while their first step runs
+                self.snapshot = self._core.snapshot()
                 with self._pending_lock:
                     self._pending_adds -= len(requests)
             elif kind == "abort":

@@ -204,6 +204,40 @@ def test_abort_frees_blocks(engine):
     assert_pool_idle(engine)
 
 
+def test_a_request_is_counted_from_submit_through_its_first_step(engine):
+    """num_requests never reads 0 between a request's submission and its first delta, the window
+    where the engine has taken it from the inbox and runs its first step (a drain that read 0 there
+    ended the server under running streams)."""
+    import threading
+    seen = []
+
+    def watch(first_delta: threading.Event):
+        counted = False
+        while not first_delta.is_set():
+            n = engine.num_requests()
+            counted = counted or n >= 1
+            if counted:
+                seen.append(n)
+
+    async def one(i, prompt):
+        first_delta = threading.Event()
+        watcher = threading.Thread(target=watch, args=(first_delta,))
+        watcher.start()
+        gen = engine.generate(f"counted-{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        await gen.__anext__()
+        first_delta.set()
+        watcher.join()
+        async for _ in gen:
+            pass
+
+    async def main():
+        for i, prompt in enumerate(prompts_of(4, seed=21, lo=40, hi=60)):
+            await one(i, prompt)
+
+    asyncio.run(main())
+    assert seen and min(seen) >= 1, sorted(set(seen))
+
+
 def test_validation_errors(engine):
     with pytest.raises(InvalidRequest, match="maximum context length"):
         engine._core.validate([5] * 10, SamplingParams(max_tokens=engine.max_model_len))
