@@ -53,6 +53,11 @@ VARIANTS = {
         "query_pre_attn_scalar": 24, "rope_theta": None,
         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    # Gemma 2: Gemma 3's layout without q/k norms, one RoPE base, every other layer windowed; weights
+    # large enough that the soft caps on attention scores and logits bite
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 1.0,
+        "final_logit_softcapping": 2.0, "initializer_range": 0.2, "attn_implementation": "eager"}),
     # mixtures of experts: top 2 of 4 experts, renormalized (Mixtral) or not (Qwen3-MoE's default)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                                         "sliding_window": None}),
@@ -151,7 +156,8 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate.weight": "ffn_gate_inp.weight",  # a mixture of experts' router
     "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
-_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma3_text": "gemma3"}
+_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2",
+              "gemma3_text": "gemma3"}
 _GGUF_GEMMA_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
@@ -215,8 +221,11 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
         if arch == "qwen3moe":
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     tensors = {}
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
         if rope.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
@@ -263,7 +272,7 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
         extra(w)
     for name, tensor in model.state_dict().items():
         arr = tensor.detach().numpy().astype(np.float32)
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             arr = arr + 1.0
         if name == "model.embed_tokens.weight":
             tensors["token_embd.weight"] = arr
@@ -281,7 +290,7 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
                 arr = llama_permute(arr, cfg.num_attention_heads)
             elif arch == "llama" and rest == "self_attn.k_proj.weight":
                 arr = llama_permute(arr, cfg.num_key_value_heads)
-            names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA_NORMS} if arch == "gemma3" else _GGUF_LAYER_NAMES
+            names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA_NORMS} if arch.startswith("gemma") else _GGUF_LAYER_NAMES
             tensors[f"blk.{layer}.{names[rest]}"] = arr
     for gname, arr in tensors.items():
         if quant is not None and arr.ndim == 2:

@@ -239,8 +239,8 @@ class Runner:
         if isinstance(key, PromptLogprobsKey):
             hidden = jax.ShapeDtypeStruct((key.tokens, self.cfg.hidden_size), jnp.float32)
             targets = jax.ShapeDtypeStruct((key.tokens,), jnp.int32)
-            return self._compile_xla("prompt_logprobs", prompt_logprobs_step, (self.abstract[0], hidden, targets), {},
-                                     key)
+            return self._compile_xla("prompt_logprobs", prompt_logprobs_step, (self.abstract[0], hidden, targets),
+                                     {"cfg": self.cfg}, key)
         return self._compile_sampler(key)
 
     # ---- KV state ----------------------------------------------------------------------------

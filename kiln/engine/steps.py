@@ -79,7 +79,7 @@ COUNTER = CompileCounter()
 _trace_lock = threading.Lock()
 
 
-def _prompt_logprobs(params, hidden: jax.Array, targets: jax.Array) -> PromptLogprobs:
+def _prompt_logprobs(params, hidden: jax.Array, targets: jax.Array, cfg: ModelConfig) -> PromptLogprobs:
     """Each position's logprob of the next prompt token and its top logprobs, a chunk of tokens
     at a time (a whole step's vocabulary log-softmax would be hundreds of MB)."""
     T = hidden.shape[0]
@@ -90,7 +90,7 @@ def _prompt_logprobs(params, hidden: jax.Array, targets: jax.Array) -> PromptLog
 
     def one(args):
         h, t = args
-        lp = jax.nn.log_softmax(logits(params, h), axis=-1)
+        lp = jax.nn.log_softmax(logits(params, h, cfg), axis=-1)
         target = jnp.take_along_axis(lp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[-1]))
         return target, top_ids.astype(jnp.int32), top_lp
@@ -106,13 +106,13 @@ def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets
         COUNTER.traces += 1  # runs at trace time only
     hidden, kv = forward_hidden(params, kv, _fed(inputs, feed), cfg, lora)
     with jax.named_scope("lm_head"):
-        row_logits = logits(params, hidden[last_index])
+        row_logits = logits(params, hidden[last_index], cfg)
     prompt = None
     if prompt_logprobs:
         T, K = hidden.shape[0], min(MAX_TOP_LOGPROBS, cfg.vocab_size)
         none = lambda h: PromptLogprobs(jnp.zeros(T, jnp.float32), jnp.zeros((T, K), jnp.int32),  # noqa: E731
                                         jnp.zeros((T, K), jnp.float32))
-        prompt = jax.lax.cond(jnp.any(prompt_targets >= 0), lambda h: _prompt_logprobs(params, h, prompt_targets),
+        prompt = jax.lax.cond(jnp.any(prompt_targets >= 0), lambda h: _prompt_logprobs(params, h, prompt_targets, cfg),
                               none, hidden)
     return row_logits, prompt, kv
 
@@ -139,11 +139,11 @@ def forward_sample_step(params, kv: KVCache, inputs: StepInputs, last_index, lor
     with _trace_lock:
         COUNTER.traces += 1
     hidden, kv = forward_hidden(params, kv, inputs, cfg, lora, dynamic_context=lora is None)
-    row_logits = logits(params, hidden[last_index])
+    row_logits = logits(params, hidden[last_index], cfg)
     return row_logits, sample(row_logits, rs, basic=True), hidden, kv
 
 
-prompt_logprobs_step = jax.jit(_prompt_logprobs)
+prompt_logprobs_step = jax.jit(_prompt_logprobs, static_argnames=("cfg",))
 
 
 @functools.partial(jax.jit, static_argnames=("feed_rows",))

@@ -14,12 +14,14 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
     "Phi3ForCausalLM": {},  # fused qkv_proj and gate_up_proj, split at load (weights.FUSED_TENSORS)
-    "Gemma3ForCausalLM": {"qk_norm": True},  # the text model of Gemma 3 (see `_gemma3`)
+    "Gemma2ForCausalLM": {},  # Gemma 3's layout without q/k norms, with soft-capping (see `_gemma`)
+    "Gemma3ForCausalLM": {"qk_norm": True},  # the text model of Gemma 3 (see `_gemma`)
     "MixtralForCausalLM": {"moe": True},  # every layer's MLP: top-k of num_local_experts SwiGLU experts
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
 }
 # Architectures whose configs' sliding_window applies to every layer.
-SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM")
+SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+                  "MixtralForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,8 @@ class ModelConfig:
     query_scale: float | None = None  # attention scores' scale; None = head_dim ** -0.5
     sliding_layers: tuple[bool, ...] | None = None  # per layer: windowed (local) or global; None = all alike
     local_rope_theta: float | None = None  # the windowed layers' RoPE base (unscaled), when it differs
+    attn_logit_softcapping: float | None = None  # attention scores become cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # so do the vocabulary logits
     num_experts: int = 0  # mixture of experts: every layer's MLP is this many experts (0: one dense MLP)
     experts_per_token: int = 0  # the router's top k
     expert_intermediate_size: int = 0
@@ -86,7 +90,7 @@ class ModelConfig:
             rope_scaling = hf.get("rope_scaling") or None
             rope_theta = hf.get("rope_theta")
             partial = hf.get("partial_rotary_factor")
-            gemma = _gemma3(hf, arch == "Gemma3ForCausalLM", source)
+            gemma = _gemma(hf, arch, source)
             if gemma:
                 rope_theta, rope_scaling = gemma.pop("rope_theta"), gemma.pop("rope_scaling")
             elif rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
@@ -151,6 +155,7 @@ class ModelConfig:
                 "Phi3ForCausalLM": "phi3",
                 "MixtralForCausalLM": "mixtral",
                 "Qwen3MoeForCausalLM": "qwen3_moe",
+                "Gemma2ForCausalLM": "gemma2",
                 "Gemma3ForCausalLM": "gemma3_text",
             }[self.architecture],
             "vocab_size": self.vocab_size,
@@ -171,12 +176,15 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
-        if self.architecture == "Gemma3ForCausalLM":  # transformers 5's form (see `_gemma3`)
-            full = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling_dict or {})}
+        if self.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):  # transformers 5's form
             out.update(layer_types=["sliding_attention" if s else "full_attention" for s in self.sliding_layers],
                        query_pre_attn_scalar=round(self.attention_scale**-2, 6), hidden_activation="gelu_pytorch_tanh",
-                       rope_parameters={"full_attention": full, "sliding_attention": {
-                           "rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}})
+                       attn_logit_softcapping=self.attn_logit_softcapping,
+                       final_logit_softcapping=self.final_logit_softcapping)
+        if self.architecture == "Gemma3ForCausalLM":
+            full = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling_dict or {})}
+            out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}}
             del out["rope_theta"], out["rope_scaling"]
         if self.rope_freq_factors:  # Kiln's own key: transformers has no form of a GGUF file's rope_freqs
             out["rope_freq_factors"] = list(self.rope_freq_factors)
@@ -190,37 +198,43 @@ class ModelConfig:
         return out
 
 
-def _gemma3(hf: dict[str, Any], is_gemma3: bool, source: str) -> dict[str, Any]:
-    """Gemma 3's departures from the Llama layout (empty for other families): GeGLU, (1 + w)
-    RMSNorms around attention and MLP, scaled embeddings, query_pre_attn_scalar, and layers that
-    alternate between a sliding window with their own RoPE base and global attention."""
-    if not is_gemma3:
+def _gemma(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """Gemma 2's and 3's departures from the Llama layout (empty for other families): GeGLU, (1 + w)
+    RMSNorms around attention and MLP, scaled embeddings, query_pre_attn_scalar, soft-capped
+    attention scores and logits where configured, and layers that alternate between a sliding
+    window (Gemma 3: with a RoPE base of their own) and global attention."""
+    if arch not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
         return {}
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise ModelLoadError(f"{key} is not supported yet", file=source)
     if hf.get("use_bidirectional_attention"):
         raise ModelLoadError("use_bidirectional_attention is not supported (Kiln serves causal decoders)", file=source)
     layers = int(hf["num_hidden_layers"])
+    period = 2 if arch == "Gemma2ForCausalLM" else int(hf.get("sliding_window_pattern") or 6)
     types = hf.get("layer_types") or [
-        "full_attention" if (i + 1) % int(hf.get("sliding_window_pattern") or 6) == 0 else "sliding_attention"
-        for i in range(layers)]
+        "full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
     params = hf.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # transformers 5: one set per layer type
         full, local = dict(params["full_attention"]), dict(params.get("sliding_attention") or {})
         theta, local_theta = full.pop("rope_theta", 1_000_000.0), local.get("rope_theta", 10_000.0)
         scaling = full if full.get("rope_type", "default") != "default" else None
+    elif arch == "Gemma2ForCausalLM":  # one RoPE for every layer
+        params = dict(params) if isinstance(params, dict) else {}
+        theta = params.pop("rope_theta", None) or hf.get("rope_theta") or 10_000.0
+        scaling = params if params.get("rope_type", "default") != "default" else hf.get("rope_scaling")
+        local_theta = None
     else:
         theta, local_theta = hf.get("rope_theta", 1_000_000.0), hf.get("rope_local_base_freq", 10_000.0)
         scaling = hf.get("rope_scaling")
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh is)", file=source)
+    caps = {key: float(hf[key]) if hf.get(key) else None
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
     return {
         "rope_theta": float(theta), "rope_scaling": scaling, "hidden_act": "gelu_tanh", "norm_offset": 1.0,
         "sandwich_norms": True, "embed_scale": float(hf["hidden_size"]) ** 0.5,
         "query_scale": float(hf.get("query_pre_attn_scalar") or 256) ** -0.5,
-        "sliding_layers": tuple(t == "sliding_attention" for t in types), "local_rope_theta": float(local_theta),
+        "sliding_layers": tuple(t == "sliding_attention" for t in types),
+        "local_rope_theta": None if local_theta is None else float(local_theta), **caps,
     }
 
 

@@ -212,7 +212,7 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
         blocks = jax.lax.dynamic_slice_in_dim(tables, start, n_blocks, axis=1)
         k = _gather_blocks(k_pool, layer_idx, blocks, kv_dtype).astype(jnp.float32)
         v = _gather_blocks(v_pool, layer_idx, blocks, kv_dtype).astype(jnp.float32)
-        scores = jnp.einsum("ktqd,ktcd->ktqc", q_tiles, k)
+        scores = softcap(jnp.einsum("ktqd,ktcd->ktqc", q_tiles, k), cfg.attn_logit_softcapping)
         key_pos = start * B + jnp.arange(n_blocks * B, dtype=jnp.int32)
         visible = key_pos <= q_pos
         if window and sliding is None:
@@ -372,17 +372,22 @@ def forward_hidden(
     return rms_norm(h, params["final_norm"], cfg), KVCache(k_all, v_all)
 
 
-def logits(params: Params, hidden: jax.Array) -> jax.Array:
-    """Vocabulary logits in float32 for hidden states [T, hidden]."""
+def logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Vocabulary logits in float32 for hidden states [T, hidden] (soft-capped where configured)."""
     head = params.get("lm_head")
     if head is not None:
-        return matmul(hidden, head)
+        return softcap(matmul(hidden, head), cfg.final_logit_softcapping)
     embed = params["embed"]
     out = jnp.einsum("th,vh->tv", _as_operand(hidden, embed), embed, preferred_element_type=jnp.float32)
-    return out[: hidden.shape[0]]
+    return softcap(out[: hidden.shape[0]], cfg.final_logit_softcapping)
+
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap): Gemma 2's soft bound on attention scores and logits (x itself without a cap)."""
+    return x if not cap else cap * jnp.tanh(x / cap)
 
 
 def forward(params, kv, inputs, cfg, lora=None, unroll=1):
     """Logits for every token [T, vocab] and the updated cache (tests, prompt logprobs)."""
     hidden, kv = forward_hidden(params, kv, inputs, cfg, lora, unroll)
-    return logits(params, hidden), kv
+    return logits(params, hidden, cfg), kv

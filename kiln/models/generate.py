@@ -25,7 +25,7 @@ def greedy_step(params, kv: KVCache, inputs: StepInputs, cfg: ModelConfig, lora=
     T = inputs.tokens.shape[0]
     # the last new token of each row (one tile per row): the largest valid query index
     last = jnp.max(jnp.where(inputs.tile_tokens < T, inputs.tile_tokens, -1), axis=1)
-    row_logits = logits(params, hidden[jnp.maximum(last, 0)])
+    row_logits = logits(params, hidden[jnp.maximum(last, 0)], cfg)
     return jnp.argmax(row_logits, axis=-1).astype(jnp.int32), kv
 
 

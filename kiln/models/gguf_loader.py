@@ -24,7 +24,7 @@ from kiln.models.weights import build_params
 
 ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-              "gemma3": "Gemma3ForCausalLM"}  # llama with experts: Mixtral
+              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}  # llama with experts: Mixtral
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -48,12 +48,13 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 # Phi-3 keeps its fused projections: the query, key and value rows in one tensor, gate and up in ffn_up
-# Gemma 3 has a norm after attention and one before and after the MLP
+# Gemma has a norm after attention and one before and after the MLP
+_GEMMA_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _ARCH_LAYER_NAMES = {"phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
                               "ffn_up.weight": "mlp.gate_up_proj.weight"},
-                     "gemma3": {"post_attention_norm.weight": "post_attention_layernorm.weight",
-                                "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-                                "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}}
+                     "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
 # A mixture of experts: the router, and every expert's projection stacked in one tensor [E, out, in]
 # (older Mixtral files hold one tensor per expert, ffn_gate.E.weight)
 _ROUTER_NAME = {"ffn_gate_inp.weight": "mlp.gate.weight"}
@@ -186,8 +187,8 @@ class GGUFModel:
                                      f"{int(head_dim * cfg['partial_rotary_factor']) // 2} frequencies",
                                      file=str(self.path), tensor="rope_freqs.weight")
             cfg["rope_freq_factors"] = factors.tolist()
-        if a == "gemma3":
-            cfg.update(self._gemma3_config(cfg))
+        if a in ("gemma2", "gemma3"):
+            cfg.update(self._gemma_config(cfg))
         if experts := int(self.meta(f"{a}.expert_count", 0) or 0):
             if self.meta(f"{a}.expert_shared_count"):
                 raise ModelLoadError("shared experts are not supported yet", file=str(self.path))
@@ -201,24 +202,28 @@ class GGUFModel:
                        norm_topk_prob=bool(self.meta(f"{a}.expert_weights_norm", True)))
         return cfg
 
-    def _gemma3_config(self, cfg: dict) -> dict:
-        """What a Gemma 3 file leaves to llama.cpp's own rules: every sixth layer global (unless the
-        file lists its windowed layers), the windowed layers' RoPE base 10,000, and the attention
-        scale 1/sqrt(head_dim), but 1/sqrt(hidden / heads) for the 62-layer (27B) model."""
+    def _gemma_config(self, cfg: dict) -> dict:
+        """What a Gemma file leaves to llama.cpp's own rules: which layers are global (Gemma 2: every
+        other one; Gemma 3: every sixth, unless the file lists its windowed layers), Gemma 3's
+        windowed layers' RoPE base 10,000, and the attention scale 1/sqrt(head_dim), but
+        1/sqrt(hidden / heads) for the 27B models (46 layers in Gemma 2, 62 in Gemma 3)."""
         a, layers = self.arch, cfg["num_hidden_layers"]
-        if self.meta(f"{a}.final_logit_softcapping") is not None:
-            raise ModelLoadError("final_logit_softcapping is not supported yet", file=str(self.path))
-        pattern = self.meta(f"{a}.attention.sliding_window_pattern", 6)
+        pattern = self.meta(f"{a}.attention.sliding_window_pattern", 2 if a == "gemma2" else 6)
         sliding = ([bool(x) for x in pattern] if isinstance(pattern, list)
                    else [(i + 1) % int(pattern) != 0 for i in range(layers)])
-        scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else cfg["head_dim"]
-        full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
-        full.update(cfg.pop("rope_scaling", None) or {})
-        return {"model_type": "gemma3_text", "sliding_window": self.meta(f"{a}.attention.sliding_window"),
-                "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-                "query_pre_attn_scalar": scalar,
-                "rope_parameters": {"full_attention": full, "sliding_attention": {
-                    "rope_type": "default", "rope_theta": float(self.meta(f"{a}.rope.freq_base_swa", 10000.0))}}}
+        big = layers == (46 if a == "gemma2" else 62)
+        out = {"model_type": f"{a}_text" if a == "gemma3" else a,
+               "sliding_window": self.meta(f"{a}.attention.sliding_window"),
+               "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+               "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"],
+               "attn_logit_softcapping": self.meta(f"{a}.attn_logit_softcapping"),
+               "final_logit_softcapping": self.meta(f"{a}.final_logit_softcapping")}
+        if a == "gemma3":
+            full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+            full.update(cfg.pop("rope_scaling", None) or {})
+            out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": float(self.meta(f"{a}.rope.freq_base_swa", 10000.0))}}
+        return out
 
     def hf_names(self) -> dict[str, str]:
         """HF tensor name -> GGUF tensor name (`name#e`: expert e of a stacked experts' tensor)."""
@@ -267,7 +272,7 @@ class GGUFModel:
         if self.arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = self.config.num_heads if gguf_name.endswith("attn_q.weight") else self.config.num_kv_heads
             w = unpermute_qk(w, heads)
-        if self.arch == "gemma3" and gguf_name.endswith("norm.weight"):
+        if self.arch in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             w = w - 1.0  # llama.cpp's converter stores Gemma's norms as the 1 + w they scale by
         return w
 

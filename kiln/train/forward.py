@@ -18,7 +18,8 @@ import numpy as np
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import decoder_layer, embed_tokens, experts_mlp, logits, matmul, rms_norm, router_top_k
+from kiln.models.decoder import (decoder_layer, embed_tokens, experts_mlp, logits, matmul, rms_norm, router_top_k,
+                                 softcap)
 from kiln.models.lora import TARGET_MODULES, lora_delta, module_shapes
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives uniform weights, never NaN
@@ -52,6 +53,7 @@ def _dense_attention(q, k, v, visible, cfg: ModelConfig):
     q = q.reshape(B, S, KH, G, D)
     k, v = k.reshape(B, S, KH, D), v.reshape(B, S, KH, D)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * cfg.attention_scale
+    scores = softcap(scores, cfg.attn_logit_softcapping)
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B * S, KH * G, D)
@@ -171,4 +173,4 @@ def forward_logits(params: dict, lora: dict | None, tokens: jax.Array, valid: ja
     """float32 logits [B, S, vocab]."""
     B, S = tokens.shape
     hidden = forward_hidden(params, lora, tokens, valid, cfg, scale, remat)
-    return logits(params, hidden).reshape(B, S, -1)
+    return logits(params, hidden, cfg).reshape(B, S, -1)

@@ -9,6 +9,7 @@ the adapter to the store.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import time
@@ -82,13 +83,13 @@ def trained_logits(params, lora, batch: Batch, cfg: ModelConfig, scale: float, r
     """Logits [K, vocab] at the batch's trained positions only: the LM head (a fifth of a small
     model's FLOPs) never runs for prompt and padding tokens."""
     hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale, remat)
-    return logits(params, hidden[batch.loss_index])
+    return logits(params, hidden[batch.loss_index], cfg)
 
 
-def head_loss(params, hidden: jax.Array, batch: Batch, norm) -> tuple[jax.Array, dict]:
+def head_loss(params, hidden: jax.Array, batch: Batch, norm, cfg: ModelConfig) -> tuple[jax.Array, dict]:
     """The cross-entropy and accuracy of trained positions given their final hidden states, as sums
     scaled by `norm` (1 / the batch's trained tokens): the mean over the batch, in parts that add."""
-    out = logits(params, hidden)
+    out = logits(params, hidden, cfg)
     nll = -losses.token_logprobs(out, batch.loss_targets)
     correct = (jnp.argmax(out, axis=-1) == batch.loss_targets).astype(jnp.float32)
     return jnp.sum(nll * batch.loss_mask) * norm, {"accuracy": jnp.sum(correct * batch.loss_mask) * norm}
@@ -108,7 +109,7 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: f
     def loss_fn(lora, params, batch: Batch):
         out = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale, remat, router_stats=balance)
         hidden, stats = out if balance else (out, None)
-        loss, aux = head_loss(params, hidden[batch.loss_index], batch, loss_norm(batch))
+        loss, aux = head_loss(params, hidden[batch.loss_index], batch, loss_norm(batch), cfg)
         if balance:
             aux["router_aux_loss"] = load_balancing_loss(stats, jnp.sum(batch.valid), cfg)
             loss = loss + router_aux_loss_coef * aux["router_aux_loss"]
@@ -180,7 +181,7 @@ class SFTRun(LoraRun):
                               "router (the load-balancing loss is a mixture of experts')")
         self._train_step = make_train_step(cfg, tx, config.scale, remat, config.router_aux_loss_coef)
         self._update = make_update(tx)
-        self._sliced = SlicedStep(cfg, config.scale, head_loss, config.max_slice_ms, remat)
+        self._sliced = SlicedStep(cfg, config.scale, functools.partial(head_loss, cfg=cfg), config.max_slice_ms, remat)
         self._eval_step = make_eval_step(cfg, config.scale)
         self.micro_step = 0
         self.trained_tokens = 0  # tokens in the loss

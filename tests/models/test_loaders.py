@@ -91,12 +91,13 @@ def test_second_gguf_load_reuses_the_converted_cache(hf_model, tmp_path, kiln_ca
 
 # Each family's GGUF form, written as llama.cpp's converter writes it: Llama 3's scaling as a rope_freqs
 # tensor, Mixtral as a llama file with stacked experts, Qwen3-MoE (renormalized top k, as llama.cpp
-# runs it), Phi-3 with its fused projections, sliding window and LongRoPE factors as tensors, Gemma 3
-# with its norms stored as 1 + w (and the layer kinds and attention scale llama.cpp assumes for it: every
-# sixth layer global, 1 / sqrt(head_dim)).
+# runs it), Phi-3 with its fused projections, sliding window and LongRoPE factors as tensors, Gemma 2
+# and 3 with their norms stored as 1 + w (and the layer kinds and attention scale llama.cpp assumes for
+# them: every other / every sixth layer global, 1 / sqrt(head_dim)); Gemma 2's soft caps as keys.
 GEMMA3_AS_LLAMA_CPP_RUNS_IT = {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 16}
 GGUF_FAMILIES = [("llama3-rope", {}), ("mixtral", {}), ("qwen3-moe", {"norm_topk_prob": True}), ("phi3", {}),
-                 ("phi3-longrope", {}), ("gemma3", GEMMA3_AS_LLAMA_CPP_RUNS_IT)]
+                 ("phi3-longrope", {}), ("gemma2", {"query_pre_attn_scalar": 16}),
+                 ("gemma3", GEMMA3_AS_LLAMA_CPP_RUNS_IT)]
 
 
 @pytest.mark.parametrize(("variant", "overrides"), GGUF_FAMILIES, ids=[v for v, _ in GGUF_FAMILIES])
@@ -127,12 +128,14 @@ def test_gguf_of_each_family_equals_its_hf_checkpoint(variant, overrides, tmp_pa
         assert again.config.num_experts == 4 and again.config.norm_topk_prob
     if variant == "gemma3":
         assert again.config.sliding_layers == (True,) * 5 + (False,) and again.config.rope_scaling_dict["factor"] == 2
+    if variant == "gemma2":
+        assert (again.config.attn_logit_softcapping, again.config.final_logit_softcapping) == (1.0, 2.0)
 
 
-def test_a_soft_capped_gemma_gguf_is_refused_by_name(tmp_path, kiln_cache):
-    hf = make_hf_model("gemma3", vocab_size=260, seed=3, **GEMMA3_AS_LLAMA_CPP_RUNS_IT)
-    path = write_gguf(hf, tmp_path / "capped.gguf", extra=lambda w: w.add_final_logit_softcapping(30.0))
-    with pytest.raises(ModelLoadError, match="final_logit_softcapping is not supported yet") as e:
+def test_a_gguf_with_shared_experts_is_refused_by_name(tmp_path, kiln_cache):
+    hf = make_hf_model("qwen3-moe", vocab_size=260, seed=3)
+    path = write_gguf(hf, tmp_path / "shared.gguf", extra=lambda w: w.add_expert_shared_count(1))
+    with pytest.raises(ModelLoadError, match="shared experts are not supported yet") as e:
         load_model(path, show_progress=False)
     assert e.value.file == str(path)
 

@@ -31,13 +31,14 @@ def test_config_reads_architecture_features(tiny):
     variant, _, cfg, _ = tiny
     scaled = ("llama-linear", "llama3-rope", "llama-yarn", "phi3-longrope", "gemma3")
     assert (cfg.rope_scaling is not None) == (variant in scaled)
-    assert cfg.sliding_window == (24 if variant in ("phi3", "gemma3") else None)
-    assert cfg.sliding_layers == ((True, False) if variant == "gemma3" else None)
+    assert cfg.sliding_window == (24 if variant in ("phi3", "gemma2", "gemma3") else None)
+    assert cfg.sliding_layers == ((True, False) if variant in ("gemma2", "gemma3") else None)
+    assert cfg.final_logit_softcapping == (2.0 if variant == "gemma2" else None)
     assert cfg.rotary_dim == (cfg.head_dim // 2 if variant == "phi3-longrope" else cfg.head_dim)
     assert cfg.attention_bias == (variant == "qwen2")
     assert cfg.qk_norm == (variant in ("qwen3", "gemma3", "qwen3-moe"))
     assert cfg.num_experts == (4 if variant in ("mixtral", "qwen3-moe") else 0)
-    assert cfg.tie_word_embeddings == (variant in ("llama-tied", "gemma3"))
+    assert cfg.tie_word_embeddings == (variant in ("llama-tied", "gemma2", "gemma3"))
     if variant in ("qwen3", "qwen3-moe"):
         assert cfg.head_dim * cfg.num_heads != cfg.hidden_size
 

@@ -2,6 +2,7 @@
 list and stacked layers), a stopped step that applies nothing, and slices that take turns with
 a running engine's serving steps."""
 
+import functools
 import json
 import threading
 import time
@@ -74,7 +75,7 @@ def test_sliced_sft_gradients_equal_the_fused_step(model):
     reference, expected = jax.value_and_grad(loss)(lora)
     norm = 1.0 / float(batch.loss_mask.sum())
     for remat in (False, True):  # products replayed, or multiplied again
-        sliced = SlicedStep(cfg, 2.0, head_loss, max_slice_ms=100, remat=remat)
+        sliced = SlicedStep(cfg, 2.0, functools.partial(head_loss, cfg=cfg), max_slice_ms=100, remat=remat)
         for plan in PLANS:
             grads, value, aux = sliced.grads(model.params, lora, batch, norm, plan, no_turns)
             assert float(value) == pytest.approx(float(reference), rel=1e-5)

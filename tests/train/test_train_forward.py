@@ -20,7 +20,8 @@ from kiln.models.weights import FUSED_TENSORS
 from kiln.train import losses
 from kiln.train.forward import forward_logits
 
-ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope", "gemma3", "mixtral", "qwen3-moe"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope", "gemma2", "gemma3", "mixtral",
+                 "qwen3-moe"]
 # Phi-3's PEFT adapters target its fused projections; Kiln reads each as one adapter per part.
 FUSED_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 FUSED = {suffix.split(".")[1]: parts for suffix, parts in FUSED_TENSORS.items()}
@@ -121,7 +122,7 @@ def test_router_aux_loss_and_its_gradients_equal_transformers_peft(variant, tmp_
 
     def loss_fn(lora):
         hidden, stats = forward_hidden(params, lora, tokens, valid, cfg, scale, router_stats=True)
-        logits = lm_logits(params, hidden).reshape(*tokens.shape, -1)
+        logits = lm_logits(params, hidden, cfg).reshape(*tokens.shape, -1)
         return losses.cross_entropy(logits, targets, mask) + coef * load_balancing_loss(stats, valid.sum(), cfg)
 
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(lora)
