@@ -63,6 +63,13 @@ VARIANTS = {
                                                         "sliding_window": None}),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                             "moe_intermediate_size": 48, "head_dim": 32}),
+    # gpt-oss: attention sinks, biases everywhere, YaRN (untruncated), every other layer windowed, and a
+    # clamp low enough to bite on these weights
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48, "head_dim": 16,
+        "sliding_window": 24, "swiglu_limit": 0.1, "attn_implementation": "eager",
+        "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 64}}),
 }
 
 
@@ -80,6 +87,8 @@ def make_hf_model(variant: str, seed: int = 0, **overrides):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif "bias" in name:
                 p.copy_(0.1 * torch.randn_like(p))
+            elif "sinks" in name:  # gpt-oss: logits as large as the attention scores'
+                p.copy_(torch.randn_like(p))
     return model
 
 

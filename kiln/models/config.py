@@ -18,10 +18,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": {"qk_norm": True},  # the text model of Gemma 3 (see `_gemma`)
     "MixtralForCausalLM": {"moe": True},  # every layer's MLP: top-k of num_local_experts SwiGLU experts
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
+    "GptOssForCausalLM": {"moe": True, "attention_bias": True},  # see `_gpt_oss`
 }
 # Architectures whose configs' sliding_window applies to every layer.
 SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                  "MixtralForCausalLM")
+                  "MixtralForCausalLM", "GptOssForCausalLM")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the fraction of each head's dims that rotate (the first ones)
     # each rotary frequency divided by its factor: how a GGUF file holds Llama 3's scaling (rope_freqs)
     rope_freq_factors: tuple[float, ...] | None = None
-    hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_tanh (GeGLU)
+    hidden_act: str = "silu"  # the MLP's gate activation: silu, gelu_tanh (GeGLU), or gpt_oss (see decoder)
+    swiglu_limit: float = 7.0  # gpt_oss: the gate's and the up projection's clamp
+    swiglu_alpha: float = 1.702  # gpt_oss: the gate's sigmoid slope
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma stores weight - 1
     sandwich_norms: bool = False  # a norm on the attention's and the MLP's outputs too (Gemma)
     embed_scale: float | None = None  # the embeddings times this (Gemma: sqrt(hidden_size))
@@ -58,6 +61,10 @@ class ModelConfig:
     experts_per_token: int = 0  # the router's top k
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the top k routing weights renormalized to sum to 1
+    router_bias: bool = False  # the router's logits have a bias (gpt-oss)
+    expert_bias: bool = False  # so do each expert's projections (gpt-oss)
+    o_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
+    attention_sinks: bool = False  # each head's learned logit joins its softmax's normalizer (gpt-oss)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -115,6 +122,8 @@ class ModelConfig:
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             moe = _moe(hf, arch, source) if extras.get("moe") else {}
+            if arch == "GptOssForCausalLM":
+                moe.update(_gpt_oss(hf, source))
             factors = hf.get("rope_freq_factors")
             return cls(
                 **gemma,
@@ -248,9 +257,23 @@ def _moe(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
                              "not supported yet", file=source)
     if arch == "Qwen3MoeForCausalLM" and hf.get("shared_expert_intermediate_size"):
         raise ModelLoadError("shared experts are not supported yet", file=source)
-    mixtral = arch == "MixtralForCausalLM"
+    whole = arch in ("MixtralForCausalLM", "GptOssForCausalLM")  # intermediate_size is an expert's
     return {
         "num_experts": experts, "experts_per_token": int(hf["num_experts_per_tok"]),
-        "expert_intermediate_size": int(hf["intermediate_size"] if mixtral else hf["moe_intermediate_size"]),
-        "norm_topk_prob": True if mixtral else bool(hf.get("norm_topk_prob", False)),
+        "expert_intermediate_size": int(hf["intermediate_size"] if whole else hf["moe_intermediate_size"]),
+        "norm_topk_prob": True if whole else bool(hf.get("norm_topk_prob", False)),
+    }
+
+
+def _gpt_oss(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """gpt-oss's layout: attention sinks, biases on every attention projection, the router and the
+    experts, experts whose gate is clamped (swiglu_limit) and scaled inside its sigmoid
+    (swiglu_alpha), the top k weights a softmax over the k router logits (the same as renormalizing
+    the top k of a softmax over all), and every other layer windowed with the same RoPE."""
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    return {
+        "hidden_act": "gpt_oss", "swiglu_limit": float(hf.get("swiglu_limit") or 7.0),
+        "swiglu_alpha": float(hf.get("swiglu_alpha") or 1.702), "router_bias": True, "expert_bias": True,
+        "o_bias": True, "attention_sinks": True, "sliding_layers": tuple(t == "sliding_attention" for t in types),
     }

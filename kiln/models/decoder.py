@@ -181,14 +181,15 @@ def _gather_blocks(pool: jax.Array, layer_idx, tables: jax.Array, dtype) -> jax.
 
 
 def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfig, kv_dtype,
-               dynamic_context: bool = True, sliding=None):
+               dynamic_context: bool = True, sliding=None, sinks=None):
     """Portable XLA paged attention over tiles. q: [T, H, D]; pools: [L, KH, N, B, D]. Returns [T, H, D].
 
     Each tile's queries attend to its row's blocks, read chunk by chunk with an online softmax up to
     the step's largest position (a loop whose trip count is data): one gather of the chunk's blocks
     per chunk, batched matmuls over (KV head, tile), keys masked by position. Without
     `dynamic_context` every chunk of the table is read (a program with no data-dependent loop).
-    `sliding`: the layer's flag where layers differ (the window applies where it is set)."""
+    `sliding`: the layer's flag where layers differ (the window applies where it is set). `sinks`
+    [H]: each head's logit that joins the softmax's normalizer without a value (gpt-oss)."""
     T = q.shape[0]
     NT, QT = inputs.tile_tokens.shape
     KH, D = cfg.num_kv_heads, cfg.head_dim
@@ -236,7 +237,12 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
         last = jnp.max(q_pos)  # the step's largest query position
         more = jnp.maximum(last + 1 - first * B + size * B - 1, 0) // (size * B)
         carry = jax.lax.fori_loop(0, more, lambda j, c: chunk(first + j * size, size, c), carry)
-    _, norm, acc = carry
+    m, norm, acc = carry
+    if sinks is not None:  # the sink as one more key with a zero value, folded in last
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(KH, 1, G, 1), (KH, NT, G, QT)).reshape(m.shape)
+        m_new = jnp.maximum(m, sink)
+        correction = jnp.exp(m - m_new)
+        norm, acc = norm * correction + jnp.exp(sink - m_new), acc * correction[..., None]
     out = acc / jnp.maximum(norm, 1e-30)[..., None]  # padding queries saw nothing: zeros
     out = out.reshape(KH, NT, G, QT, D).transpose(1, 3, 0, 2, 4).reshape(NT * QT, KH * G, D)
     # padding queries land in an extra row T, cut off after: every scatter index stays in bounds
@@ -270,6 +276,8 @@ def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Cal
     attn, aux = attend(q, k, v, layer.get("sliding"))
     with jax.named_scope("o_proj"):
         out = proj(attn.astype(h.dtype).reshape(T, H * D), "o_proj")
+        if cfg.o_bias:
+            out = out + layer["o_bias"]
         h = h + (rms_norm(out, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else out)
     with jax.named_scope("mlp"):
         x = rms_norm(h, layer["mlp_norm"], cfg)
@@ -285,18 +293,24 @@ def _activation(gate: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
 
 
-def router_top_k(x: jax.Array, router: jax.Array, cfg: ModelConfig):
+def router_logits(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
+    """The router's logits [T, experts] for x [T, hidden]."""
+    out = matmul(x, layer["router"])
+    return out + layer["router_bias"] if cfg.router_bias else out
+
+
+def router_top_k(x: jax.Array, layer: dict, cfg: ModelConfig):
     """The router's softmax over all experts [T, E] for x [T, hidden], and each token's top k of it
     (probabilities [T, k], experts [T, k])."""
-    probs = jax.nn.softmax(matmul(x, router), axis=-1)
+    probs = jax.nn.softmax(router_logits(x, layer, cfg), axis=-1)
     return probs, *jax.lax.top_k(probs, cfg.experts_per_token)
 
 
-def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, layer: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """Each token's top-k experts by the router's softmax over x [T, hidden] and their weights
-    (renormalized to sum to 1 where the config says): (weights [T, k], experts [T, k]). Every token
-    gets its k experts: no capacity, nothing dropped."""
-    _, weights, chosen = router_top_k(x, router, cfg)
+    (renormalized to sum to 1 where the config says; that is a softmax over the top k logits):
+    (weights [T, k], experts [T, k]). Every token gets its k experts: no capacity, nothing dropped."""
+    _, weights, chosen = router_top_k(x, layer, cfg)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
     return weights, chosen
@@ -308,18 +322,25 @@ def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
     pairs sorted by expert (`lax.ragged_dot`: each expert multiplies only its own tokens), and
     summed back per token with their routing weights."""
     T, K, E = x.shape[0], cfg.experts_per_token, cfg.num_experts
-    weights, chosen = route(x, layer["router"], cfg)
+    weights, chosen = route(x, layer, cfg)
     order = jnp.argsort(chosen.reshape(-1), stable=True)  # the pairs grouped by expert
     token = order // K
     sizes = jnp.bincount(chosen.reshape(-1), length=E).astype(jnp.int32)
+    expert = chosen.reshape(-1)[order] if cfg.expert_bias else None  # each pair's expert, for its biases
 
-    def grouped(a, w):
-        return jax.lax.ragged_dot(a.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32)
+    def grouped(a, name):
+        out = jax.lax.ragged_dot(a.astype(layer[name].dtype), layer[name], sizes, preferred_element_type=jnp.float32)
+        return out + layer[name + "_bias"][expert] if cfg.expert_bias else out
 
     xs = x[token]
-    y = grouped(_activation(grouped(xs, layer["experts_gate"]), cfg) * grouped(xs, layer["experts_up"]),
-                layer["experts_down"])
-    y = y * weights.reshape(-1)[order][:, None]
+    gate = grouped(xs, "experts_gate")
+    if cfg.hidden_act == "gpt_oss":  # clamped, and (up + 1) times the gate's swish with a slope
+        gate = jnp.minimum(gate, cfg.swiglu_limit)
+        up = jnp.clip(grouped(xs, "experts_up"), -cfg.swiglu_limit, cfg.swiglu_limit)
+        hidden = (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
+    else:
+        hidden = _activation(gate, cfg) * grouped(xs, "experts_up")
+    y = grouped(hidden, "experts_down") * weights.reshape(-1)[order][:, None]
     return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
 
 
@@ -352,7 +373,7 @@ def forward_hidden(
                 v_pool = _write_kv(v_all, idx, inputs.slots, v, kv_dtype)
             with jax.named_scope("attention"):
                 return _attention(q, k_pool, v_pool, idx, inputs, cfg, kv_dtype, dynamic_context,
-                                  sliding), (k_pool, v_pool)
+                                  sliding, layer.get("sinks")), (k_pool, v_pool)
 
         proj = lambda x, name: project(x, layer, lora_layer, name, token_weight)  # noqa: E731
         h, (k_all, v_all) = decoder_layer(h, layer, proj, tables, paged_attention, cfg)

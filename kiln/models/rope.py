@@ -76,6 +76,9 @@ def layer_tables(cfg: ModelConfig, positions: jnp.ndarray):
     windowed layers have a RoPE base of their own (Gemma 3) the (global, local) pairs."""
     if cfg.sliding_layers is None:
         return tables(cfg, positions)
+    if cfg.local_rope_theta is None:  # windowed layers rotate as the global ones (Gemma 2, gpt-oss)
+        pair = tables(cfg, positions)
+        return pair, pair
     local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta or cfg.rope_theta, rope_scaling=None)
     return tables(cfg, positions), tables(local, positions)
 

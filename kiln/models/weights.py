@@ -53,6 +53,32 @@ EXPERT_TENSORS = {"w1": "experts_gate", "gate_proj": "experts_gate", "w3": "expe
 
 _EXPERT_HF = {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_down": "down_proj"}
 
+# gpt-oss: attention sinks and biases, a router with a bias, and every layer's experts as stacked
+# tensors already [E, in, out], gate and up interleaved along the output axis (even columns: gate).
+GPT_OSS_TENSORS = {
+    "self_attn.sinks": ("sinks", False),
+    "self_attn.o_proj.bias": ("o_bias", False),
+    "mlp.router.weight": ("router", True),
+    "mlp.router.bias": ("router_bias", False),
+}
+STACKED_EXPERTS = {
+    "mlp.experts.gate_up_proj": ("experts_gate", "experts_up"),
+    "mlp.experts.gate_up_proj_bias": ("experts_gate_bias", "experts_up_bias"),
+    "mlp.experts.down_proj": ("experts_down",),
+    "mlp.experts.down_proj_bias": ("experts_down_bias",),
+}
+# MXFP4 (gpt-oss's release): 4-bit e2m1 values, two per byte (low nibble first), 32 per block of
+# input features, each block scaled by 2 ** (its uint8 scale - 127)
+_FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """blocks uint8 [..., out, in / 32, 16], scales uint8 [..., out, in / 32] -> float32 [..., in, out]."""
+    values = np.stack([_FP4_VALUES[blocks & 15], _FP4_VALUES[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], 32)
+    w = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return np.swapaxes(w.reshape(*blocks.shape[:-2], -1), -1, -2)
+
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Kiln param name -> shape (per layer for layer params, in Kiln's [in, out] orientation)."""
@@ -84,12 +110,23 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         for name in ("gate_proj", "up_proj", "down_proj"):
             del shapes[name]
         shapes.update(router=(h, E), experts_gate=(E, h, ei), experts_up=(E, h, ei), experts_down=(E, ei, h))
+    if cfg.router_bias:
+        shapes["router_bias"] = (cfg.num_experts,)
+    if cfg.expert_bias:
+        E, ei = cfg.num_experts, cfg.expert_intermediate_size
+        shapes.update(experts_gate_bias=(E, ei), experts_up_bias=(E, ei), experts_down_bias=(E, h))
+    if cfg.o_bias:
+        shapes["o_bias"] = (h,)
+    if cfg.attention_sinks:
+        shapes["sinks"] = (cfg.num_heads,)
     return shapes
 
 
 def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     """HF per-layer suffix -> (kiln name, transposed) for this model's layout."""
     out = {**LAYER_TENSORS, **SANDWICH_TENSORS} if cfg.sandwich_norms else dict(LAYER_TENSORS)
+    if cfg.architecture == "GptOssForCausalLM":
+        return {**out, **GPT_OSS_TENSORS}
     return {**out, **ROUTER_TENSORS} if cfg.num_experts else out
 
 
@@ -138,6 +175,18 @@ def build_params(
                 if progress:
                     progress(1)
                 continue
+            if suffix.endswith("_scales") and suffix.removesuffix("_scales") in STACKED_EXPERTS:
+                continue  # read with its blocks
+            if suffix.endswith("_blocks") and (base := suffix.removesuffix("_blocks")) in STACKED_EXPERTS:
+                scales = name.removesuffix("_blocks") + "_scales"
+                if scales not in names:
+                    raise ModelLoadError("MXFP4 blocks without their scales", file=source(name), tensor=scales)
+                _stacked_experts(layers, shapes, idx, base, dequantize_mxfp4(read(name), read(scales)), name,
+                                 source(name), seen)
+                continue
+            if suffix in STACKED_EXPERTS:
+                _stacked_experts(layers, shapes, idx, suffix, read(name), name, source(name), seen)
+                continue
             if suffix in FUSED_TENSORS:
                 parts = FUSED_TENSORS[suffix]
             elif suffix in suffixes and suffixes[suffix][0] in layers:
@@ -177,6 +226,19 @@ def build_params(
     return out
 
 
+def _stacked_experts(layers: dict, shapes: dict, idx: int, suffix: str, array: np.ndarray, name: str, file: str,
+                     seen: set) -> None:
+    """One layer's stacked experts' tensor (gpt-oss) into its Kiln parts: gate and up de-interleaved."""
+    parts = STACKED_EXPERTS[suffix]
+    if len(parts) == 1:
+        layers[parts[0]][idx] = _checked(array, shapes[parts[0]], False, name, file)
+    else:
+        whole = shapes[parts[0]][:-1] + (2 * shapes[parts[0]][-1],)
+        array = _checked(array, whole, False, name, file)
+        layers[parts[0]][idx], layers[parts[1]][idx] = array[..., 0::2], array[..., 1::2]
+    seen.update((key, idx) for key in parts)
+
+
 def _checked(array: np.ndarray, shape: tuple[int, ...], transpose: bool, name: str, file: str) -> np.ndarray:
     hf_shape = tuple(reversed(shape)) if transpose else shape
     if tuple(array.shape) != hf_shape:
@@ -193,7 +255,7 @@ def _hf_name(cfg: ModelConfig, key: str, idx: int | None = None) -> str:
         return "model.norm.weight"
     if key == "lm_head":
         return "lm_head.weight"
-    if key in EXPERT_TENSORS.values():
+    if key in EXPERT_TENSORS.values() or key.startswith("experts_"):
         return f"model.layers.{idx}: an expert's {key.removeprefix('experts_')} projection"
     return f"model.layers.{idx}.{_hf_suffixes(cfg)[key][0]}"
 

@@ -45,8 +45,9 @@ def lora_to_numpy(lora: dict) -> dict[str, dict[str, np.ndarray]]:
     return {m: {k: np.asarray(v, np.float32) for k, v in parts.items()} for m, parts in lora.items()}
 
 
-def _dense_attention(q, k, v, visible, cfg: ModelConfig):
-    """q: [B*S, H, D]; k, v: [B*S, KH, D]; visible: [B, S, S] (query, key). Returns [B*S, H, D]."""
+def _dense_attention(q, k, v, visible, cfg: ModelConfig, sinks=None):
+    """q: [B*S, H, D]; k, v: [B*S, KH, D]; visible: [B, S, S] (query, key); sinks: [H] or None (see
+    decoder._attention). Returns [B*S, H, D]."""
     B, S = visible.shape[:2]
     KH, D = cfg.num_kv_heads, cfg.head_dim
     G = cfg.num_heads // KH
@@ -55,7 +56,11 @@ def _dense_attention(q, k, v, visible, cfg: ModelConfig):
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * cfg.attention_scale
     scores = softcap(scores, cfg.attn_logit_softcapping)
     scores = jnp.where(visible[:, None, None], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:  # one more logit per head, whose probability is dropped
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, KH, G, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B * S, KH * G, D)
 
 
@@ -107,22 +112,22 @@ def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerCo
     def attend(q, k, v, sliding):
         visible = ctx.visible if sliding is None else jnp.where(sliding, ctx.windowed, ctx.visible)
         with jax.named_scope("attention"):
-            return _dense_attention(q, k, v, visible, cfg), None
+            return _dense_attention(q, k, v, visible, cfg, layer.get("sinks")), None
 
     seen = []
 
     def experts(x, layer, cfg):
-        seen.append(router_statistics(x, layer["router"], ctx.valid, cfg))
+        seen.append(router_statistics(x, layer, ctx.valid, cfg))
         return experts_mlp(x, layer, cfg)
 
     h = decoder_layer(h, layer, proj, ctx.tables, attend, cfg, experts if router_stats else None)[0]
     return (h, seen[0]) if router_stats else h
 
 
-def router_statistics(x: jax.Array, router: jax.Array, valid: jax.Array, cfg: ModelConfig) -> jax.Array:
+def router_statistics(x: jax.Array, layer: dict, valid: jax.Array, cfg: ModelConfig) -> jax.Array:
     """[2, experts]: how many real tokens picked each expert among their top k, and the sum of the
     router's probabilities for each expert over real tokens (what the load-balancing loss reads)."""
-    probs, _, chosen = router_top_k(x, router, cfg)
+    probs, _, chosen = router_top_k(x, layer, cfg)
     mask = valid.astype(jnp.float32)[:, None]
     picks = jax.nn.one_hot(chosen, cfg.num_experts, dtype=jnp.float32).sum(axis=1)
     return jnp.stack([jnp.sum(picks * mask, axis=0), jnp.sum(probs * mask, axis=0)])

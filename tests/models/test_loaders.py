@@ -157,6 +157,44 @@ def test_a_quantized_gguf_of_a_new_family_holds_its_layers_as_stored(variant, tm
                                logits_of(dequantized.config, dequantized.params), atol=1e-5, rtol=0)
 
 
+def test_gpt_oss_experts_in_mxfp4_load_as_transformers_dequantizes_them(tmp_path):
+    """gpt-oss's release format: each layer's experts as MXFP4 blocks and scales (4-bit values, 32
+    per block of input features, a power-of-two scale each). Kiln's dequantization equals
+    transformers' own, and the model it loads gives the logits of transformers' model holding those
+    dequantized weights."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from kiln.models.weights import dequantize_mxfp4
+
+    hf = make_hf_model("gpt-oss", vocab_size=260, seed=3, intermediate_size=64)
+    path = save_hf_model(hf, tmp_path / "gpt-oss")
+    rng = np.random.RandomState(0)
+    packed = {}
+    for i, layer in enumerate(hf.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            param = getattr(layer.mlp.experts, proj)  # [E, in, out]
+            E, n_in, n_out = param.shape
+            blocks = rng.randint(0, 256, size=(E, n_out, n_in // 32, 16)).astype(np.uint8)
+            scales = rng.randint(119, 124, size=(E, n_out, n_in // 32)).astype(np.uint8)  # 2^-8 .. 2^-4
+            ref = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales), dtype=torch.float32)
+            np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales), ref.numpy())
+            with torch.no_grad():
+                param.copy_(ref)
+            packed[f"model.layers.{i}.mlp.experts.{proj}"] = (blocks, scales)
+
+    def as_mxfp4(tensors):
+        for name, (blocks, scales) in packed.items():
+            del tensors[name]
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+
+    _rewrite(path, as_mxfp4)
+    cfg, params, _ = load_hf_dir(path, np.float32, show_progress=False)
+    ids = list(np.random.RandomState(1).randint(3, 250, size=40))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(logits_of(cfg, params, ids), ref, atol=1e-4, rtol=0)
+
+
 def test_bfloat16_params(hf_model, hf_dir):
     cfg, p32, _ = load_hf_dir(hf_dir, np.float32, show_progress=False)
     _, p16, _ = load_hf_dir(hf_dir, jax.numpy.bfloat16, show_progress=False)

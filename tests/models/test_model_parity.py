@@ -29,15 +29,16 @@ def hf_logits(model, ids):
 
 def test_config_reads_architecture_features(tiny):
     variant, _, cfg, _ = tiny
-    scaled = ("llama-linear", "llama3-rope", "llama-yarn", "phi3-longrope", "gemma3")
+    scaled = ("llama-linear", "llama3-rope", "llama-yarn", "phi3-longrope", "gemma3", "gpt-oss")
     assert (cfg.rope_scaling is not None) == (variant in scaled)
-    assert cfg.sliding_window == (24 if variant in ("phi3", "gemma2", "gemma3") else None)
-    assert cfg.sliding_layers == ((True, False) if variant in ("gemma2", "gemma3") else None)
+    assert cfg.sliding_window == (24 if variant in ("phi3", "gemma2", "gemma3", "gpt-oss") else None)
+    assert cfg.sliding_layers == ((True, False) if variant in ("gemma2", "gemma3", "gpt-oss") else None)
+    assert cfg.attention_sinks == cfg.o_bias == cfg.expert_bias == (variant == "gpt-oss")
     assert cfg.final_logit_softcapping == (2.0 if variant == "gemma2" else None)
     assert cfg.rotary_dim == (cfg.head_dim // 2 if variant == "phi3-longrope" else cfg.head_dim)
-    assert cfg.attention_bias == (variant == "qwen2")
+    assert cfg.attention_bias == (variant in ("qwen2", "gpt-oss"))
     assert cfg.qk_norm == (variant in ("qwen3", "gemma3", "qwen3-moe"))
-    assert cfg.num_experts == (4 if variant in ("mixtral", "qwen3-moe") else 0)
+    assert cfg.num_experts == (4 if variant in ("mixtral", "qwen3-moe", "gpt-oss") else 0)
     assert cfg.tie_word_embeddings == (variant in ("llama-tied", "gemma2", "gemma3"))
     if variant in ("qwen3", "qwen3-moe"):
         assert cfg.head_dim * cfg.num_heads != cfg.hidden_size
@@ -125,7 +126,7 @@ def test_longrope_decodes_past_the_pretraining_length_with_the_long_factors(tmp_
         assert np.allclose(got[64:], ref[64:], atol=TOL, rtol=0) == same  # from 64 on: the long ones matter
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe", "gpt-oss"])
 def test_routing_equals_transformers_token_by_token(variant, tmp_path):
     """Kiln's router picks each token's experts with transformers' weights, on the first layer's MLP
     inputs of a fixed batch and on inputs every token of which prefers one expert; the layer's output
@@ -138,19 +139,21 @@ def test_routing_equals_transformers_token_by_token(variant, tmp_path):
     cfg, params, _ = load_hf_dir(save_hf_model(hf, tmp_path / variant), np.float32, show_progress=False)
     layer = jax.tree.map(lambda a: a[0], params["layers"])
     block = hf.model.layers[0].mlp
+    router = block.router if variant == "gpt-oss" else block.gate  # gpt-oss: biased, softmax over the top k
     seen = []
     handle = block.register_forward_hook(lambda module, args, out: seen.append(args[0][0].detach()))
     hf_logits(hf, np.random.RandomState(3).randint(3, cfg.vocab_size, size=40))
     handle.remove()
     rng = np.random.RandomState(4)
-    favourite = block.gate.weight[2].detach().numpy()  # inputs along expert 2's router row
+    favourite = router.weight[2].detach().numpy()  # inputs along expert 2's router row
     lopsided = torch.tensor(favourite / np.linalg.norm(favourite) ** 2 * 6 + rng.normal(0, 0.05, (40, cfg.hidden_size)),
                             dtype=torch.float32)
     for x in (seen[0], lopsided):
         with torch.no_grad():
-            _, ref_weights, ref_experts = block.gate(x)
-            ref_out = block(x[None])[0].numpy()
-        weights, experts = route(jax.numpy.asarray(x.numpy()), layer["router"], cfg)
+            _, ref_weights, ref_experts = router(x)
+            ref_out = block(x[None])
+            ref_out = (ref_out[0] if isinstance(ref_out, tuple) else ref_out)[0].numpy()
+        weights, experts = route(jax.numpy.asarray(x.numpy()), layer, cfg)
         np.testing.assert_array_equal(np.asarray(experts), ref_experts.numpy())
         np.testing.assert_allclose(np.asarray(weights), ref_weights.numpy(), atol=1e-6, rtol=0)
         np.testing.assert_allclose(np.asarray(experts_mlp(jax.numpy.asarray(x.numpy()), layer, cfg)), ref_out,
