@@ -51,11 +51,11 @@ def no_turns(what):
     return contextlib.nullcontext()
 
 
-@pytest.fixture(scope="module", params=["unrolled", "scan", "gemma3", "qwen3-moe"])
+@pytest.fixture(scope="module", params=["unrolled", "scan", "gemma3", "qwen3-moe", "gpt-oss"])
 def model(request, tiny_model, kiln_cache, tmp_path_factory):
     """The tiny llama with its layers as a list and stacked (scanned); a tiny Gemma 3 (windowed and
-    global layers, sandwich norms) and a tiny Qwen3-MoE."""
-    if request.param in ("gemma3", "qwen3-moe"):
+    global layers, sandwich norms), a tiny Qwen3-MoE and a tiny gpt-oss (sinks, biases)."""
+    if request.param in ("gemma3", "qwen3-moe", "gpt-oss"):
         from tiny_models import served_hf_dir
 
         path = served_hf_dir(request.param, tmp_path_factory.mktemp(request.param), kiln_cache, seed=3)
