@@ -28,15 +28,22 @@ def _layer_spec(name: str, cfg: ModelConfig, tp: int) -> P:
     q_ok = cfg.num_heads % tp == 0
     kv_ok = cfg.num_kv_heads % tp == 0
     mlp_ok = cfg.intermediate_size % tp == 0
+    expert_ok = bool(cfg.num_experts) and cfg.expert_intermediate_size % tp == 0
     column = {"q_proj": q_ok, "k_proj": kv_ok, "v_proj": kv_ok, "gate_proj": mlp_ok, "up_proj": mlp_ok}
     row = {"o_proj": q_ok, "down_proj": mlp_ok}
-    bias = {"q_bias": q_ok, "k_bias": kv_ok, "v_bias": kv_ok}
+    bias = {"q_bias": q_ok, "k_bias": kv_ok, "v_bias": kv_ok, "sinks": q_ok}
+    # a mixture's experts: every device holds a slice of every expert's hidden width (no expert parallelism)
+    experts = {"experts_gate": P(None, None, None, AXIS), "experts_up": P(None, None, None, AXIS),
+               "experts_down": P(None, None, AXIS, None), "experts_gate_bias": P(None, None, AXIS),
+               "experts_up_bias": P(None, None, AXIS)}
     if column.get(name):
         return P(None, None, AXIS)
     if row.get(name):
         return P(None, AXIS, None)
     if bias.get(name):
         return P(None, AXIS)
+    if expert_ok and name in experts:
+        return experts[name]
     return P()
 
 

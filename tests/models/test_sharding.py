@@ -1,4 +1,5 @@
-"""Tensor-parallel forward on 4 forced CPU devices equals the single-device forward."""
+"""Tensor-parallel forward on 4 forced CPU devices equals the single-device forward (dense models and
+mixtures of experts, whose experts' hidden widths are split, no expert parallelism)."""
 
 import os
 import subprocess
@@ -20,7 +21,8 @@ SCRIPT = textwrap.dedent(
     from kiln.models.sharding import make_mesh, shard_kv, shard_params
 
     step = jax.jit(forward, static_argnames=("cfg", "unroll"))
-    for variant, kv_heads in (("qwen2", 4), ("llama", 2)):  # 2 KV heads: not divisible by 4, replicated
+    # 2 KV heads: not divisible by 4, replicated; mixtures of experts: each expert's width split
+    for variant, kv_heads in (("qwen2", 4), ("llama", 2), ("qwen3-moe", 4), ("gpt-oss", 4)):
         path = save_hf_model(make_hf_model(variant, num_key_value_heads=kv_heads), {tmp!r} + "/" + variant)
         cfg, params, _ = load_hf_dir(path, np.float32, show_progress=False)
         rows = [RowWork(list(range(3, 40)), 0, [4, 1, 6]), RowWork(list(range(50, 61)), 0, [2])]
@@ -33,6 +35,9 @@ SCRIPT = textwrap.dedent(
         assert spec == P(None, None, "tp"), spec
         if kv_heads == 4:
             assert kv.k.sharding.spec == P(None, "tp", None, None, None), kv.k.sharding.spec
+        if cfg.num_experts:
+            spec = sharded_params["layers"]["experts_down"].sharding.spec
+            assert spec == P(None, None, "tp", None), spec
         out, new_kv = step(sharded_params, kv, inputs, cfg)
         assert len(out.sharding.device_set) == 4
         np.testing.assert_allclose(np.asarray(out), np.asarray(single), atol=1e-5, rtol=0)
