@@ -63,6 +63,10 @@ VARIANTS = {
                                                         "sliding_window": None}),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                             "moe_intermediate_size": 48, "head_dim": 32}),
+    # Qwen2-MoE: q/k/v biases, top 2 of 4 unnormalized, and a shared expert with its sigmoid gate
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 48,
+                                                            "shared_expert_intermediate_size": 80}),
     # gpt-oss: attention sinks, biases everywhere, YaRN (untruncated), every other layer windowed, and a
     # clamp low enough to bite on these weights
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
@@ -162,10 +166,18 @@ _GGUF_LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
     "mlp.gate.weight": "ffn_gate_inp.weight",  # a mixture of experts' router
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",  # Qwen2-MoE's shared expert and its gate
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
     "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
-_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2",
+_GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "phi3": "phi3",
+              "gemma2": "gemma2",
               "gemma3_text": "gemma3"}
 _GGUF_GEMMA_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
@@ -227,8 +239,10 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen2moe", "qwen3moe"):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     tensors = {}
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)

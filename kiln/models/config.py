@@ -18,6 +18,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Gemma3ForCausalLM": {"qk_norm": True},  # the text model of Gemma 3 (see `_gemma`)
     "MixtralForCausalLM": {"moe": True},  # every layer's MLP: top-k of num_local_experts SwiGLU experts
     "Qwen3MoeForCausalLM": {"qk_norm": True, "moe": True},
+    "Qwen2MoeForCausalLM": {"attention_bias": True, "moe": True},  # and a shared expert beside the routed ones
     "GptOssForCausalLM": {"moe": True, "attention_bias": True},  # see `_gpt_oss`
 }
 # Architectures whose configs' sliding_window applies to every layer.
@@ -61,6 +62,7 @@ class ModelConfig:
     experts_per_token: int = 0  # the router's top k
     expert_intermediate_size: int = 0
     norm_topk_prob: bool = True  # the top k routing weights renormalized to sum to 1
+    shared_expert_intermediate_size: int = 0  # an expert every token runs, gated by a sigmoid (Qwen2-MoE)
     router_bias: bool = False  # the router's logits have a bias (gpt-oss)
     expert_bias: bool = False  # so do each expert's projections (gpt-oss)
     o_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
@@ -140,7 +142,7 @@ class ModelConfig:
                 rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", bool(gemma))),
-                attention_bias=bool(hf.get("attention_bias", extras.get("attention_bias", False))),
+                attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", extras.get("attention_bias", False)))),
                 qk_norm=bool(extras.get("qk_norm", False)),
                 sliding_window=(hf.get("sliding_window") or None) if arch in SLIDING_WINDOW else None,
                 rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
@@ -164,6 +166,7 @@ class ModelConfig:
                 "Phi3ForCausalLM": "phi3",
                 "MixtralForCausalLM": "mixtral",
                 "Qwen3MoeForCausalLM": "qwen3_moe",
+                "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Gemma2ForCausalLM": "gemma2",
                 "Gemma3ForCausalLM": "gemma3_text",
             }[self.architecture],
@@ -204,6 +207,8 @@ class ModelConfig:
                 out["intermediate_size"] = self.expert_intermediate_size
             else:
                 out["moe_intermediate_size"] = self.expert_intermediate_size
+            if self.shared_expert_intermediate_size:
+                out["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
         return out
 
 
@@ -258,10 +263,12 @@ def _moe(hf: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
     if arch == "Qwen3MoeForCausalLM" and hf.get("shared_expert_intermediate_size"):
         raise ModelLoadError("shared experts are not supported yet", file=source)
     whole = arch in ("MixtralForCausalLM", "GptOssForCausalLM")  # intermediate_size is an expert's
+    shared = int(hf.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
     return {
         "num_experts": experts, "experts_per_token": int(hf["num_experts_per_tok"]),
         "expert_intermediate_size": int(hf["intermediate_size"] if whole else hf["moe_intermediate_size"]),
         "norm_topk_prob": True if whole else bool(hf.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": shared,
     }
 
 

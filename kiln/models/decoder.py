@@ -320,7 +320,7 @@ def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
     """A mixture of experts over x [T, hidden]: each token's top-k experts by the router's softmax
     (renormalized where the config says), run as grouped matmuls over the T*k (token, expert)
     pairs sorted by expert (`lax.ragged_dot`: each expert multiplies only its own tokens), and
-    summed back per token with their routing weights."""
+    summed back per token with their routing weights; plus a shared expert where the model has one."""
     T, K, E = x.shape[0], cfg.experts_per_token, cfg.num_experts
     weights, chosen = route(x, layer, cfg)
     order = jnp.argsort(chosen.reshape(-1), stable=True)  # the pairs grouped by expert
@@ -341,7 +341,12 @@ def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig) -> jax.Array:
     else:
         hidden = _activation(gate, cfg) * grouped(xs, "experts_up")
     y = grouped(hidden, "experts_down") * weights.reshape(-1)[order][:, None]
-    return jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
+    out = jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
+    if cfg.shared_expert_intermediate_size:  # every token's shared expert, gated by a sigmoid of its own
+        shared = matmul(_activation(matmul(x, layer["shared_gate"]), cfg) * matmul(x, layer["shared_up"]),
+                        layer["shared_down"])
+        out = out + jax.nn.sigmoid(matmul(x, layer["shared_expert_gate"])) * shared
+    return out
 
 
 def forward_hidden(

@@ -23,7 +23,7 @@ from kiln.models.quant import GROUP, LINEAR, Int4Weight, Int8Weight, int4_from_l
 from kiln.models.weights import build_params
 
 ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-              "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
+              "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
               "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}  # llama with experts: Mixtral
 
 _GLOBAL_NAMES = {
@@ -57,7 +57,12 @@ _ARCH_LAYER_NAMES = {"phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
                      "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
 # A mixture of experts: the router, and every expert's projection stacked in one tensor [E, out, in]
 # (older Mixtral files hold one tensor per expert, ffn_gate.E.weight)
-_ROUTER_NAME = {"ffn_gate_inp.weight": "mlp.gate.weight"}
+_ROUTER_NAME = {"ffn_gate_inp.weight": "mlp.gate.weight",
+                # Qwen2-MoE's shared expert and its gate
+                "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+                "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 _STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                     "ffn_down_exps.weight": "down_proj"}
 _EXPERT_OF_ITS_OWN = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
@@ -190,16 +195,19 @@ class GGUFModel:
         if a in ("gemma2", "gemma3"):
             cfg.update(self._gemma_config(cfg))
         if experts := int(self.meta(f"{a}.expert_count", 0) or 0):
-            if self.meta(f"{a}.expert_shared_count"):
-                raise ModelLoadError("shared experts are not supported yet", file=str(self.path))
+            if a == "qwen2moe":
+                cfg["shared_expert_intermediate_size"] = int(self.meta(f"{a}.expert_shared_feed_forward_length", 0))
+            elif self.meta(f"{a}.expert_shared_count"):
+                raise ModelLoadError("shared experts are supported in qwen2moe files only", file=str(self.path))
             if a == "llama":
                 cfg["architectures"] = ["MixtralForCausalLM"]
             cfg.update(num_local_experts=experts, num_experts=experts,
                        num_experts_per_tok=int(self.meta(f"{a}.expert_used_count")),
                        moe_intermediate_size=int(self.meta(f"{a}.expert_feed_forward_length",
                                                            cfg["intermediate_size"])),
-                       # llama.cpp renormalizes the top k of these families unless the file says otherwise
-                       norm_topk_prob=bool(self.meta(f"{a}.expert_weights_norm", True)))
+                       # llama.cpp renormalizes the top k of these families (not Qwen2-MoE's) unless the
+                       # file says otherwise
+                       norm_topk_prob=bool(self.meta(f"{a}.expert_weights_norm", a != "qwen2moe")))
         return cfg
 
     def _gemma_config(self, cfg: dict) -> dict:

@@ -48,6 +48,13 @@ FUSED_TENSORS = {
 # router [E, in], and each expert's projections, held stacked per layer as [E, in, out].
 ROUTER_TENSORS = {"block_sparse_moe.gate.weight": ("router", True), "mlp.gate.weight": ("router", True)}
 _EXPERT = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# Qwen2-MoE's shared expert (a SwiGLU MLP every token runs) and its sigmoid gate [1, in]
+SHARED_EXPERT_TENSORS = {
+    "mlp.shared_expert.gate_proj.weight": ("shared_gate", True),
+    "mlp.shared_expert.up_proj.weight": ("shared_up", True),
+    "mlp.shared_expert.down_proj.weight": ("shared_down", True),
+    "mlp.shared_expert_gate.weight": ("shared_expert_gate", True),
+}
 EXPERT_TENSORS = {"w1": "experts_gate", "gate_proj": "experts_gate", "w3": "experts_up", "up_proj": "experts_up",
                   "w2": "experts_down", "down_proj": "experts_down"}
 
@@ -110,6 +117,9 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         for name in ("gate_proj", "up_proj", "down_proj"):
             del shapes[name]
         shapes.update(router=(h, E), experts_gate=(E, h, ei), experts_up=(E, h, ei), experts_down=(E, ei, h))
+    if cfg.shared_expert_intermediate_size:
+        s = cfg.shared_expert_intermediate_size
+        shapes.update(shared_gate=(h, s), shared_up=(h, s), shared_down=(s, h), shared_expert_gate=(h, 1))
     if cfg.router_bias:
         shapes["router_bias"] = (cfg.num_experts,)
     if cfg.expert_bias:
@@ -127,6 +137,8 @@ def layer_tensors(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
     out = {**LAYER_TENSORS, **SANDWICH_TENSORS} if cfg.sandwich_norms else dict(LAYER_TENSORS)
     if cfg.architecture == "GptOssForCausalLM":
         return {**out, **GPT_OSS_TENSORS}
+    if cfg.shared_expert_intermediate_size:
+        out.update(SHARED_EXPERT_TENSORS)
     return {**out, **ROUTER_TENSORS} if cfg.num_experts else out
 
 

@@ -18,12 +18,14 @@ SMALL = dict(block_size=16, decode_row_buckets=(1, 2, 4), prefill_token_buckets=
              max_num_batched_tokens=64, num_kv_blocks=32)
 
 
-@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope", "gemma2", "gemma3", "mixtral", "qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("variant", ["phi3", "phi3-longrope", "gemma2", "gemma3", "mixtral", "qwen2-moe", "qwen3-moe",
+                                     "gpt-oss"])
 def test_served_greedy_tokens_equal_transformers(variant, tiny_model, kiln_cache, tmp_path):
     """Phi-3 (fused projections split at load; a 24-token sliding window, or LongRoPE on half of
     each head's dims, crossing its 64-token pretraining length while decoding), Gemma 2 (soft caps
     that bite), Gemma 3 (a windowed layer and a global one), and mixtures of experts (Mixtral,
-    Qwen3-MoE, gpt-oss with its attention sinks and biased, clamped experts)."""
+    Qwen2-MoE with its shared expert, Qwen3-MoE, gpt-oss with its attention sinks and biased, clamped
+    experts)."""
     hf = make_hf_model(variant, vocab_size=260, seed=11)
     model = load_model(served_hf_dir(variant, tmp_path / variant, kiln_cache, seed=11), show_progress=False)
     rng = np.random.RandomState(5)

@@ -95,7 +95,8 @@ def test_second_gguf_load_reuses_the_converted_cache(hf_model, tmp_path, kiln_ca
 # and 3 with their norms stored as 1 + w (and the layer kinds and attention scale llama.cpp assumes for
 # them: every other / every sixth layer global, 1 / sqrt(head_dim)); Gemma 2's soft caps as keys.
 GEMMA3_AS_LLAMA_CPP_RUNS_IT = {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 16}
-GGUF_FAMILIES = [("llama3-rope", {}), ("mixtral", {}), ("qwen3-moe", {"norm_topk_prob": True}), ("phi3", {}),
+GGUF_FAMILIES = [("llama3-rope", {}), ("mixtral", {}), ("qwen2-moe", {}), ("qwen3-moe", {"norm_topk_prob": True}),
+                 ("phi3", {}),
                  ("phi3-longrope", {}), ("gemma2", {"query_pre_attn_scalar": 16}),
                  ("gemma3", GEMMA3_AS_LLAMA_CPP_RUNS_IT)]
 
@@ -126,6 +127,8 @@ def test_gguf_of_each_family_equals_its_hf_checkpoint(variant, overrides, tmp_pa
         assert again.config.rope_freq_factors is not None and max(again.config.rope_freq_factors) == 8.0
     if variant in ("mixtral", "qwen3-moe"):
         assert again.config.num_experts == 4 and again.config.norm_topk_prob
+    if variant == "qwen2-moe":
+        assert again.config.shared_expert_intermediate_size == 80 and not again.config.norm_topk_prob
     if variant == "gemma3":
         assert again.config.sliding_layers == (True,) * 5 + (False,) and again.config.rope_scaling_dict["factor"] == 2
     if variant == "gemma2":
@@ -135,7 +138,7 @@ def test_gguf_of_each_family_equals_its_hf_checkpoint(variant, overrides, tmp_pa
 def test_a_gguf_with_shared_experts_is_refused_by_name(tmp_path, kiln_cache):
     hf = make_hf_model("qwen3-moe", vocab_size=260, seed=3)
     path = write_gguf(hf, tmp_path / "shared.gguf", extra=lambda w: w.add_expert_shared_count(1))
-    with pytest.raises(ModelLoadError, match="shared experts are not supported yet") as e:
+    with pytest.raises(ModelLoadError, match="shared experts are supported in qwen2moe files only") as e:
         load_model(path, show_progress=False)
     assert e.value.file == str(path)
 

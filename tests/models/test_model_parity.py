@@ -36,9 +36,10 @@ def test_config_reads_architecture_features(tiny):
     assert cfg.attention_sinks == cfg.o_bias == cfg.expert_bias == (variant == "gpt-oss")
     assert cfg.final_logit_softcapping == (2.0 if variant == "gemma2" else None)
     assert cfg.rotary_dim == (cfg.head_dim // 2 if variant == "phi3-longrope" else cfg.head_dim)
-    assert cfg.attention_bias == (variant in ("qwen2", "gpt-oss"))
+    assert cfg.attention_bias == (variant in ("qwen2", "qwen2-moe", "gpt-oss"))
     assert cfg.qk_norm == (variant in ("qwen3", "gemma3", "qwen3-moe"))
-    assert cfg.num_experts == (4 if variant in ("mixtral", "qwen3-moe", "gpt-oss") else 0)
+    assert cfg.num_experts == (4 if variant in ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss") else 0)
+    assert cfg.shared_expert_intermediate_size == (80 if variant == "qwen2-moe" else 0)
     assert cfg.tie_word_embeddings == (variant in ("llama-tied", "gemma2", "gemma3"))
     if variant in ("qwen3", "qwen3-moe"):
         assert cfg.head_dim * cfg.num_heads != cfg.hidden_size
@@ -126,7 +127,7 @@ def test_longrope_decodes_past_the_pretraining_length_with_the_long_factors(tmp_
         assert np.allclose(got[64:], ref[64:], atol=TOL, rtol=0) == same  # from 64 on: the long ones matter
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "qwen3-moe", "gpt-oss"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss"])
 def test_routing_equals_transformers_token_by_token(variant, tmp_path):
     """Kiln's router picks each token's experts with transformers' weights, on the first layer's MLP
     inputs of a fixed batch and on inputs every token of which prefers one expert; the layer's output

@@ -21,7 +21,7 @@ from kiln.train import losses
 from kiln.train.forward import forward_logits
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope", "gemma2", "gemma3", "mixtral",
-                 "qwen3-moe", "gpt-oss"]
+                 "qwen2-moe", "qwen3-moe", "gpt-oss"]
 # Phi-3's PEFT adapters target its fused projections; Kiln reads each as one adapter per part.
 FUSED_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 FUSED = {suffix.split(".")[1]: parts for suffix, parts in FUSED_TENSORS.items()}
@@ -50,7 +50,7 @@ def with_peft_adapter(variant, root):
     hf = make_hf_model(variant, seed=5)
     cfg, params, _ = load_hf_dir(save_hf_model(hf, root / "model"), np.float32, show_progress=False)
     modules = FUSED_MODULES if variant.startswith("phi3") else ALL_MODULES
-    if variant in ("mixtral", "qwen3-moe", "gpt-oss"):  # LoRA on a mixture of experts adapts attention
+    if variant in ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss"):  # LoRA on a mixture of experts: attention
         modules = ALL_MODULES[:4]
     peft_model = make_peft_adapter(hf, root / "adapter", rank=4, alpha=8.0, seed=7, modules=modules)
     weights, info = peft_io.read_peft(root / "adapter", cfg)
