@@ -131,7 +131,8 @@ def test_longrope_decodes_past_the_pretraining_length_with_the_long_factors(tmp_
 def test_routing_equals_transformers_token_by_token(variant, tmp_path):
     """Kiln's router picks each token's experts with transformers' weights, on the first layer's MLP
     inputs of a fixed batch and on inputs every token of which prefers one expert; the layer's output
-    equals transformers' either way: no capacity, no token dropped however unevenly they route."""
+    equals transformers' either way: no capacity, no token dropped however unevenly they route. One
+    token alone takes the per-pair path (fewer pairs than experts) of serving on the CPU."""
     import jax
 
     from kiln.models.decoder import experts_mlp, route
@@ -149,7 +150,9 @@ def test_routing_equals_transformers_token_by_token(variant, tmp_path):
     favourite = router.weight[2].detach().numpy()  # inputs along expert 2's router row
     lopsided = torch.tensor(favourite / np.linalg.norm(favourite) ** 2 * 6 + rng.normal(0, 0.05, (40, cfg.hidden_size)),
                             dtype=torch.float32)
-    for x in (seen[0], lopsided):
+    picks = {}
+    # one token: fewer (token, expert) pairs than experts
+    for case, x in {"batch": seen[0], "lopsided": lopsided, "one token": seen[0][:1]}.items():
         with torch.no_grad():
             _, ref_weights, ref_experts = router(x)
             ref_out = block(x[None])
@@ -157,6 +160,8 @@ def test_routing_equals_transformers_token_by_token(variant, tmp_path):
         weights, experts = route(jax.numpy.asarray(x.numpy()), layer, cfg)
         np.testing.assert_array_equal(np.asarray(experts), ref_experts.numpy())
         np.testing.assert_allclose(np.asarray(weights), ref_weights.numpy(), atol=1e-6, rtol=0)
-        np.testing.assert_allclose(np.asarray(experts_mlp(jax.numpy.asarray(x.numpy()), layer, cfg)), ref_out,
-                                   atol=1e-5, rtol=0)
-    assert (ref_experts[:, 0] == 2).all()  # the lopsided batch: every token's first pick is expert 2
+        for loops in (False, True):  # ragged_dot (training, accelerators), and loops (serving on the CPU)
+            np.testing.assert_allclose(np.asarray(experts_mlp(jax.numpy.asarray(x.numpy()), layer, cfg, loops)),
+                                       ref_out, atol=1e-5, rtol=0)
+        picks[case] = ref_experts
+    assert (picks["lopsided"][:, 0] == 2).all()  # every token's first pick is expert 2
