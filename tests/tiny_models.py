@@ -24,6 +24,8 @@ BASE = dict(
 VARIANTS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "llama-tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    # attention_bias: Llama's puts biases on q, k, v and the output projection
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True}),
     "llama-linear": ("LlamaConfig", "LlamaForCausalLM", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     "llama3-rope": (
         "LlamaConfig",
@@ -66,7 +68,7 @@ VARIANTS = {
     # Qwen2-MoE: q/k/v biases, top 2 of 4 unnormalized, and a shared expert with its sigmoid gate
     "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                             "moe_intermediate_size": 48,
-                                                            "shared_expert_intermediate_size": 80}),
+                                                            "shared_expert_intermediate_size": 96}),
     # gpt-oss: attention sinks, biases everywhere, YaRN (untruncated), every other layer windowed, and a
     # clamp low enough to bite on these weights
     "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
@@ -246,12 +248,12 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
     tensors = {}
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
-    if arch == "gemma2":
-        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
-        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
         if rope.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if rope.get("rope_type") == "llama3":
         tensors["rope_freqs.weight"] = llama3_rope_factors(cfg)
     if arch == "phi3":

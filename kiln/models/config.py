@@ -21,6 +21,11 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Qwen2MoeForCausalLM": {"attention_bias": True, "moe": True},  # and a shared expert beside the routed ones
     "GptOssForCausalLM": {"moe": True, "attention_bias": True},  # see `_gpt_oss`
 }
+# Where a config's attention_bias puts biases: q/k/v and the output projection; q/k/v only (Qwen2's
+# families, which have them by default); nowhere (these families' attention has none).
+BIAS_ON_OUTPUT = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                  "Gemma3ForCausalLM", "GptOssForCausalLM")
+NO_ATTENTION_BIAS = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 # Architectures whose configs' sliding_window applies to every layer.
 SLIDING_WINDOW = ("MistralForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
                   "MixtralForCausalLM", "GptOssForCausalLM")
@@ -65,7 +70,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # an expert every token runs, gated by a sigmoid (Qwen2-MoE)
     router_bias: bool = False  # the router's logits have a bias (gpt-oss)
     expert_bias: bool = False  # so do each expert's projections (gpt-oss)
-    o_bias: bool = False  # the attention's output projection has a bias (gpt-oss)
+    o_bias: bool = False  # the attention's output projection has a bias (attention_bias in Llama, Gemma, ...)
     attention_sinks: bool = False  # each head's learned logit joins its softmax's normalizer (gpt-oss)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -127,6 +132,8 @@ class ModelConfig:
             if arch == "GptOssForCausalLM":
                 moe.update(_gpt_oss(hf, source))
             factors = hf.get("rope_freq_factors")
+            bias = arch not in NO_ATTENTION_BIAS and bool(
+                hf.get("attention_bias", hf.get("qkv_bias", extras.get("attention_bias", False))))
             return cls(
                 **gemma,
                 **moe,
@@ -142,7 +149,8 @@ class ModelConfig:
                 rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", bool(gemma))),
-                attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", extras.get("attention_bias", False)))),
+                attention_bias=bias,
+                o_bias=bias and arch in BIAS_ON_OUTPUT,
                 qk_norm=bool(extras.get("qk_norm", False)),
                 sliding_window=(hf.get("sliding_window") or None) if arch in SLIDING_WINDOW else None,
                 rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
@@ -282,5 +290,5 @@ def _gpt_oss(hf: dict[str, Any], source: str) -> dict[str, Any]:
     return {
         "hidden_act": "gpt_oss", "swiglu_limit": float(hf.get("swiglu_limit") or 7.0),
         "swiglu_alpha": float(hf.get("swiglu_alpha") or 1.702), "router_bias": True, "expert_bias": True,
-        "o_bias": True, "attention_sinks": True, "sliding_layers": tuple(t == "sliding_attention" for t in types),
+        "attention_sinks": True, "sliding_layers": tuple(t == "sliding_attention" for t in types),
     }

@@ -41,6 +41,7 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -133,7 +134,7 @@ class GGUFModel:
         self.layer_names = {**_LAYER_NAMES, **_ROUTER_NAME, **_ARCH_LAYER_NAMES.get(self.arch, {})}
         # the layers' linear weights as the file names them -> Kiln's name (fused ones are split at load)
         self.linear_suffixes = {g: hf.split(".")[1] for g, hf in self.layer_names.items()
-                                if hf.split(".")[1] in LINEAR}
+                                if hf.endswith(".weight") and hf.split(".")[1] in LINEAR}
         self._whole: tuple[str, np.ndarray] | None = None  # the stacked experts' tensor read last
         self.config = ModelConfig.from_hf(self.hf_config(), source=str(path))
 

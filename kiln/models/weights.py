@@ -24,6 +24,7 @@ LAYER_TENSORS = {
     "self_attn.q_proj.bias": ("q_bias", False),
     "self_attn.k_proj.bias": ("k_bias", False),
     "self_attn.v_proj.bias": ("v_bias", False),
+    "self_attn.o_proj.bias": ("o_bias", False),
     "self_attn.q_norm.weight": ("q_norm", False),
     "self_attn.k_norm.weight": ("k_norm", False),
     "mlp.gate_proj.weight": ("gate_proj", True),
@@ -64,7 +65,6 @@ _EXPERT_HF = {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_dow
 # tensors already [E, in, out], gate and up interleaved along the output axis (even columns: gate).
 GPT_OSS_TENSORS = {
     "self_attn.sinks": ("sinks", False),
-    "self_attn.o_proj.bias": ("o_bias", False),
     "mlp.router.weight": ("router", True),
     "mlp.router.bias": ("router_bias", False),
 }

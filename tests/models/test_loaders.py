@@ -128,7 +128,7 @@ def test_gguf_of_each_family_equals_its_hf_checkpoint(variant, overrides, tmp_pa
     if variant in ("mixtral", "qwen3-moe"):
         assert again.config.num_experts == 4 and again.config.norm_topk_prob
     if variant == "qwen2-moe":
-        assert again.config.shared_expert_intermediate_size == 80 and not again.config.norm_topk_prob
+        assert again.config.shared_expert_intermediate_size == 96 and not again.config.norm_topk_prob
     if variant == "gemma3":
         assert again.config.sliding_layers == (True,) * 5 + (False,) and again.config.rope_scaling_dict["factor"] == 2
     if variant == "gemma2":
@@ -143,10 +143,11 @@ def test_a_gguf_with_shared_experts_is_refused_by_name(tmp_path, kiln_cache):
     assert e.value.file == str(path)
 
 
-@pytest.mark.parametrize("variant", ["mixtral", "phi3", "gemma3"])
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2-moe", "phi3", "gemma3"])
 def test_a_quantized_gguf_of_a_new_family_holds_its_layers_as_stored(variant, tmp_path, kiln_cache):
     """Q8_0 matrices: the attention (Phi-3: split from its fused tensor) and dense MLPs held as int8,
-    a mixture's experts, stacked, as float; the logits are those of the file dequantized."""
+    a mixture's experts, stacked, as float (float biases do not make `auto` float); the logits are
+    those of the file dequantized."""
     from kiln.models.quant import Int8Weight
 
     hf = make_hf_model(variant, vocab_size=260, seed=3, **(GEMMA3_AS_LLAMA_CPP_RUNS_IT if variant == "gemma3" else {}))
@@ -154,7 +155,8 @@ def test_a_quantized_gguf_of_a_new_family_holds_its_layers_as_stored(variant, tm
     model = load_model(path, show_progress=False, quantization="auto")
     assert model.quantization == "int8"
     assert isinstance(layer_param(model.params, "q_proj", 0), Int8Weight)
-    assert isinstance(layer_param(model.params, "down_proj" if variant != "mixtral" else "o_proj", 1), Int8Weight)
+    dense = variant in ("phi3", "gemma3")
+    assert isinstance(layer_param(model.params, "down_proj" if dense else "o_proj", 1), Int8Weight)
     dequantized = load_model(path, show_progress=False)
     np.testing.assert_allclose(logits_of(model.config, model.params),
                                logits_of(dequantized.config, dequantized.params), atol=1e-5, rtol=0)

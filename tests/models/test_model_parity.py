@@ -33,13 +33,14 @@ def test_config_reads_architecture_features(tiny):
     assert (cfg.rope_scaling is not None) == (variant in scaled)
     assert cfg.sliding_window == (24 if variant in ("phi3", "gemma2", "gemma3", "gpt-oss") else None)
     assert cfg.sliding_layers == ((True, False) if variant in ("gemma2", "gemma3", "gpt-oss") else None)
-    assert cfg.attention_sinks == cfg.o_bias == cfg.expert_bias == (variant == "gpt-oss")
+    assert cfg.attention_sinks == cfg.expert_bias == (variant == "gpt-oss")
     assert cfg.final_logit_softcapping == (2.0 if variant == "gemma2" else None)
     assert cfg.rotary_dim == (cfg.head_dim // 2 if variant == "phi3-longrope" else cfg.head_dim)
-    assert cfg.attention_bias == (variant in ("qwen2", "qwen2-moe", "gpt-oss"))
+    assert cfg.attention_bias == (variant in ("llama-bias", "qwen2", "qwen2-moe", "gpt-oss"))
+    assert cfg.o_bias == (variant in ("llama-bias", "gpt-oss"))
     assert cfg.qk_norm == (variant in ("qwen3", "gemma3", "qwen3-moe"))
     assert cfg.num_experts == (4 if variant in ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss") else 0)
-    assert cfg.shared_expert_intermediate_size == (80 if variant == "qwen2-moe" else 0)
+    assert cfg.shared_expert_intermediate_size == (96 if variant == "qwen2-moe" else 0)
     assert cfg.tie_word_embeddings == (variant in ("llama-tied", "gemma2", "gemma3"))
     if variant in ("qwen3", "qwen3-moe"):
         assert cfg.head_dim * cfg.num_heads != cfg.hidden_size
