@@ -14,6 +14,32 @@ from kiln.models.decoder import forward  # noqa: E402
 jit_forward = jax.jit(forward, static_argnames=("cfg", "unroll"))
 
 
+_MAPS = "/proc/self/maps"
+_peak_maps = [0, ""]  # the most memory maps this process held after a module, and that module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def memory_maps_after_each_module(request):
+    """XLA:CPU keeps each live executable's code in memory maps of its own, hundreds for a large
+    one, and this suite keeps thousands of executables alive: past the kernel's vm.max_map_count
+    (65,530 by default; .ci/run raises it) a compile's mmap fails and XLA crashes. The peak is
+    printed at the end of the run."""
+    yield
+    if os.path.exists(_MAPS):
+        with open(_MAPS) as maps:
+            n = sum(1 for _ in maps)
+        if n > _peak_maps[0]:
+            _peak_maps[:] = [n, request.node.nodeid]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _peak_maps[0]:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = f.read().strip()
+        terminalreporter.write_line(f"peak memory maps: {_peak_maps[0]} (after {_peak_maps[1]}; "
+                                    f"vm.max_map_count {limit})")
+
+
 @pytest.fixture(scope="session")
 def kiln_cache(tmp_path_factory):
     """A Kiln cache dir private to this test session (converted GGUFs land here). JAX's persistent
