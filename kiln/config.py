@@ -98,7 +98,8 @@ def memory_amount(value: str) -> str:
 
 
 def lora_modules(value: list[str]) -> list[str]:
-    known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    known = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "experts_gate_up",
+             "experts_down")
     if not value or any(m not in known for m in value) or len(set(value)) != len(value):
         raise ValueError(f"expected distinct module names among {', '.join(known)}")
     return value
@@ -185,6 +186,8 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "seed", "int", 0, None, "base seed for sampling"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
+    Key("adapters", "lora_experts", "bool", False, None,
+        "slots also hold LoRA on a mixture's experts (per slot: layers x experts x rank x (hidden + 3 x width))"),
     Key("adapters", "store", "str", "", None, "adapter store (path or orbax URL); empty = <cache dir>/adapters"),
     Key("adapters", "load", "list[str]", [], None,
         "adapters loaded at startup: \"name\" (from the store) or \"name=path\""),

@@ -8,16 +8,18 @@ from pathlib import Path
 import torch
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]  # a mixture's experts, as PEFT targets them
 
 
 def make_peft_adapter(hf_model, path: Path, rank: int = 4, alpha: float = 8.0, modules=ALL_MODULES, seed: int = 0,
-                      use_rslora: bool = False):
+                      use_rslora: bool = False, parameters=None):
     """Wraps a copy of `hf_model` in a LoRA with random A and B (PEFT zero-inits B), saves it
-    to `path` and returns the PEFT model for reference outputs."""
+    to `path` and returns the PEFT model for reference outputs. `parameters`: PEFT's
+    target_parameters (a mixture's experts)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(modules), lora_dropout=0.0,
-                        use_rslora=use_rslora, task_type="CAUSAL_LM")
+                        use_rslora=use_rslora, task_type="CAUSAL_LM", target_parameters=parameters)
     model = get_peft_model(copy.deepcopy(hf_model), config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -10,6 +10,12 @@ adapter per part: each part keeps the shared lora_A and its own rows of lora_B. 
 a model, the parts' adapters become one fused adapter of n times the rank (their lora_A stacked,
 their lora_B block-diagonal, and lora_alpha scaled so that alpha / r stays), through PEFT's
 rank_pattern and alpha_pattern.
+
+A mixture's experts are adapted as PEFT's `target_parameters` does it: one wrapper around
+`mlp.experts` per targeted parameter (`gate_up_proj`, `down_proj`), each later one wrapping the
+earlier ones (so the first listed sits under the most `base_layer.`s), with lora_A [r*E, in]
+(expert-major rows) and lora_B [out, r*E] (rank-major columns). Kiln's `experts_gate_up` keeps
+gate's columns then up's; gpt-oss interleaves them in the base weights and so in lora_B.
 """
 
 from __future__ import annotations
@@ -33,6 +39,46 @@ _PARENT.update(qkv_proj="self_attn", gate_up_proj="mlp")  # Phi-3's fused module
 # the part of a fused module whose width a part left out takes (k and v; gate and up)
 _TWIN = {"k_proj": "v_proj", "v_proj": "k_proj", "gate_proj": "up_proj", "up_proj": "gate_proj"}
 _FUSED = {suffix.split(".")[1]: parts for suffix, parts in FUSED_TENSORS.items()}  # qkv_proj -> (q, k, v)
+_EXPERTS_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts((?:\.base_layer)*)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_EXPERT_PARAMETERS = {"gate_up_proj": "experts_gate_up", "down_proj": "experts_down"}  # PEFT's names -> Kiln's
+
+
+def _expert_targets(config: dict, path: Path) -> list[str]:
+    """Kiln's expert modules in the order of the config's target_parameters (PEFT's wrapping order)."""
+    targets = config.get("target_parameters") or []
+    modules = []
+    for name in targets:
+        parent, _, param = str(name).rpartition(".")
+        if not parent.endswith("experts") or param not in _EXPERT_PARAMETERS:
+            raise InvalidAdapter(f"{path}: target_parameters entry {name!r} is not a mixture's experts' "
+                                 f"{' or '.join(_EXPERT_PARAMETERS)}")
+        modules.append(_EXPERT_PARAMETERS[param])
+    return modules
+
+
+def _interleaved(architecture: str | None) -> bool:
+    """gpt-oss's experts interleave gate's and up's columns in gate_up_proj."""
+    return architecture == "GptOssForCausalLM"
+
+
+def _expert_from_peft(value: np.ndarray, part: str, num_experts: int, module: str, architecture: str) -> np.ndarray:
+    """PEFT's lora_A [r*E, in] or lora_B [out, r*E] as Kiln's a [E, in, r] or b [E, r, out]."""
+    if part == "A":
+        return value.reshape(num_experts, -1, value.shape[-1]).transpose(0, 2, 1)
+    b = value.reshape(value.shape[0], -1, num_experts).transpose(2, 1, 0)
+    if module == "experts_gate_up" and _interleaved(architecture):
+        b = np.concatenate([b[..., 0::2], b[..., 1::2]], axis=-1)
+    return b
+
+
+def _expert_to_peft(w: np.ndarray, part: str, module: str, architecture: str | None) -> np.ndarray:
+    """Kiln's a [E, in, r] or b [E, r, out] as PEFT's lora_A [r*E, in] or lora_B [out, r*E]."""
+    if part == "a":
+        return w.transpose(0, 2, 1).reshape(-1, w.shape[1])
+    if module == "experts_gate_up" and _interleaved(architecture):
+        half = w.shape[-1] // 2
+        w = np.stack([w[..., :half], w[..., half:]], axis=-1).reshape(w.shape)
+    return w.transpose(2, 1, 0).reshape(w.shape[-1], -1)
 
 
 def is_peft_dir(path: str | Path) -> bool:
@@ -78,8 +124,13 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
         raise InvalidAdapter(f"{path / WEIGHTS}: {exc}") from None
 
     shapes = module_shapes(cfg)
+    expert_targets = _expert_targets(config, path)
     weights: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
+        expert_key = _EXPERTS_KEY.search(key)
+        if expert_key is not None:
+            _read_expert(weights, key, expert_key, value, expert_targets, rank, cfg, path)
+            continue
         m = _KEY.search(key)
         if m is None:
             raise InvalidAdapter(f"{path}: tensor {key!r} is not a LoRA weight of a decoder projection")
@@ -106,6 +157,27 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
             "target_modules": sorted(weights, key=TARGET_MODULES.index),
             "base_model": config.get("base_model_name_or_path"), "peft_config": config}
     return weights, info
+
+
+def _read_expert(weights: dict, key: str, match: re.Match, value, targets: list[str], rank: int, cfg: ModelConfig,
+                 path: Path) -> None:
+    layer, depth, part = int(match.group(1)), match.group(2).count("base_layer"), match.group(3)
+    if not cfg.num_experts:
+        raise InvalidAdapter(f"{path}: tensor {key!r} adapts experts; this base model has none")
+    if depth >= len(targets):
+        raise InvalidAdapter(f"{path}: tensor {key!r} has no target_parameters entry in the adapter config")
+    if layer >= cfg.num_layers:
+        raise InvalidAdapter(f"{path}: tensor {key!r} is for layer {layer}, the model has {cfg.num_layers}")
+    module, E = targets[len(targets) - 1 - depth], cfg.num_experts
+    fan_in, fan_out = module_shapes(cfg)[module]
+    expected = (rank * E, fan_in) if part == "A" else (fan_out, rank * E)
+    if tuple(value.shape) != expected:
+        raise InvalidAdapter(f"{path}: tensor {key!r} ({module}) has shape {tuple(value.shape)}, expected {expected} "
+                             "for this base model")
+    w = weights.setdefault(module, {"a": np.zeros((cfg.num_layers, E, fan_in, rank), np.float32),
+                                    "b": np.zeros((cfg.num_layers, E, rank, fan_out), np.float32)})
+    w["a" if part == "A" else "b"][layer] = _expert_from_peft(np.asarray(value, np.float32), part, E, module,
+                                                               cfg.architecture)
 
 
 # the architectures whose HF modules fuse Kiln's projections
@@ -138,7 +210,8 @@ def _fused(weights: dict, rank: int) -> tuple[dict, dict]:
 
 def write_peft(path: str | Path, weights: dict, rank: int, alpha: float, use_rslora: bool, base_model: str,
                architecture: str | None = None) -> Path:
-    """Writes a PEFT LoRA adapter directory that transformers + peft and vLLM load."""
+    """Writes a PEFT LoRA adapter directory that transformers + peft and vLLM load (`architecture`:
+    the base model's, where its modules fuse Kiln's projections or interleave experts' columns)."""
     from safetensors.numpy import save_file
 
     path = Path(path)
@@ -150,6 +223,15 @@ def write_peft(path: str | Path, weights: dict, rank: int, alpha: float, use_rsl
         for module, n in counts.items():
             rank_pattern[module] = n * rank
             alpha_pattern[module] = alpha * (n ** 0.5 if use_rslora else n)
+    weights = dict(weights)
+    experts = [m for m in _EXPERT_PARAMETERS.values() if m in weights]  # PEFT's wrapping order
+    for depth, module in enumerate(reversed(experts)):
+        w = weights.pop(module)
+        for layer in range(w["a"].shape[0]):
+            prefix = f"base_model.model.model.layers.{layer}.mlp.experts" + ".base_layer" * depth
+            for part, suffix in (("a", "lora_A"), ("b", "lora_B")):
+                piece = _expert_to_peft(w[part][layer], part, module, architecture)
+                tensors[f"{prefix}.{suffix}.weight"] = np.ascontiguousarray(piece, np.float32)
     for module, w in weights.items():
         for layer in range(w["a"].shape[0]):
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
@@ -159,6 +241,7 @@ def write_peft(path: str | Path, weights: dict, rank: int, alpha: float, use_rsl
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": rank, "lora_alpha": alpha, "use_rslora": use_rslora, "target_modules": sorted(weights),
+        "target_parameters": [f"mlp.experts.{p}" for p, m in _EXPERT_PARAMETERS.items() if m in experts] or None,
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_dora": False,
         "modules_to_save": None, "layers_to_transform": None, "inference_mode": True, "init_lora_weights": True,
         "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,

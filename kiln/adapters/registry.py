@@ -24,7 +24,7 @@ from kiln.adapters import peft_io
 from kiln.adapters.manifest import BaseModelRef, Manifest, provenance, validate_name
 from kiln.adapters.store import AdapterStore, Artifact, load_weights, read_artifact
 from kiln.engine.client import AsyncEngine
-from kiln.engine.lora_slots import AdapterWeights
+from kiln.engine.lora_slots import AdapterWeights, slot_modules
 from kiln.errors import (
     AdapterNotFound,
     AdmissionRejected,
@@ -34,7 +34,7 @@ from kiln.errors import (
     RequestFailed,
 )
 from kiln.models.loader import LoadedModel
-from kiln.models.lora import TARGET_MODULES
+from kiln.models.lora import EXPERT_MODULES, TARGET_MODULES
 
 log = logging.getLogger("kiln.adapters")
 
@@ -46,8 +46,9 @@ def artifact_weights(artifact: Artifact, name: str | None = None) -> AdapterWeig
     return AdapterWeights(name or m.name, artifact.manifest_digest, load_weights(artifact), m.scale, m.rank)
 
 
-def check_fits(manifest: Manifest, model: LoadedModel, max_rank: int) -> None:
-    """An adapter serves only on the base weights it was made for, within the slots' rank and modules."""
+def check_fits(manifest: Manifest, model: LoadedModel, max_rank: int, modules=TARGET_MODULES) -> None:
+    """An adapter serves only on the base weights it was made for, within the slots' rank and
+    modules (`modules`: what the slots hold)."""
     if manifest.base_model.weights_digest != model.weights_digest:
         raise InvalidRequest(
             f"adapter {manifest.name!r} was made for base model {manifest.base_model.id!r} "
@@ -59,6 +60,10 @@ def check_fits(manifest: Manifest, model: LoadedModel, max_rank: int) -> None:
     unknown = set(manifest.target_modules) - set(TARGET_MODULES)
     if unknown:
         raise InvalidAdapter(f"adapter targets unsupported modules {sorted(unknown)}")
+    experts = sorted(set(manifest.target_modules) & set(EXPERT_MODULES) - set(modules))
+    if experts:
+        raise InvalidAdapter(f"adapter {manifest.name!r} adapts the experts ({', '.join(experts)}), which this "
+                             "server's adapter slots do not hold: set [adapters] lora_experts = true")
 
 
 def peft_artifact(name: str, path: str | Path, model: LoadedModel) -> tuple[Manifest, dict]:
@@ -74,11 +79,12 @@ def peft_artifact(name: str, path: str | Path, model: LoadedModel) -> tuple[Mani
     return manifest, weights
 
 
-def import_peft(store: AdapterStore, name: str, path: str | Path, model: LoadedModel, max_rank: int) -> Artifact:
+def import_peft(store: AdapterStore, name: str, path: str | Path, model: LoadedModel, max_rank: int,
+                modules=TARGET_MODULES) -> Artifact:
     """A PEFT adapter becomes a Kiln artifact in the store; one that cannot serve is refused
     before anything is written."""
     manifest, weights = peft_artifact(name, path, model)
-    check_fits(manifest, model, max_rank)
+    check_fits(manifest, model, max_rank, modules)
     try:
         return store.save(manifest, weights)
     except KilnError:
@@ -118,6 +124,7 @@ class AdapterRegistry:
         self.transitions_allowed = transitions_allowed
         self.model = engine.model
         self.max_rank = engine.config.max_lora_rank
+        self.modules = slot_modules(engine.config.lora_experts)  # what the engine's slots hold
         self._loaded: dict[str, LoadedAdapter] = {}
         self._admin = threading.Lock()  # loads and unloads run one at a time
         self._on_demand = threading.Lock()  # a name's first requests wait for one load
@@ -253,11 +260,11 @@ class AdapterRegistry:
                 raise AdapterNotFound(f"no adapter named {name!r} in the store {self.store.root}")
             source = "store"
         elif "://" not in path and peft_io.is_peft_dir(path):
-            return import_peft(self.store, name, path, self.model, self.max_rank), f"peft:{path}"
+            return import_peft(self.store, name, path, self.model, self.max_rank, self.modules), f"peft:{path}"
         else:
             try:
                 artifact, source = read_artifact(path), path
             except OSError as exc:
                 raise InvalidAdapter(f"cannot read {path}: {exc.strerror or exc}") from None
-        check_fits(artifact.manifest, self.model, self.max_rank)
+        check_fits(artifact.manifest, self.model, self.max_rank, self.modules)
         return artifact, source

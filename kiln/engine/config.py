@@ -25,6 +25,7 @@ class EngineConfig:
     seed: int = setting_default("engine.seed")
     max_loras: int = setting_default("adapters.max_loras")
     max_lora_rank: int = setting_default("adapters.max_lora_rank")
+    lora_experts: bool = setting_default("adapters.lora_experts")  # slots hold a mixture's experts' LoRA too
     allow_live_compile: bool = True  # the serving profile's live_graph_capture
     resident_prefill: bool = False  # the serving profile's vulkan_resident_prefill (experimental only)
     inject_device_loss_after_steps: int = setting_default("debug.inject_device_loss_after_steps")  # 0: never
@@ -41,6 +42,7 @@ class EngineConfig:
             prefill_token_buckets=tuple(e.prefill_token_buckets), kv_events_endpoint=e.kv_events_endpoint,
             kv_events_replay_endpoint=e.kv_events_replay_endpoint, kv_events_encoding=e.kv_events_encoding,
             seed=e.seed, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
+            lora_experts=a.lora_experts,
             allow_live_compile=settings.serving_profile.policy.live_graph_capture,
             resident_prefill=settings.serving_profile.policy.vulkan_resident_prefill,
             inject_device_loss_after_steps=settings.debug.inject_device_loss_after_steps,

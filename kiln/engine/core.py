@@ -66,7 +66,8 @@ class EngineCore:
         cfg = model.config
         self.ownership = Ownership()
         # adapter slots first: an accelerator's pool is sized from what is free after them
-        self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype)
+        self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype,
+                                    config.lora_experts)
         self.kv_pool = size_pool(cfg, config, model.dtype, config.max_model_len or cfg.max_position_embeddings,
                                  on_host=backend.is_iree)
         log.info("KV pool: %d blocks of %d tokens, %.0f MiB (%s)", self.kv_pool.blocks, config.block_size,

@@ -17,7 +17,7 @@ import numpy as np
 
 from kiln.engine.ownership import Ownership
 from kiln.models.config import ModelConfig
-from kiln.models.lora import TARGET_MODULES, clear_slot, empty_lora_state, set_slot
+from kiln.models.lora import EXPERT_MODULES, TARGET_MODULES, clear_slot, empty_lora_state, set_slot
 
 
 @dataclasses.dataclass(eq=False)
@@ -26,7 +26,7 @@ class AdapterWeights:
 
     name: str
     version: str  # identifies the weights (the manifest digest)
-    weights: dict[str, dict[str, np.ndarray]]  # {module: {"a": [L, in, r], "b": [L, r, out]}}
+    weights: dict[str, dict[str, np.ndarray]]  # {module: {"a": [L, (E,) in, r], "b": [L, (E,) r, out]}}
     scale: float
     rank: int
     retired: bool = False  # unloaded or replaced: no new request may select it
@@ -44,9 +44,16 @@ class _Slot:
     last_used: int = 0
 
 
+def slot_modules(experts: bool) -> tuple[str, ...]:
+    """The modules slots hold: a mixture's experts only where `[adapters] lora_experts` says."""
+    return TARGET_MODULES if experts else tuple(m for m in TARGET_MODULES if m not in EXPERT_MODULES)
+
+
 class LoraSlots:
-    def __init__(self, cfg: ModelConfig, n_slots: int, max_rank: int, ownership: Ownership, dtype="float32"):
+    def __init__(self, cfg: ModelConfig, n_slots: int, max_rank: int, ownership: Ownership, dtype="float32",
+                 experts: bool = False):
         self.cfg, self.n_slots, self.max_rank, self.dtype = cfg, n_slots, max_rank, dtype
+        self.modules = slot_modules(experts)
         self.ownership = ownership
         self.state: dict | None = None  # allocated on the first load
         self.slots: list[_Slot | None] = [None] * n_slots  # index i is slot i + 1
@@ -57,14 +64,14 @@ class LoraSlots:
     def ensure_state(self) -> dict:
         """The stacked slot arrays, allocated (all zero) on first need."""
         if self.state is None:
-            self.state = empty_lora_state(self.cfg, self.n_slots, self.max_rank, TARGET_MODULES, self.dtype)
+            self.state = empty_lora_state(self.cfg, self.n_slots, self.max_rank, self.modules, self.dtype)
         return self.state
 
     def abstract_state(self):
         """The slot arrays' shapes and dtypes, without allocating them (what a compile needs)."""
         if self.state is not None:
             return self.state
-        return jax.eval_shape(lambda: empty_lora_state(self.cfg, self.n_slots, self.max_rank, TARGET_MODULES,
+        return jax.eval_shape(lambda: empty_lora_state(self.cfg, self.n_slots, self.max_rank, self.modules,
                                                        self.dtype))
 
     def _find(self, adapter: AdapterWeights) -> int | None:

@@ -56,7 +56,7 @@ from kiln.engine.steps import (
 from kiln.errors import BackendCannotRun, GraphCaptureDisabled, RequestFailed
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, init_kv_cache, table_width
-from kiln.models.lora import module_shapes
+from kiln.models.lora import EXPERT_MODULES, module_shapes
 
 __all__ = ["COUNTER", "Runner", "SamplerKey", "StepBucket"]
 
@@ -140,7 +140,7 @@ class Runner:
         self.device_loss = DeviceLossInjector(config.inject_device_loss_after_steps)  # [debug] fault injection
         self._install_lock = threading.Lock()
         self._gate_lock = threading.Lock()
-        layer_params = sum(i * o for i, o in module_shapes(cfg).values())
+        layer_params = sum(i * o for m, (i, o) in module_shapes(cfg).items() if m not in EXPERT_MODULES)
         if cfg.num_experts:  # the router and the token's experts
             experts = 3 * cfg.experts_per_token * cfg.expert_intermediate_size
             layer_params += cfg.hidden_size * (cfg.num_experts + experts)

@@ -103,6 +103,7 @@ def _store_models(engine, settings: Settings):
     """Model names as this process serves them: the base model, or an adapter from the store."""
     from kiln.adapters.registry import artifact_weights, check_fits
     from kiln.adapters.store import AdapterStore
+    from kiln.engine.lora_slots import slot_modules
     from kiln.errors import NotFound
 
     store, loaded = AdapterStore(settings.adapter_store()), {}
@@ -116,7 +117,8 @@ def _store_models(engine, settings: Settings):
                 raise NotFound(f"The model `{name}` does not exist: it is neither the base model "
                                f"({engine.model.model_id}) nor an adapter in {store.root}", code="model_not_found",
                                param="model")
-            check_fits(artifact.manifest, engine.model, engine.config.max_lora_rank)
+            check_fits(artifact.manifest, engine.model, engine.config.max_lora_rank,
+                       slot_modules(engine.config.lora_experts))
             loaded[name] = SimpleNamespace(weights=artifact_weights(artifact, name))
         return loaded[name]
 

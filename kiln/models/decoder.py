@@ -317,7 +317,8 @@ def route(x: jax.Array, layer: dict, cfg: ModelConfig) -> tuple[jax.Array, jax.A
     return weights, chosen
 
 
-def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, loops: bool = False) -> jax.Array:
+def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, loops: bool = False, lora: dict | None = None,
+                token_weight: jax.Array | None = None) -> jax.Array:
     """A mixture of experts over x [T, hidden]: each token's top-k experts by the router's softmax
     (renormalized where the config says), run as grouped matmuls over the T*k (token, expert)
     pairs sorted by expert (each expert multiplies only its own tokens), and summed back per token
@@ -325,7 +326,11 @@ def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, loops: bool = False
 
     The grouped matmul is `lax.ragged_dot`, which XLA:CPU runs as every expert over every pair. With
     `loops` (serving on the CPU; not differentiable) fewer pairs than experts multiply by their own
-    experts' weights, gathered, and more run as `looped_grouped_matmul`."""
+    experts' weights, gathered, and more run as `looped_grouped_matmul`.
+
+    `lora`: the layer's adapter slots (see `lora.py`), of which the experts' modules apply here,
+    each pair weighed by its token's `token_weight` [T, G]: the G slots fold into the rank, so an
+    expert's LoRA is two more grouped matmuls (x @ A [E, in, G*r], masked to the token's slot, @ B)."""
     T, K, E = x.shape[0], cfg.experts_per_token, cfg.num_experts
     weights, chosen = route(x, layer, cfg)
     order = jnp.argsort(chosen.reshape(-1), stable=True)  # the pairs grouped by expert
@@ -334,25 +339,47 @@ def experts_mlp(x: jax.Array, layer: dict, cfg: ModelConfig, loops: bool = False
     per_pair = loops and T * K < E
     expert = chosen.reshape(-1)[order] if cfg.expert_bias or per_pair else None  # each pair's expert
 
-    def grouped(a, name):
-        w = layer[name]
+    def grouped(a, w):
         if per_pair:
-            out = jnp.einsum("pi,pio->po", a.astype(w.dtype), w[expert], preferred_element_type=jnp.float32)
-        elif loops:
-            out = looped_grouped_matmul(a.astype(w.dtype), w, sizes)
-        else:
-            out = jax.lax.ragged_dot(a.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32)
+            return jnp.einsum("pi,pio->po", a.astype(w.dtype), w[expert], preferred_element_type=jnp.float32)
+        if loops:
+            return looped_grouped_matmul(a.astype(w.dtype), w, sizes)
+        return jax.lax.ragged_dot(a.astype(w.dtype), w, sizes, preferred_element_type=jnp.float32)
+
+    def adapted(a, module):
+        """The pairs' LoRA delta of an experts' module, or None where no slot adapts it."""
+        if lora is None or module not in lora:
+            return None
+        w = lora[module]  # a [G, E, in, r], b [G, E, r, out]
+        G, _, fan_in, r = w["a"].shape
+        a_folded = jnp.moveaxis(w["a"], 0, 2).reshape(E, fan_in, G * r)
+        b_folded = jnp.moveaxis(w["b"], 0, 1).reshape(E, G * r, w["b"].shape[-1])
+        xa = grouped(a, a_folded) * jnp.repeat(token_weight[token].astype(jnp.float32), r, axis=1)
+        return grouped(xa, b_folded)
+
+    def biased(out, name):
         return out + layer[name + "_bias"][expert] if cfg.expert_bias else out
 
     xs = x[token]
-    gate = grouped(xs, "experts_gate")
+    delta = adapted(xs, "experts_gate_up")  # gate's width, then up's
+    width = layer["experts_gate"].shape[-1]
+
+    def projected(name, part):
+        out = grouped(xs, layer[name])
+        return biased(out if delta is None else out + delta[:, part], name)
+
+    gate = projected("experts_gate", slice(None, width))
     if cfg.hidden_act == "gpt_oss":  # clamped, and (up + 1) times the gate's swish with a slope
         gate = jnp.minimum(gate, cfg.swiglu_limit)
-        up = jnp.clip(grouped(xs, "experts_up"), -cfg.swiglu_limit, cfg.swiglu_limit)
+        up = jnp.clip(projected("experts_up", slice(width, None)), -cfg.swiglu_limit, cfg.swiglu_limit)
         hidden = (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
     else:
-        hidden = _activation(gate, cfg) * grouped(xs, "experts_up")
-    y = grouped(hidden, "experts_down") * weights.reshape(-1)[order][:, None]
+        hidden = _activation(gate, cfg) * projected("experts_up", slice(width, None))
+    down = grouped(hidden, layer["experts_down"])
+    delta = adapted(hidden, "experts_down")
+    if delta is not None:
+        down = down + delta
+    y = biased(down, "experts_down") * weights.reshape(-1)[order][:, None]
     out = jnp.zeros((T, x.shape[1]), jnp.float32).at[token].add(y)
     if cfg.shared_expert_intermediate_size:  # every token's shared expert, gated by a sigmoid of its own
         shared = matmul(_activation(matmul(x, layer["shared_gate"]), cfg) * matmul(x, layer["shared_up"]),
@@ -404,7 +431,7 @@ def forward_hidden(
     tables = rope.layer_tables(cfg, inputs.positions)
     token_weight = None if lora is None else slot_weights(lora, inputs.adapters, h.dtype)
     # a mixture's experts: loops over them on the CPU, where ragged_dot runs every expert on every pair
-    experts = functools.partial(experts_mlp, loops=True) if cfg.num_experts and jax.default_backend() == "cpu" else None
+    loops = jax.default_backend() == "cpu"
 
     def layer_fn(carry, xs):
         h, k_all, v_all, idx = carry
@@ -419,6 +446,7 @@ def forward_hidden(
                                   sliding, layer.get("sinks")), (k_pool, v_pool)
 
         proj = lambda x, name: project(x, layer, lora_layer, name, token_weight)  # noqa: E731
+        experts = functools.partial(experts_mlp, loops=loops, lora=lora_layer, token_weight=token_weight)
         h, (k_all, v_all) = decoder_layer(h, layer, proj, tables, paged_attention, cfg, experts)
         return (h, k_all, v_all, idx + 1), None
 

@@ -18,9 +18,17 @@ import numpy as np
 
 from kiln.models import rope
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import (decoder_layer, embed_tokens, experts_mlp, logits, matmul, rms_norm, router_top_k,
-                                 softcap)
-from kiln.models.lora import TARGET_MODULES, lora_delta, module_shapes
+from kiln.models.decoder import (
+    decoder_layer,
+    embed_tokens,
+    experts_mlp,
+    logits,
+    matmul,
+    rms_norm,
+    router_top_k,
+    softcap,
+)
+from kiln.models.lora import TARGET_MODULES, experts_axis, lora_delta, module_shapes
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives uniform weights, never NaN
 
@@ -35,9 +43,10 @@ def init_lora(cfg: ModelConfig, rank: int, modules=TARGET_MODULES, seed: int = 0
         if module not in shapes:  # e.g. the MLP's projections of a mixture of experts
             continue
         fan_in, fan_out = shapes[module]
+        lead = (cfg.num_layers, *experts_axis(cfg, module))  # an expert's A as PEFT initialises each
         bound = 1.0 / math.sqrt(fan_in)
-        a = jax.random.uniform(jax.random.fold_in(key, i), (cfg.num_layers, fan_in, rank), jnp.float32, -bound, bound)
-        params[module] = {"a": a, "b": jnp.zeros((cfg.num_layers, rank, fan_out), jnp.float32)}
+        a = jax.random.uniform(jax.random.fold_in(key, i), (*lead, fan_in, rank), jnp.float32, -bound, bound)
+        params[module] = {"a": a, "b": jnp.zeros((*lead, rank, fan_out), jnp.float32)}
     return params
 
 
@@ -117,10 +126,11 @@ def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerCo
     seen = []
 
     def experts(x, layer, cfg):
-        seen.append(router_statistics(x, layer, ctx.valid, cfg))
-        return experts_mlp(x, layer, cfg)
+        if router_stats:
+            seen.append(router_statistics(x, layer, ctx.valid, cfg))
+        return experts_mlp(x, layer, cfg, lora=lora_g1, token_weight=ctx.token_weight)
 
-    h = decoder_layer(h, layer, proj, ctx.tables, attend, cfg, experts if router_stats else None)[0]
+    h = decoder_layer(h, layer, proj, ctx.tables, attend, cfg, experts)[0]
     return (h, seen[0]) if router_stats else h
 
 

@@ -48,6 +48,7 @@ from kiln.engine.params import SamplingParams
 from kiln.graders.engine_judge import base_model_judge
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits as lm_logits
+from kiln.models.lora import EXPERT_MODULES
 from kiln.train import losses
 from kiln.train.artifact import default_adapter_name
 from kiln.train.data import bucket, length_buckets
@@ -302,6 +303,10 @@ class GRPORun(LoraRun):
         if config.lora_rank > engine.config.max_lora_rank or engine.config.max_loras < 1:
             raise ValueError(f"the engine's LoRA slots (max_lora_rank {engine.config.max_lora_rank}) cannot hold "
                              f"a rank-{config.lora_rank} policy")
+        experts = [m for m in config.target_modules if m in EXPERT_MODULES]
+        if experts and engine.model.config.num_experts and not engine.config.lora_experts:
+            raise ValueError(f"the policy adapts the experts ({', '.join(experts)}), which the engine's LoRA slots do "
+                             "not hold: set [adapters] lora_experts = true")
         self.engine, self.config, self.name = engine, config, name
         self.model = engine.model
         self.params, self.cfg = self.model.params, self.model.config
@@ -612,7 +617,9 @@ def train_policy(make_run, data, name: str, config: GRPOConfig, *, model, engine
         model = resolve_model(model, settings, progress)
         engine_config = EngineConfig.from_settings(settings)
         engine_config = dataclasses.replace(engine_config, max_loras=max(engine_config.max_loras, 1),
-                                            max_lora_rank=max(engine_config.max_lora_rank, config.lora_rank))
+                                            max_lora_rank=max(engine_config.max_lora_rank, config.lora_rank),
+                                            lora_experts=engine_config.lora_experts
+                                            or any(m in EXPERT_MODULES for m in config.target_modules))
         engine = AsyncEngine(model, engine_config)
     try:
         data = _as_source(data)

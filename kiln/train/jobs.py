@@ -37,7 +37,7 @@ from kiln.engine.faults import as_device_lost, is_device_loss
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.errors import AdmissionRejected, DataError, InvalidRequest, KilnError, NotFound
 from kiln.eval.gate import Gate, GateResult, GateSpec, GateStopped, parse_gate
-from kiln.models.lora import TARGET_MODULES
+from kiln.models.lora import EXPERT_MODULES, TARGET_MODULES
 from kiln.train import memory
 from kiln.train.agent_grpo import AgentGRPORun
 from kiln.train.data import encode_prompt, load_examples, load_prompts
@@ -290,6 +290,11 @@ class JobManager:
         if not isinstance(modules, list) or not modules or any(m not in TARGET_MODULES for m in modules):
             raise InvalidRequest(f"kiln.lora.target_modules must be a non-empty list of {', '.join(TARGET_MODULES)}",
                                  code="invalid_hyperparameter", param="kiln.lora.target_modules")
+        experts = [m for m in modules if m in EXPERT_MODULES]
+        if experts and self.engine.model.config.num_experts and not self.engine.config.lora_experts:
+            raise InvalidRequest(f"kiln.lora.target_modules adapts the experts ({', '.join(experts)}), which this "
+                                 "server's adapter slots do not hold, so the result could not serve: set [adapters] "
+                                 "lora_experts = true", code="invalid_hyperparameter", param="kiln.lora.target_modules")
         base_lr = _choose(kiln.get("learning_rate"), defaults.learning_rate, float, 1e-9, 1.0, "kiln.learning_rate")
         max_seq_len = _choose(kiln.get("max_seq_len"), sft_defaults.max_seq_len, int, 8, 1 << 20, "kiln.max_seq_len")
         checkpoint_every = _choose(kiln.get("checkpoint_every"), self.settings.train.checkpoint_every, int, 1, 1 << 30,

@@ -14,7 +14,7 @@ import jax
 from kiln.engine.host_memory import free_bytes
 from kiln.errors import InsufficientMemory
 from kiln.models.config import ModelConfig
-from kiln.models.lora import module_shapes
+from kiln.models.lora import module_params, module_shapes
 
 F32 = 4
 
@@ -37,7 +37,7 @@ def available_bytes(budget_setting: int = 0) -> tuple[int, str]:
 def lora_bytes(cfg: ModelConfig, rank: int, modules) -> int:
     """float32 LoRA params of one adapter of this rank on these modules."""
     shapes = module_shapes(cfg)
-    return F32 * cfg.num_layers * sum(rank * (shapes[m][0] + shapes[m][1]) for m in modules if m in shapes)
+    return F32 * cfg.num_layers * sum(module_params(cfg, m, rank) for m in modules if m in shapes)
 
 
 def activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, remat: bool) -> int:

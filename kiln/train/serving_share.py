@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kiln.engine.lora_slots import slot_modules
 from kiln.errors import InsufficientMemory
-from kiln.models.lora import TARGET_MODULES
 from kiln.train import memory
 
 KV_SHRINK_ATTEMPTS = 1200  # every 0.5 s: ten minutes for running requests to release KV blocks
@@ -20,7 +20,8 @@ class ServingShare:
         self.kv_block_bytes = engine.kv_block_bytes
         self._fixed_bytes = {"weights": memory.tree_bytes(engine.model.params),
                              "adapter_slots": engine.config.max_loras * memory.lora_bytes(
-                                 engine.model.config, engine.config.max_lora_rank, TARGET_MODULES)}
+                                 engine.model.config, engine.config.max_lora_rank,
+                                 slot_modules(engine.config.lora_experts))}
 
     @property
     def serving_bytes(self) -> dict:

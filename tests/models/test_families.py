@@ -51,6 +51,63 @@ def test_served_greedy_tokens_equal_transformers(variant, tiny_model, kiln_cache
         assert ids == reference_greedy(hf, p, new)
 
 
+@pytest.mark.parametrize("variant", ["qwen3-moe", "gpt-oss"])
+def test_adapted_experts_serve_as_peft_runs_them(variant, tiny_model, kiln_cache, tmp_path):
+    """Two PEFT adapters on a mixture's experts (target_parameters) and attention, served in one
+    batch beside the base model from slots that hold experts (`[adapters] lora_experts`): each
+    row's greedy tokens equal transformers + peft's, single rows (each pair its own expert's
+    weights) and the batch (the experts' loop) alike. A server whose slots hold no experts refuses
+    such an adapter by name."""
+    from peft_adapters import EXPERT_PARAMETERS, make_peft_adapter
+
+    from kiln.adapters import peft_io
+    from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
+    from kiln.adapters.registry import check_fits
+    from kiln.engine.lora_slots import AdapterWeights, slot_modules
+    from kiln.errors import InvalidAdapter
+
+    hf = make_hf_model(variant, vocab_size=260, seed=11)
+    model = load_model(served_hf_dir(variant, tmp_path / variant, kiln_cache, seed=11), show_progress=False)
+    references, adapters = [hf], [None]
+    for seed in (1, 2):
+        path = tmp_path / f"adapter-{seed}"
+        references.append(make_peft_adapter(hf, path, rank=4, alpha=8.0, seed=seed, modules=["q_proj", "v_proj"],
+                                            parameters=EXPERT_PARAMETERS))
+        weights, info = peft_io.read_peft(path, model.config)
+        assert sorted(weights) == ["experts_down", "experts_gate_up", "q_proj", "v_proj"]
+        adapters.append(AdapterWeights(f"adapter-{seed}", "v1", weights, info["alpha"] / info["rank"], 4))
+    rng = np.random.RandomState(8)
+    prompts = [list(rng.randint(3, 250, size=n)) for n in (9, 30, 17)]
+    new = 12
+    expected = [reference_greedy(ref, p, new) for ref, p in zip(references, prompts, strict=True)]
+    engine = AsyncEngine(model, EngineConfig(**SMALL, max_loras=2, max_lora_rank=4, lora_experts=True))
+    try:
+        greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+
+        async def one(i, p, adapter):
+            ids = []
+            async for d in engine.generate(f"{variant}-{i}-{random.random()}", p, greedy, adapter=adapter):
+                ids += d.token_ids
+            return ids
+
+        async def together():
+            return await asyncio.gather(*(one(i, p, a) for i, (p, a) in enumerate(zip(prompts, adapters,
+                                                                                      strict=True))))
+
+        alone = [asyncio.run(one(i, p, a)) for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))]
+        batched = asyncio.run(together())
+    finally:
+        engine.shutdown()
+    assert alone == expected and batched == expected
+    assert len({tuple(e) for e in expected}) == 3  # the adapters change the tokens
+    manifest = Manifest(name="experts", base_model=BaseModelRef(model.model_id, model.weights_digest, ""), rank=4,
+                        alpha=8.0, target_modules=["q_proj", "experts_gate_up"], weights_digest="",
+                        provenance=provenance("import:peft"))
+    check_fits(manifest, model, 16, slot_modules(True))
+    with pytest.raises(InvalidAdapter, match=r"adapts the experts \(experts_gate_up\).*lora_experts = true"):
+        check_fits(manifest, model, 16, slot_modules(False))
+
+
 def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens from transformers' forward, one cached call per token. (Its `generate` drifts
     from its own forward by about 2e-3 in the logits a few tokens after LongRoPE switches to the
@@ -67,8 +124,9 @@ def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def test_sft_on_a_mixture_of_experts_lowers_its_loss_and_exports_to_peft(tiny_model, kiln_cache, tmp_path):
-    """LoRA on a tiny Qwen3-MoE's attention learns a fixed reply; the adapter, exported to PEFT,
-    gives transformers + peft the logits Kiln's training forward gives."""
+    """LoRA on a tiny Qwen3-MoE's attention and experts learns a fixed reply; the adapter, exported
+    to PEFT (the experts as target_parameters), gives transformers + peft the logits Kiln's training
+    forward gives."""
     import json
 
     from peft import PeftModel
@@ -87,13 +145,16 @@ def test_sft_on_a_mixture_of_experts_lowers_its_loss_and_exports_to_peft(tiny_mo
                                for q in ["hello", "ping", "who are you", "2+2", "bye", "a colour?"]))
     result = sft(str(train), "moe-adapter", model=model, store=AdapterStore(tmp_path / "store"), progress=False,
                  config=SFTConfig(lora_rank=8, lora_alpha=16.0, learning_rate=1e-2, n_epochs=10, batch_size=3,
-                                  max_seq_len=64))
+                                  max_seq_len=64, target_modules=("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                  "experts_gate_up", "experts_down")))
     losses = [h["train_loss"] for h in result.history]
     assert losses[-1] < 0.3 * losses[0]
     weights = load_weights(result.artifact)
-    assert sorted(weights) == ["k_proj", "o_proj", "q_proj", "v_proj"]  # attention: the experts stay frozen
+    assert sorted(weights) == ["experts_down", "experts_gate_up", "k_proj", "o_proj", "q_proj", "v_proj"]
+    assert np.abs(weights["experts_down"]["b"]).max() > 0  # the experts learned too
     m = result.artifact.manifest
-    out = peft_io.write_peft(tmp_path / "peft", weights, m.rank, m.alpha, m.use_rslora, m.base_model.id)
+    out = peft_io.write_peft(tmp_path / "peft", weights, m.rank, m.alpha, m.use_rslora, m.base_model.id,
+                             m.base_model.architecture)
     reference = PeftModel.from_pretrained(make_hf_model("qwen3-moe", vocab_size=260, seed=3, initializer_range=0.25),
                                           str(out)).eval()
     ids = [5, 80, 13, 200, 7, 44, 101]

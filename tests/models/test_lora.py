@@ -9,7 +9,7 @@ from tiny_models import make_hf_model, save_hf_model
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.hf_loader import load_hf_dir
-from kiln.models.lora import TARGET_MODULES, empty_lora_state, module_shapes, set_slot
+from kiln.models.lora import empty_lora_state, module_shapes, set_slot
 
 BLOCK = 16
 
@@ -49,7 +49,7 @@ def run(cfg, params, rows, lora=None):
 def test_rows_with_different_adapters_equal_merged_weights(model):
     cfg, params = model
     adapters = {
-        1: (random_adapter(cfg, 4, TARGET_MODULES, seed=1), 2.0),  # rank below the slot rank
+        1: (random_adapter(cfg, 4, list(module_shapes(cfg)), seed=1), 2.0),  # rank below the slot rank
         2: (random_adapter(cfg, 8, ("q_proj", "v_proj", "down_proj"), seed=2), 0.5),
     }
     state = empty_lora_state(cfg, n_slots=3, rank=8)

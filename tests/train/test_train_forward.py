@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import jit_forward
-from peft_adapters import ALL_MODULES, make_peft_adapter
+from peft_adapters import ALL_MODULES, EXPERT_PARAMETERS, make_peft_adapter
 from tiny_models import make_hf_model, save_hf_model
 
 from kiln.adapters import peft_io
@@ -22,6 +22,7 @@ from kiln.train.forward import forward_logits
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope", "gemma2", "gemma3", "mixtral",
                  "qwen2-moe", "qwen3-moe", "gpt-oss"]
+MIXTURES = ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss")
 # Phi-3's PEFT adapters target its fused projections; Kiln reads each as one adapter per part.
 FUSED_MODULES = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 FUSED = {suffix.split(".")[1]: parts for suffix, parts in FUSED_TENSORS.items()}
@@ -50,9 +51,11 @@ def with_peft_adapter(variant, root):
     hf = make_hf_model(variant, seed=5)
     cfg, params, _ = load_hf_dir(save_hf_model(hf, root / "model"), np.float32, show_progress=False)
     modules = FUSED_MODULES if variant.startswith("phi3") else ALL_MODULES
-    if variant in ("mixtral", "qwen2-moe", "qwen3-moe", "gpt-oss"):  # LoRA on a mixture of experts: attention
-        modules = ALL_MODULES[:4]
-    peft_model = make_peft_adapter(hf, root / "adapter", rank=4, alpha=8.0, seed=7, modules=modules)
+    parameters = None
+    if variant in MIXTURES:  # LoRA on a mixture of experts: attention and every expert
+        modules, parameters = ALL_MODULES[:4], EXPERT_PARAMETERS
+    peft_model = make_peft_adapter(hf, root / "adapter", rank=4, alpha=8.0, seed=7, modules=modules,
+                                   parameters=parameters)
     weights, info = peft_io.read_peft(root / "adapter", cfg)
     lora = jax.tree.map(jnp.asarray, weights)
     return variant, cfg, params, peft_model, lora, info["alpha"] / info["rank"]
@@ -72,21 +75,41 @@ def torch_loss_and_grads(peft_model, tokens, valid, targets, mask, router_aux_lo
     loss.backward()
     grads = {}
     for name, p in peft_model.named_parameters():
-        if "lora_" in name:
+        if ".mlp.experts." in name and "lora_" in name:  # PEFT's layout, keyed as its files are
+            grads.setdefault("experts", {})[name.replace(".default", "")] = p.grad.numpy()
+        elif "lora_" in name:
             layer = int(name.split(".layers.")[1].split(".")[0])
             module = name.split(".lora_")[0].rsplit(".", 1)[1]
             part = "a" if ".lora_A." in name else "b"
             grads.setdefault(module, {}).setdefault(part, {})[layer] = p.grad.numpy().T
     peft_model.eval()
+    experts = grads.pop("experts", {})
     return float(loss.detach()), {m: {k: np.stack([v[i] for i in sorted(v)]) for k, v in parts.items()}
-                         for m, parts in grads.items()}
+                                  for m, parts in grads.items()} | ({"experts": experts} if experts else {})
 
 
-def test_lora_gradients_equal_torch_peft(arch):
-    """Stacked layers (scan) on every architecture; on llama also unrolled, with and without remat."""
+def assert_expert_grads_equal(grads: dict, ref: dict, cfg, tmp_path, variant):
+    """Kiln's expert gradients, written in PEFT's layout as an adapter's weights would be, equal
+    torch's per PEFT tensor."""
+    from safetensors.numpy import load_file
+
+    experts = {m: jax.tree.map(np.asarray, grads[m]) for m in ("experts_gate_up", "experts_down")}
+    out = peft_io.write_peft(tmp_path / "grads", experts, 4, 8.0, False, "", cfg.architecture)
+    written = load_file(str(out / peft_io.WEIGHTS))
+    assert set(written) == set(ref), (sorted(written), sorted(ref))
+    for key, want in ref.items():
+        rel = np.linalg.norm(written[key] - want) / np.linalg.norm(want)
+        assert rel <= 1e-4, (variant, key, rel)
+
+
+def test_lora_gradients_equal_torch_peft(arch, tmp_path):
+    """Stacked layers (scan) on every architecture; on llama also unrolled, with and without remat;
+    a mixture's experts through PEFT's target_parameters."""
     variant, cfg, stacked, peft_model, lora, scale = arch
     tokens, valid, targets, mask = right_padded([11, 7, 9], cfg.vocab_size)
     ref_loss, ref_grads = torch_loss_and_grads(peft_model, tokens, valid, targets, mask)
+    ref_experts = ref_grads.pop("experts", None)
+    assert (ref_experts is not None) == (variant in MIXTURES)
     layouts = [(stacked, False)] + [(unstack_layers(stacked), r) for r in (False, True)] * (variant == "llama")
     for params, remat in layouts:
 
@@ -96,6 +119,9 @@ def test_lora_gradients_equal_torch_peft(arch):
 
         loss, grads = jax.jit(jax.value_and_grad(loss_fn))(lora)
         assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+        if ref_experts is not None:
+            assert_expert_grads_equal(grads, ref_experts, cfg, tmp_path, variant)
+            grads = {m: g for m, g in grads.items() if not m.startswith("experts_")}
         assert set(grads) == {p for module in ref_grads for p in FUSED.get(module, (module,))}
         for module, parts in ref_grads.items():
             split = FUSED.get(module, (module,))  # a fused module's parts share its A and split its B
@@ -127,6 +153,7 @@ def test_router_aux_loss_and_its_gradients_equal_transformers_peft(variant, tmp_
 
     loss, grads = jax.jit(jax.value_and_grad(loss_fn))(lora)
     assert float(loss) == pytest.approx(ref_loss, rel=1e-5)
+    assert_expert_grads_equal(grads, ref_grads.pop("experts"), cfg, tmp_path, variant)
     for module, parts in ref_grads.items():
         for part, ref in parts.items():
             rel = np.linalg.norm(np.asarray(grads[module][part]) - ref) / np.linalg.norm(ref)
