@@ -7,7 +7,11 @@ alike, and the median per configuration is reported. "1 adapter, 16 slots" repea
 one-adapter batch with four times the slots: LoRA work follows the adapters in the batch,
 not the number of slots.
 
-    python bench/lora_decode.py [--rows 32] [--rank 16] [--steps 8] [--rounds 5]
+On a mixture of experts (`--model` a HF directory, e.g. one `bench/random_model.py` wrote) the
+adapters also adapt every expert (`experts_gate_up`, `experts_down`; peft's target_parameters),
+so the table is the cost of LoRA on experts.
+
+    python bench/lora_decode.py [--rows 32] [--rank 16] [--steps 8] [--rounds 5] [--model DIR]
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kiln.engine.request import Request
 from kiln.engine.runner import Runner
 from kiln.engine.step_types import Batch
 from kiln.models.loader import default_model_path, load_model
-from kiln.models.lora import TARGET_MODULES, module_shapes
+from kiln.models.lora import EXPERT_MODULES, experts_axis, module_shapes
 
 CONTEXT = 60
 BLOCK = 16
@@ -38,8 +42,8 @@ CONFIGS = {"no adapter": (0, 4), "1 adapter": (1, 4), "4 adapters": (4, 4), "1 a
 
 def random_adapter(cfg, rank: int, seed: int) -> dict:
     rng = np.random.RandomState(seed)
-    return {m: {"a": (0.02 * rng.randn(cfg.num_layers, i, rank)).astype(np.float32),
-                "b": (0.02 * rng.randn(cfg.num_layers, rank, o)).astype(np.float32)}
+    return {m: {"a": (0.02 * rng.randn(cfg.num_layers, *experts_axis(cfg, m), i, rank)).astype(np.float32),
+                "b": (0.02 * rng.randn(cfg.num_layers, *experts_axis(cfg, m), rank, o)).astype(np.float32)}
             for m, (i, o) in module_shapes(cfg).items()}
 
 
@@ -55,7 +59,7 @@ def kiln_decode(model, rank: int, rows: int, steps: int, rounds: int) -> dict[st
                           decode_row_buckets=(rows,), prefill_token_buckets=(rows,))
     runners = {}
     for n_slots in {slots for _, slots in CONFIGS.values()}:
-        slots = LoraSlots(cfg, n_slots, rank, Ownership())
+        slots = LoraSlots(cfg, n_slots, rank, Ownership(), experts=True)
         for i in range(4):
             slots.acquire(AdapterWeights(f"a{i}", f"v{i}", random_adapter(cfg, rank, i), 2.0, rank))
         runners[n_slots] = Runner(cfg, model.params, config, blocks_per_row * BLOCK, (), slots)
@@ -92,17 +96,25 @@ def kiln_decode(model, rank: int, rows: int, steps: int, rounds: int) -> dict[st
     return {name: rows * steps / statistics.median(ts) for name, ts in times.items()}
 
 
-def hf_decode(model, rank: int, rows: int, steps: int, rounds: int) -> dict[str, float]:
+def hf_decode(model, rank: int, rows: int, steps: int, rounds: int, model_dir: str | None) -> dict[str, float]:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    path = default_model_path()
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    peft_model = get_peft_model(hf, LoraConfig(r=rank, lora_alpha=2.0 * rank, target_modules=list(TARGET_MODULES)),
-                                adapter_name="a0")
+    if model_dir:
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    else:
+        path = default_model_path()
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    modules = [m for m in module_shapes(model.config) if m not in EXPERT_MODULES]
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if model.config.num_experts else None
+
+    def config():
+        return LoraConfig(r=rank, lora_alpha=2.0 * rank, target_modules=modules, target_parameters=experts)
+
+    peft_model = get_peft_model(hf, config(), adapter_name="a0")
     for i in range(1, 4):
-        peft_model.add_adapter(f"a{i}", LoraConfig(r=rank, lora_alpha=2.0 * rank, target_modules=list(TARGET_MODULES)))
+        peft_model.add_adapter(f"a{i}", config())
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
@@ -135,13 +147,14 @@ def main():
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed run")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--model", help="a HF model directory (default: the default model)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory():
-        model = load_model(show_progress=False)
+        model = load_model(args.model, show_progress=False)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} float32; {args.rows} rows, "
-          f"rank {args.rank} on all 7 projections, context {CONTEXT}")
+          f"rank {args.rank} on {', '.join(module_shapes(model.config))}, context {CONTEXT}")
     kiln = kiln_decode(model, args.rank, args.rows, args.steps, args.rounds)
-    hf = None if args.skip_hf else hf_decode(model, args.rank, args.rows, args.steps, args.rounds)
+    hf = None if args.skip_hf else hf_decode(model, args.rank, args.rows, args.steps, args.rounds, args.model)
     header = (f"{'configuration':>19} | {'kiln tok/s':>10} | {'vs none':>7} | {'peft tok/s':>10} | {'vs none':>7} | "
               f"{'kiln/peft':>9}")
     print(header)

@@ -179,8 +179,13 @@ _GGUF_LAYER_NAMES = {
     "mlp.experts.down_proj": "ffn_down_exps.weight",
 }
 _GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "phi3": "phi3",
-              "gemma2": "gemma2",
+              "gemma2": "gemma2", "gpt_oss": "gpt-oss",
               "gemma3_text": "gemma3"}
+# gpt-oss: its MLP's norm, sinks, the router and the experts' biases (gate's and up's apart, below)
+_GGUF_GPT_OSS_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                       "self_attn.sinks": "attn_sinks.weight", "self_attn.o_proj.bias": "attn_output.bias",
+                       "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+                       "mlp.experts.down_proj_bias": "ffn_down_exps.bias"}
 _GGUF_GEMMA_NORMS = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                      "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                      "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
@@ -210,11 +215,28 @@ def llama3_rope_factors(cfg):
     return np.asarray(out, np.float32)
 
 
-def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=None) -> Path:
-    """Writes an HF model (Llama, Mixtral, Qwen3-MoE, Phi-3 or Gemma 3) as llama.cpp's converter would
-    (its architecture's keys and tensor names; Llama 3's scaling as rope_freqs, Phi-3's LongRoPE factors
-    as tensors, Gemma's norms as the 1 + w they scale by; optionally Q8_0 matrices), with the
-    byte-level BPE test tokenizer, or with `tokenizer="llama"` the SentencePiece one (SPM_TOKENS).
+def on_mxfp4_grid(model) -> None:
+    """Rounds a gpt-oss model's experts to MXFP4 (32 inputs per block, as llama.cpp's file holds each
+    output row), so that writing them as MXFP4 loses nothing."""
+    import gguf
+    import numpy as np
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in ("gate_up_proj", "down_proj"):
+                param = getattr(layer.mlp.experts, proj)  # [E, in, out]
+                rows = param.detach().numpy().transpose(0, 2, 1).astype(np.float32)
+                grid = gguf.quants.dequantize(gguf.quants.quantize(rows, gguf.GGMLQuantizationType.MXFP4),
+                                              gguf.GGMLQuantizationType.MXFP4).reshape(rows.shape)
+                param.copy_(torch.from_numpy(np.ascontiguousarray(grid.transpose(0, 2, 1))))
+
+
+def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=None, pre: str = "smollm") -> Path:
+    """Writes an HF model (Llama, Mixtral, Qwen3-MoE, Phi-3, Gemma 3 or gpt-oss) as llama.cpp's
+    converter would (its architecture's keys and tensor names; Llama 3's scaling as rope_freqs, Phi-3's
+    LongRoPE factors as tensors, Gemma's norms as the 1 + w they scale by, gpt-oss's experts as MXFP4
+    with gate and up apart; optionally Q8_0 matrices), with the byte-level BPE test tokenizer (and
+    pre-tokenizer `pre`), or with `tokenizer="llama"` the SentencePiece one (SPM_TOKENS).
     `extra(writer)` adds keys of a test's own."""
     import gguf
     import numpy as np
@@ -243,9 +265,15 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
         w.add_expert_used_count(cfg.num_experts_per_tok)
         if arch in ("qwen2moe", "qwen3moe"):
             w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "gpt-oss":
+            w.add_expert_feed_forward_length(cfg.intermediate_size)
+            w.add_sliding_window(cfg.sliding_window)
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         if arch == "qwen2moe":
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    tensors = {}
+    tensors, mxfp4 = {}, {}
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(cfg.sliding_window)
         if rope.get("rope_type") == "linear":
@@ -282,7 +310,7 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
         w.add_unk_token_id(0)
     else:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm")
+        w.add_tokenizer_pre(pre)
         tokens = byte_vocab() + SPECIALS
         assert len(tokens) == cfg.vocab_size
         w.add_token_list(tokens)
@@ -307,6 +335,17 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
             tensors["output.weight"] = arr
         else:
             layer, rest = name[len("model.layers."):].split(".", 1)
+            if arch == "gpt-oss" and rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+                rows = arr.transpose(0, 2, 1)  # [E, in, out] -> [E, out, in]; gate's and up's rows interleaved
+                parts = {"ffn_down_exps": rows} if rest.endswith("down_proj") else {
+                    "ffn_gate_exps": rows[:, 0::2], "ffn_up_exps": rows[:, 1::2]}
+                for gname, part in parts.items():
+                    mxfp4[f"blk.{layer}.{gname}.weight"] = np.ascontiguousarray(part)
+                continue
+            if arch == "gpt-oss" and rest == "mlp.experts.gate_up_proj_bias":
+                tensors[f"blk.{layer}.ffn_gate_exps.bias"] = np.ascontiguousarray(arr[:, 0::2])
+                tensors[f"blk.{layer}.ffn_up_exps.bias"] = np.ascontiguousarray(arr[:, 1::2])
+                continue
             if rest == "mlp.experts.gate_up_proj":  # [E, 2 * ff, hidden]: gate, then up
                 gate, up = np.split(arr, 2, axis=1)
                 tensors[f"blk.{layer}.ffn_gate_exps.weight"], tensors[f"blk.{layer}.ffn_up_exps.weight"] = gate, up
@@ -316,6 +355,8 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
             elif arch == "llama" and rest == "self_attn.k_proj.weight":
                 arr = llama_permute(arr, cfg.num_key_value_heads)
             names = {**_GGUF_LAYER_NAMES, **_GGUF_GEMMA_NORMS} if arch.startswith("gemma") else _GGUF_LAYER_NAMES
+            if arch == "gpt-oss":
+                names = {**_GGUF_LAYER_NAMES, **_GGUF_GPT_OSS_NAMES}
             tensors[f"blk.{layer}.{names[rest]}"] = arr
     for gname, arr in tensors.items():
         if quant is not None and arr.ndim == 2:
@@ -327,6 +368,9 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
             w.add_tensor(gname, raw, raw_dtype=quant)
         else:
             w.add_tensor(gname, arr)
+    for gname, arr in mxfp4.items():
+        raw = gguf.quants.quantize(arr.astype(np.float32), gguf.GGMLQuantizationType.MXFP4)
+        w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -177,6 +177,7 @@ class ModelConfig:
                 "Qwen2MoeForCausalLM": "qwen2_moe",
                 "Gemma2ForCausalLM": "gemma2",
                 "Gemma3ForCausalLM": "gemma3_text",
+                "GptOssForCausalLM": "gpt_oss",
             }[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -206,12 +207,15 @@ class ModelConfig:
             out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
                 "rope_type": "default", "rope_theta": self.local_rope_theta or self.rope_theta}}
             del out["rope_theta"], out["rope_scaling"]
+        if self.architecture == "GptOssForCausalLM":
+            out.update(layer_types=["sliding_attention" if s else "full_attention" for s in self.sliding_layers],
+                       swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         if self.rope_freq_factors:  # Kiln's own key: transformers has no form of a GGUF file's rope_freqs
             out["rope_freq_factors"] = list(self.rope_freq_factors)
         if self.num_experts:
             out.update(num_local_experts=self.num_experts, num_experts=self.num_experts,
                        num_experts_per_tok=self.experts_per_token, norm_topk_prob=self.norm_topk_prob)
-            if self.architecture == "MixtralForCausalLM":
+            if self.architecture in ("MixtralForCausalLM", "GptOssForCausalLM"):
                 out["intermediate_size"] = self.expert_intermediate_size
             else:
                 out["moe_intermediate_size"] = self.expert_intermediate_size

@@ -4,7 +4,8 @@ and Q8_0/Q4_0/Q4_1 layer weights as Kiln's int8/int4 as stored (`stored_layers`)
 Files are read as llama.cpp's converter writes each family: it permutes the Q/K rows of `llama`
 models for interleaved RoPE (undone here, to HF's rotate-half layout), holds Llama 3's RoPE
 scaling as per-frequency divisors (rope_freqs), a mixture's experts stacked per layer, Phi-3's
-projections fused and its LongRoPE factors as tensors, and Gemma's norms as 1 + w.
+projections fused and its LongRoPE factors as tensors, Gemma's norms as 1 + w, and gpt-oss's
+experts in MXFP4 with gate and up (and their biases) apart.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from kiln.models.weights import build_params
 
 ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
               "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM", "phi3": "Phi3ForCausalLM",
-              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}  # llama with experts: Mixtral
+              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "gpt-oss": "GptOssForCausalLM"}  # llama with experts: Mixtral
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,9 +55,13 @@ _LAYER_NAMES = {
 _GEMMA_NORMS = {"post_attention_norm.weight": "post_attention_layernorm.weight",
                 "ffn_norm.weight": "pre_feedforward_layernorm.weight",
                 "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
+# gpt-oss: its MLP's norm is post_attention_norm, attention sinks, and a router with a bias
+_GPT_OSS_NAMES = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+                  "ffn_gate_inp.bias": "mlp.router.bias", "ffn_down_exps.bias": "mlp.experts.down_proj_bias"}
 _ARCH_LAYER_NAMES = {"phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
                               "ffn_up.weight": "mlp.gate_up_proj.weight"},
-                     "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
+                     "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS, "gpt-oss": _GPT_OSS_NAMES}
 # A mixture of experts: the router, and every expert's projection stacked in one tensor [E, out, in]
 # (older Mixtral files hold one tensor per expert, ffn_gate.E.weight)
 _ROUTER_NAME = {"ffn_gate_inp.weight": "mlp.gate.weight",
@@ -66,6 +72,7 @@ _ROUTER_NAME = {"ffn_gate_inp.weight": "mlp.gate.weight",
                 "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 _STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                     "ffn_down_exps.weight": "down_proj"}
+_GATE_UP_EXPERTS = "ffn_gate_up_exps.weight"  # gate's rows then up's, in one tensor (llama.cpp's fused option)
 _EXPERT_OF_ITS_OWN = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 # the GGUF types each quantization holds as stored
 _STORED_AS = {"int8": (GGMLQuantizationType.Q8_0,), "int4": (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)}
@@ -76,6 +83,11 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k (gpt-oss): words by letter case with a contraction, digits in threes
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTION
+                + r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTION
+                + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def _pre_tokenizer(pre: str):
@@ -84,7 +96,8 @@ def _pre_tokenizer(pre: str):
         return byte_level
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    splits = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "gpt-4o": _GPT4O_SPLIT}
+    split = splits.get(pre)
     if split is None:
         return None
     return pre_tokenizers.Sequence([
@@ -171,7 +184,7 @@ class GGUFModel:
             "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
         }
-        if a == "phi3":
+        if a in ("phi3", "gpt-oss"):
             cfg["sliding_window"] = self.meta(f"{a}.attention.sliding_window")
         orig = self.meta(f"{a}.rope.scaling.original_context_length")
         scaling = self.meta(f"{a}.rope.scaling.type")
@@ -195,6 +208,8 @@ class GGUFModel:
             cfg["rope_freq_factors"] = factors.tolist()
         if a in ("gemma2", "gemma3"):
             cfg.update(self._gemma_config(cfg))
+        if a == "gpt-oss" and cfg.get("rope_scaling", {}).get("rope_type") == "yarn":
+            cfg["rope_scaling"]["truncate"] = False  # gpt-oss's YaRN keeps its correction range unrounded
         if experts := int(self.meta(f"{a}.expert_count", 0) or 0):
             if a == "qwen2moe":
                 cfg["shared_expert_intermediate_size"] = int(self.meta(f"{a}.expert_shared_feed_forward_length", 0))
@@ -235,7 +250,9 @@ class GGUFModel:
         return out
 
     def hf_names(self) -> dict[str, str]:
-        """HF tensor name -> GGUF tensor name (`name#e`: expert e of a stacked experts' tensor)."""
+        """HF tensor name -> GGUF tensor name (`name#e`: expert e of a stacked experts' tensor;
+        `...%h`: half h of it, or of a bias's last axis; `a|b`: a's and b's last axes interleaved,
+        as gpt-oss's checkpoint holds its gate and up biases)."""
         out = {}
         for name in self.tensors:
             if name in _GLOBAL_NAMES:
@@ -247,11 +264,27 @@ class GGUFModel:
                 elif rest in _STACKED_EXPERTS:
                     for e in range(self.config.num_experts):
                         out[f"{layer}mlp.experts.{e}.{_STACKED_EXPERTS[rest]}.weight"] = f"{name}#{e}"
+                elif rest == _GATE_UP_EXPERTS:
+                    for e in range(self.config.num_experts):
+                        out[f"{layer}mlp.experts.{e}.gate_proj.weight"] = f"{name}#{e}%0"
+                        out[f"{layer}mlp.experts.{e}.up_proj.weight"] = f"{name}#{e}%1"
+                elif rest == "ffn_gate_exps.bias":
+                    out[layer + "mlp.experts.gate_up_proj_bias"] = f"{name}|blk.{m.group(1)}.ffn_up_exps.bias"
+                elif rest == "ffn_gate_up_exps.bias":
+                    out[layer + "mlp.experts.gate_up_proj_bias"] = f"{name}%0|{name}%1"
                 elif own := _EXPERT_OF_ITS_OWN.match(rest):
                     out[f"{layer}mlp.experts.{own.group(2)}.{own.group(1)}_proj.weight"] = name
         return out
 
     def read(self, gguf_name: str) -> np.ndarray:
+        if "|" in gguf_name:
+            a, b = (self.read(part) for part in gguf_name.split("|"))
+            return np.stack([a, b], axis=-1).reshape(*a.shape[:-1], -1)
+        stored, _, half = gguf_name.partition("%")
+        w = self._expert(stored)
+        return np.split(w, 2, axis=0 if "#" in stored else -1)[int(half)] if half else w
+
+    def _expert(self, gguf_name: str) -> np.ndarray:
         name, _, expert = gguf_name.partition("#")
         if not expert:
             return self._read(name)

@@ -288,6 +288,16 @@ def to_hf_tensors(cfg: ModelConfig, params: dict) -> dict[str, np.ndarray]:
                 out[f"model.layers.{idx}.mlp.experts.{e}.{_EXPERT_HF[key]}.weight"] = np.ascontiguousarray(
                     stacked[idx, e].T)
             continue
+        if key in ("experts_gate_bias", "experts_up_bias", "experts_down_bias"):  # gpt-oss's, as its checkpoint
+            if key == "experts_up_bias":  # written with gate's, interleaved
+                continue
+            if key == "experts_gate_bias":
+                up = np.asarray(params["layers"]["experts_up_bias"])
+                stacked = np.stack([stacked, up], axis=-1).reshape(*stacked.shape[:-1], -1)
+            name = "gate_up_proj_bias" if key == "experts_gate_bias" else "down_proj_bias"
+            for idx in range(cfg.num_layers):
+                out[f"model.layers.{idx}.mlp.experts.{name}"] = np.ascontiguousarray(stacked[idx])
+            continue
         suffix, transpose = suffixes[key]
         for idx in range(cfg.num_layers):
             w = stacked[idx]

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import jit_forward
 from safetensors.numpy import save_file
-from tiny_models import SPECIALS, make_hf_model, save_hf_model, write_gguf
+from tiny_models import SPECIALS, make_hf_model, on_mxfp4_grid, save_hf_model, write_gguf
 
 from kiln.errors import ModelLoadError
 from kiln.models.batch import RowWork, build_step_inputs
@@ -93,17 +93,21 @@ def test_second_gguf_load_reuses_the_converted_cache(hf_model, tmp_path, kiln_ca
 # tensor, Mixtral as a llama file with stacked experts, Qwen3-MoE (renormalized top k, as llama.cpp
 # runs it), Phi-3 with its fused projections, sliding window and LongRoPE factors as tensors, Gemma 2
 # and 3 with their norms stored as 1 + w (and the layer kinds and attention scale llama.cpp assumes for
-# them: every other / every sixth layer global, 1 / sqrt(head_dim)); Gemma 2's soft caps as keys.
+# them: every other / every sixth layer global, 1 / sqrt(head_dim)); Gemma 2's soft caps as keys;
+# gpt-oss with its experts in MXFP4 (its weights rounded to that grid first, so the file loses
+# nothing), gate and up apart, YaRN as keys (and the clamp llama.cpp assumes, 7: no key holds it).
 GEMMA3_AS_LLAMA_CPP_RUNS_IT = {"num_hidden_layers": 6, "layer_types": None, "query_pre_attn_scalar": 16}
 GGUF_FAMILIES = [("llama3-rope", {}), ("mixtral", {}), ("qwen2-moe", {}), ("qwen3-moe", {"norm_topk_prob": True}),
                  ("phi3", {}),
                  ("phi3-longrope", {}), ("gemma2", {"query_pre_attn_scalar": 16}),
-                 ("gemma3", GEMMA3_AS_LLAMA_CPP_RUNS_IT)]
+                 ("gemma3", GEMMA3_AS_LLAMA_CPP_RUNS_IT), ("gpt-oss", {"intermediate_size": 64, "swiglu_limit": 7.0})]
 
 
 @pytest.mark.parametrize(("variant", "overrides"), GGUF_FAMILIES, ids=[v for v, _ in GGUF_FAMILIES])
 def test_gguf_of_each_family_equals_its_hf_checkpoint(variant, overrides, tmp_path, kiln_cache):
     hf = make_hf_model(variant, vocab_size=260, seed=3, **overrides)
+    if variant == "gpt-oss":
+        on_mxfp4_grid(hf)
     path = write_gguf(hf, tmp_path / f"{variant}.gguf")
     first = load_model(path, show_progress=False)
     again = load_model(path, show_progress=False)  # from the converted cache: its config.json round trip
@@ -133,6 +137,11 @@ def test_gguf_of_each_family_equals_its_hf_checkpoint(variant, overrides, tmp_pa
         assert again.config.sliding_layers == (True,) * 5 + (False,) and again.config.rope_scaling_dict["factor"] == 2
     if variant == "gemma2":
         assert (again.config.attn_logit_softcapping, again.config.final_logit_softcapping) == (1.0, 2.0)
+    if variant == "gpt-oss":
+        same = ("sliding_layers", "sliding_window", "attention_sinks", "router_bias", "expert_bias", "hidden_act",
+                "num_experts", "expert_intermediate_size", "norm_topk_prob", "head_dim", "o_bias", "swiglu_limit")
+        assert {k: getattr(again.config, k) for k in same} == {k: getattr(from_hf.config, k) for k in same}
+        assert again.config.rope_scaling_dict["truncate"] is False  # as gpt-oss's own config says
 
 
 def test_a_gguf_with_shared_experts_is_refused_by_name(tmp_path, kiln_cache):

@@ -123,3 +123,21 @@ def test_sentencepiece_gguf_tokenizes_as_transformers_does(spm_gguf, text):
 
 
 _spm_tokenizers: dict = {}
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt-4o"])
+def test_gguf_pre_tokenizers_split_as_transformers_gguf_mapping_does(pre, tmp_path):
+    """A byte-level GGUF's `tokenizer.ggml.pre` picks how text is split before merges (Llama 3's,
+    Qwen2's, o200k's for gpt-oss): Kiln's split equals the one transformers builds for that name."""
+    from tiny_models import make_hf_model, write_gguf
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    from kiln.models.gguf_loader import GGUFModel
+
+    ours = GGUFModel(write_gguf(make_hf_model("llama", vocab_size=260), tmp_path / "t.gguf", pre=pre)).tokenizer()
+    ref = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated"),
+                                   pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    for text in ["HELLO there, I'm 12345 tokens; CamelCase WORDs DON'T\n\n  split/paths\r\n", "ÉCOLE été 3.14159 x",
+                 "it's   they'LL    end.\n", "日本語のテキスト123 and MixedCASEWord's"]:
+        assert ours.pre_tokenizer.pre_tokenize_str(text) == ref.pre_tokenize_str(text), text
