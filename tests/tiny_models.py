@@ -231,12 +231,14 @@ def on_mxfp4_grid(model) -> None:
                 param.copy_(torch.from_numpy(np.ascontiguousarray(grid.transpose(0, 2, 1))))
 
 
-def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=None, pre: str = "smollm") -> Path:
+def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=None, pre: str = "smollm",
+               fuse_gate_up: bool = False) -> Path:
     """Writes an HF model (Llama, Mixtral, Qwen3-MoE, Phi-3, Gemma 3 or gpt-oss) as llama.cpp's
     converter would (its architecture's keys and tensor names; Llama 3's scaling as rope_freqs, Phi-3's
     LongRoPE factors as tensors, Gemma's norms as the 1 + w they scale by, gpt-oss's experts as MXFP4
     with gate and up apart; optionally Q8_0 matrices), with the byte-level BPE test tokenizer (and
     pre-tokenizer `pre`), or with `tokenizer="llama"` the SentencePiece one (SPM_TOKENS).
+    `fuse_gate_up`: gpt-oss's gate and up experts in one tensor, gate's rows first (llama.cpp's option).
     `extra(writer)` adds keys of a test's own."""
     import gguf
     import numpy as np
@@ -339,8 +341,13 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
                 rows = arr.transpose(0, 2, 1)  # [E, in, out] -> [E, out, in]; gate's and up's rows interleaved
                 parts = {"ffn_down_exps": rows} if rest.endswith("down_proj") else {
                     "ffn_gate_exps": rows[:, 0::2], "ffn_up_exps": rows[:, 1::2]}
+                if fuse_gate_up and "ffn_gate_exps" in parts:
+                    parts = {"ffn_gate_up_exps": np.concatenate([rows[:, 0::2], rows[:, 1::2]], axis=1)}
                 for gname, part in parts.items():
                     mxfp4[f"blk.{layer}.{gname}.weight"] = np.ascontiguousarray(part)
+                continue
+            if arch == "gpt-oss" and rest == "mlp.experts.gate_up_proj_bias" and fuse_gate_up:
+                tensors[f"blk.{layer}.ffn_gate_up_exps.bias"] = np.concatenate([arr[:, 0::2], arr[:, 1::2]], axis=-1)
                 continue
             if arch == "gpt-oss" and rest == "mlp.experts.gate_up_proj_bias":
                 tensors[f"blk.{layer}.ffn_gate_exps.bias"] = np.ascontiguousarray(arr[:, 0::2])

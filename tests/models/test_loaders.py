@@ -144,6 +144,17 @@ def test_gguf_of_each_family_equals_its_hf_checkpoint(variant, overrides, tmp_pa
         assert again.config.rope_scaling_dict["truncate"] is False  # as gpt-oss's own config says
 
 
+def test_a_gpt_oss_gguf_with_gate_and_up_fused_loads_as_one_with_them_apart(tmp_path, kiln_cache):
+    hf = make_hf_model("gpt-oss", vocab_size=260, seed=4, intermediate_size=64)
+    on_mxfp4_grid(hf)
+    apart = load_model(write_gguf(hf, tmp_path / "apart.gguf"), show_progress=False)
+    fused = load_model(write_gguf(hf, tmp_path / "fused.gguf", fuse_gate_up=True), show_progress=False)
+    assert fused.weights_digest != apart.weights_digest  # two files, each read
+    for name in ("experts_gate", "experts_up", "experts_gate_bias", "experts_up_bias"):
+        np.testing.assert_array_equal(np.asarray(layer_param(fused.params, name, 1)),
+                                      np.asarray(layer_param(apart.params, name, 1)))
+
+
 def test_a_gguf_with_shared_experts_is_refused_by_name(tmp_path, kiln_cache):
     hf = make_hf_model("qwen3-moe", vocab_size=260, seed=3)
     path = write_gguf(hf, tmp_path / "shared.gguf", extra=lambda w: w.add_expert_shared_count(1))
