@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -15,29 +16,39 @@ jit_forward = jax.jit(forward, static_argnames=("cfg", "unroll"))
 
 
 _MAPS = "/proc/self/maps"
-_peak_maps = [0, ""]  # the most memory maps this process held after a module, and that module
+# XLA:CPU keeps each live executable's code in memory maps of its own, hundreds for a large one, and
+# the jit caches keep every executable the suite compiled: past the kernel's vm.max_map_count (65,530
+# by default) a compile's mmap fails and XLA crashes. After a module that leaves this process above
+# this many maps, the caches are dropped (later modules recompile or reload what they need).
+_MAPS_BEFORE_CLEARING = 24_000
+_maps = {"peak": 0, "at": "", "clears": 0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def memory_maps_after_each_module(request):
-    """XLA:CPU keeps each live executable's code in memory maps of its own, hundreds for a large
-    one, and this suite keeps thousands of executables alive: past the kernel's vm.max_map_count
-    (65,530 by default; .ci/run raises it) a compile's mmap fails and XLA crashes. The peak is
-    printed at the end of the run."""
+def _memory_maps() -> int:
+    with open(_MAPS) as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
     yield
-    if os.path.exists(_MAPS):
-        with open(_MAPS) as maps:
-            n = sum(1 for _ in maps)
-        if n > _peak_maps[0]:
-            _peak_maps[:] = [n, request.node.nodeid]
+    if not os.path.exists(_MAPS) or (nextitem is not None and nextitem.module is item.module):
+        return
+    n = _memory_maps()
+    if n > _maps["peak"]:
+        _maps.update(peak=n, at=item.module.__name__)
+    if n > _MAPS_BEFORE_CLEARING:
+        jax.clear_caches()
+        gc.collect()
+        _maps["clears"] += 1
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _peak_maps[0]:
+    if _maps["peak"]:
         with open("/proc/sys/vm/max_map_count") as f:
             limit = f.read().strip()
-        terminalreporter.write_line(f"peak memory maps: {_peak_maps[0]} (after {_peak_maps[1]}; "
-                                    f"vm.max_map_count {limit})")
+        terminalreporter.write_line(f"peak memory maps: {_maps['peak']} (after {_maps['at']}; vm.max_map_count "
+                                    f"{limit}; jit caches cleared {_maps['clears']} times)")
 
 
 @pytest.fixture(scope="session")
