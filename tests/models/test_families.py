@@ -25,7 +25,8 @@ def test_served_greedy_tokens_equal_transformers(variant, tiny_model, kiln_cache
     each head's dims, crossing its 64-token pretraining length while decoding), Gemma 2 (soft caps
     that bite), Gemma 3 (a windowed layer and a global one), and mixtures of experts (Mixtral,
     Qwen2-MoE with its shared expert, Qwen3-MoE, gpt-oss with its attention sinks and biased, clamped
-    experts)."""
+    experts). Each token's top-5 logprobs equal transformers' log-softmax (the largest error is
+    printed; the bound is 1e-4)."""
     hf = make_hf_model(variant, vocab_size=260, seed=11)
     model = load_model(served_hf_dir(variant, tmp_path / variant, kiln_cache, seed=11), show_progress=False)
     rng = np.random.RandomState(5)
@@ -33,13 +34,14 @@ def test_served_greedy_tokens_equal_transformers(variant, tiny_model, kiln_cache
     new = 40
     engine = AsyncEngine(model, EngineConfig(**SMALL))
     try:
-        greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=5)
 
         async def one(i, p):
-            ids = []
+            ids, logprobs = [], []
             async for d in engine.generate(f"{variant}-{i}-{random.random()}", p, greedy):
                 ids += d.token_ids
-            return ids
+                logprobs += d.logprobs or []
+            return ids, logprobs
 
         async def every():
             return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
@@ -47,8 +49,17 @@ def test_served_greedy_tokens_equal_transformers(variant, tiny_model, kiln_cache
         served = asyncio.run(every())
     finally:
         engine.shutdown()
-    for p, ids in zip(prompts, served, strict=True):
-        assert ids == reference_greedy(hf, p, new)
+    worst = 0.0
+    for p, (ids, logprobs) in zip(prompts, served, strict=True):
+        expected, reference = reference_greedy(hf, p, new, with_logprobs=True)
+        assert ids == expected and len(logprobs) == new
+        for token, ref in zip(logprobs, reference, strict=True):
+            top = np.sort(ref)[::-1][:5]
+            errors = [abs(token.logprob - ref[token.token_id])] + [abs(lp - ref[t]) for t, lp in token.top]
+            errors += list(np.abs(np.array(sorted((lp for _, lp in token.top), reverse=True)) - top))
+            worst = max(worst, *errors)
+    print(f"{variant}: largest top-5 logprob error {worst:.2e}")
+    assert worst <= 1e-4
 
 
 @pytest.mark.parametrize("variant", ["qwen3-moe", "gpt-oss"])
@@ -108,19 +119,20 @@ def test_adapted_experts_serve_as_peft_runs_them(variant, tiny_model, kiln_cache
         check_fits(manifest, model, 16, slot_modules(False))
 
 
-def reference_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens from transformers' forward, one cached call per token. (Its `generate` drifts
-    from its own forward by about 2e-3 in the logits a few tokens after LongRoPE switches to the
-    long factors, in transformers 5.)"""
-    out, ids = [], torch.tensor([prompt])
+def reference_greedy(hf, prompt: list[int], n: int, with_logprobs: bool = False):
+    """Greedy tokens from transformers' forward, one cached call per token (and each step's
+    log-softmax). (Its `generate` drifts from its own forward by about 2e-3 in the logits a few
+    tokens after LongRoPE switches to the long factors, in transformers 5.)"""
+    out, logprobs, ids = [], [], torch.tensor([prompt])
     cache = None
     with torch.no_grad():
         for _ in range(n):
             step = hf(ids, past_key_values=cache, use_cache=True)
             cache = step.past_key_values
             out.append(int(step.logits[0, -1].argmax()))
+            logprobs.append(torch.log_softmax(step.logits[0, -1].double(), -1).numpy())
             ids = torch.tensor([[out[-1]]])
-    return out
+    return (out, logprobs) if with_logprobs else out
 
 
 def test_sft_on_a_mixture_of_experts_lowers_its_loss_and_exports_to_peft(tiny_model, kiln_cache, tmp_path):
