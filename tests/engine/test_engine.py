@@ -212,23 +212,21 @@ def test_a_request_is_counted_from_submit_through_its_first_step(engine):
     seen = []
 
     def watch(first_delta: threading.Event):
-        counted = False
         while not first_delta.is_set():
-            n = engine.num_requests()
-            counted = counted or n >= 1
-            if counted:
-                seen.append(n)
+            seen.append(engine.num_requests())
 
     async def one(i, prompt):
         first_delta = threading.Event()
         watcher = threading.Thread(target=watch, args=(first_delta,))
-        watcher.start()
-        gen = engine.generate(f"counted-{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-        await gen.__anext__()
-        first_delta.set()
-        watcher.join()
-        async for _ in gen:
-            pass
+        stream = engine.submit(f"counted-{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        watcher.start()  # from the submission on
+        try:
+            async for _ in stream:
+                if not first_delta.is_set():
+                    first_delta.set()
+                    watcher.join()
+        finally:
+            stream.close()
 
     async def main():
         for i, prompt in enumerate(prompts_of(4, seed=21, lo=40, hi=60)):
