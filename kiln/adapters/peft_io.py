@@ -13,9 +13,12 @@ rank_pattern and alpha_pattern.
 
 A mixture's experts are adapted as PEFT's `target_parameters` does it: one wrapper around
 `mlp.experts` per targeted parameter (`gate_up_proj`, `down_proj`), each later one wrapping the
-earlier ones (so the first listed sits under the most `base_layer.`s), with lora_A [r*E, in]
-(expert-major rows) and lora_B [out, r*E] (rank-major columns). Kiln's `experts_gate_up` keeps
-gate's columns then up's; gpt-oss interleaves them in the base weights and so in lora_B.
+earlier ones in the order the module registers them (gate_up_proj first, so it sits under a
+`base_layer.` when both are adapted; the config's list order says nothing), with lora_A
+[r*E, in] (expert-major rows) and lora_B [out, r*E] (rank-major columns). Which parameter a
+wrapper adapts is read from its shapes: (hidden, 2 x width) or (width, hidden), never equal.
+Kiln's `experts_gate_up` keeps gate's columns then up's; gpt-oss interleaves them in the base
+weights and so in lora_B.
 """
 
 from __future__ import annotations
@@ -43,16 +46,15 @@ _EXPERTS_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts((?:\.base_layer)
 _EXPERT_PARAMETERS = {"gate_up_proj": "experts_gate_up", "down_proj": "experts_down"}  # PEFT's names -> Kiln's
 
 
-def _expert_targets(config: dict, path: Path) -> list[str]:
-    """Kiln's expert modules in the order of the config's target_parameters (PEFT's wrapping order)."""
-    targets = config.get("target_parameters") or []
-    modules = []
-    for name in targets:
+def _expert_targets(config: dict, path: Path) -> set[str]:
+    """Kiln's expert modules the config's target_parameters names."""
+    modules = set()
+    for name in config.get("target_parameters") or []:
         parent, _, param = str(name).rpartition(".")
         if not parent.endswith("experts") or param not in _EXPERT_PARAMETERS:
             raise InvalidAdapter(f"{path}: target_parameters entry {name!r} is not a mixture's experts' "
                                  f"{' or '.join(_EXPERT_PARAMETERS)}")
-        modules.append(_EXPERT_PARAMETERS[param])
+        modules.add(_EXPERT_PARAMETERS[param])
     return modules
 
 
@@ -126,10 +128,12 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
     shapes = module_shapes(cfg)
     expert_targets = _expert_targets(config, path)
     weights: dict[str, dict[str, np.ndarray]] = {}
+    wrappers: dict[tuple[int, int], dict[str, tuple[str, np.ndarray]]] = {}  # (layer, depth) -> A and B
     for key, value in tensors.items():
         expert_key = _EXPERTS_KEY.search(key)
         if expert_key is not None:
-            _read_expert(weights, key, expert_key, value, expert_targets, rank, cfg, path)
+            layer, depth = int(expert_key.group(1)), expert_key.group(2).count("base_layer")
+            wrappers.setdefault((layer, depth), {})[expert_key.group(3)] = (key, value)
             continue
         m = _KEY.search(key)
         if m is None:
@@ -151,6 +155,8 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
             w = weights.setdefault(name, {"a": np.zeros((cfg.num_layers, fan_in, rank), np.float32),
                                           "b": np.zeros((cfg.num_layers, rank, shapes[name][1]), np.float32)})
             w["a" if part == "A" else "b"][layer] = piece.T
+    for (layer, _), parts in sorted(wrappers.items()):
+        _read_expert(weights, layer, parts, expert_targets, rank, cfg, path)
     if not weights:
         raise InvalidAdapter(f"{path}: {WEIGHTS} holds no LoRA weights")
     info = {"rank": rank, "alpha": alpha, "use_rslora": bool(config.get("use_rslora")),
@@ -159,25 +165,31 @@ def read_peft(path: str | Path, cfg: ModelConfig) -> tuple[dict, dict]:
     return weights, info
 
 
-def _read_expert(weights: dict, key: str, match: re.Match, value, targets: list[str], rank: int, cfg: ModelConfig,
+def _read_expert(weights: dict, layer: int, parts: dict, targets: set[str], rank: int, cfg: ModelConfig,
                  path: Path) -> None:
-    layer, depth, part = int(match.group(1)), match.group(2).count("base_layer"), match.group(3)
+    """One experts' wrapper (its lora_A and lora_B) into the Kiln module its shapes say it adapts."""
+    key = next(iter(parts.values()))[0]
     if not cfg.num_experts:
         raise InvalidAdapter(f"{path}: tensor {key!r} adapts experts; this base model has none")
-    if depth >= len(targets):
-        raise InvalidAdapter(f"{path}: tensor {key!r} has no target_parameters entry in the adapter config")
+    if set(parts) != {"A", "B"}:
+        raise InvalidAdapter(f"{path}: tensor {key!r} has no lora_{'B' if 'A' in parts else 'A'} beside it")
     if layer >= cfg.num_layers:
         raise InvalidAdapter(f"{path}: tensor {key!r} is for layer {layer}, the model has {cfg.num_layers}")
-    module, E = targets[len(targets) - 1 - depth], cfg.num_experts
-    fan_in, fan_out = module_shapes(cfg)[module]
-    expected = (rank * E, fan_in) if part == "A" else (fan_out, rank * E)
-    if tuple(value.shape) != expected:
-        raise InvalidAdapter(f"{path}: tensor {key!r} ({module}) has shape {tuple(value.shape)}, expected {expected} "
-                             "for this base model")
+    E, shapes = cfg.num_experts, module_shapes(cfg)
+    a, b = (np.asarray(parts[p][1], np.float32) for p in ("A", "B"))
+    found = [m for m in _EXPERT_PARAMETERS.values()
+             if a.shape == (rank * E, shapes[m][0]) and b.shape == (shapes[m][1], rank * E)]
+    if not found or found[0] not in targets:
+        expected = " or ".join(f"{(rank * E, shapes[m][0])} / {(shapes[m][1], rank * E)}"
+                               for m in _EXPERT_PARAMETERS.values())
+        raise InvalidAdapter(f"{path}: tensor {key!r} and its lora_B have shapes {a.shape} / {b.shape}; the experts' "
+                             f"parameters its target_parameters names take {expected} for this base model")
+    module = found[0]
+    fan_in, fan_out = shapes[module]
     w = weights.setdefault(module, {"a": np.zeros((cfg.num_layers, E, fan_in, rank), np.float32),
                                     "b": np.zeros((cfg.num_layers, E, rank, fan_out), np.float32)})
-    w["a" if part == "A" else "b"][layer] = _expert_from_peft(np.asarray(value, np.float32), part, E, module,
-                                                               cfg.architecture)
+    w["a"][layer] = _expert_from_peft(a, "A", E, module, cfg.architecture)
+    w["b"][layer] = _expert_from_peft(b, "B", E, module, cfg.architecture)
 
 
 # the architectures whose HF modules fuse Kiln's projections

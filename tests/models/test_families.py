@@ -2,6 +2,7 @@
 transformers' on the same random tiny weights (parity of logits is in test_model_parity)."""
 
 import asyncio
+import json
 import random
 
 import numpy as np
@@ -84,6 +85,10 @@ def test_adapted_experts_serve_as_peft_runs_them(variant, tiny_model, kiln_cache
         path = tmp_path / f"adapter-{seed}"
         references.append(make_peft_adapter(hf, path, rank=4, alpha=8.0, seed=seed, modules=["q_proj", "v_proj"],
                                             parameters=EXPERT_PARAMETERS))
+        # PEFT saves target_parameters in a set's order; the wrappers nest by the module's own order
+        config = json.loads((path / peft_io.CONFIG).read_text())
+        config["target_parameters"] = sorted(config["target_parameters"], reverse=seed == 2)
+        (path / peft_io.CONFIG).write_text(json.dumps(config))
         weights, info = peft_io.read_peft(path, model.config)
         assert sorted(weights) == ["experts_down", "experts_gate_up", "q_proj", "v_proj"]
         adapters.append(AdapterWeights(f"adapter-{seed}", "v1", weights, info["alpha"] / info["rank"], 4))
