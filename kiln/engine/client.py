@@ -121,7 +121,7 @@ class AsyncEngine:
         self.config = self._core.config
         self.max_model_len = self._core.max_model_len
         self.snapshot: dict[str, Any] = self._core.snapshot()
-        self._core.ownership.serving_busy = lambda: self.snapshot["running"] + self.num_waiting() > 0
+        self._core.ownership.serving_busy = lambda: self.num_requests() > 0
         if metrics is not None:
             metrics.attach(lambda: {**self.snapshot, "waiting": self.num_waiting()})
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -357,11 +357,14 @@ class AsyncEngine:
 
     def num_waiting(self) -> int:
         """Requests not yet running: queued in the scheduler or not yet picked up."""
-        return self.snapshot["waiting"] + self._pending_adds
+        pending = self._pending_adds  # read before the snapshot the engine publishes before lowering it
+        return self.snapshot["waiting"] + pending
 
     def num_requests(self) -> int:
         """Requests not finished: running, queued, or not yet picked up."""
-        return self.snapshot["running"] + self.num_waiting()
+        pending = self._pending_adds  # (as in num_waiting: a request is in one count or the other)
+        snapshot = self.snapshot
+        return snapshot["running"] + snapshot["waiting"] + pending
 
     def alive(self) -> bool:
         """The engine thread runs (it stays up after device loss; see `device_lost`)."""

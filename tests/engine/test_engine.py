@@ -195,7 +195,7 @@ def test_abort_frees_blocks(engine):
     prompt = prompts_of(1, seed=15)[0]
 
     async def main():
-        gen = engine.generate("to-abort", prompt, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        gen = engine.generate("to-abort", prompt, SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
         async for _ in gen:
             break
         await gen.aclose()  # a client going away
@@ -218,13 +218,14 @@ def test_a_request_is_counted_from_submit_through_its_first_step(engine):
     async def one(i, prompt):
         first_delta = threading.Event()
         watcher = threading.Thread(target=watch, args=(first_delta,))
-        stream = engine.submit(f"counted-{i}", prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        # long enough that it is still running when its caller sees the first delta; closed then
+        stream = engine.submit(f"counted-{i}", prompt, SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
         watcher.start()  # from the submission on
         try:
             async for _ in stream:
-                if not first_delta.is_set():
-                    first_delta.set()
-                    watcher.join()
+                first_delta.set()
+                watcher.join()
+                break
         finally:
             stream.close()
 
