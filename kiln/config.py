@@ -216,6 +216,11 @@ SCHEMA: tuple[Key, ...] = (
         "longest stretch a training step holds the accelerator while serving waits; longer steps run in slices"),
     Key("train", "data_dir", "str", "", None,
         "uploaded files, jobs, checkpoints and evals; empty = <cache dir>/data"),
+    Key("train", "tensorboard", "bool", True, None,
+        "write TensorBoard event files of every training run: each step's loss, reward, KL, learning rate, ..."),
+    Key("train", "log_dir", "str", "", None,
+        "TensorBoard event files: <log_dir>/<job id> for a job, <log_dir>/<name>/<time> for a run in Python; "
+        "empty = the job's directory (<data dir>/jobs/<job id>/tensorboard) or <data dir>/runs"),
     Key("train", "teachers", "list[str]", [], None,
         "models a distillation job may name as teacher: \"name=path\" (HF directory or GGUF); loaded on first use"),
     Key("cache", "dir", "str", "", None, "cache directory; empty = $XDG_CACHE_HOME/kiln or ~/.cache/kiln"),

@@ -626,7 +626,8 @@ def train_policy(make_run, data, name: str, config: GRPOConfig, *, model, engine
         run = make_run(engine, name, load_prompts(data, engine.model.tokenizer, max_prompt_len))
         inputs = [{"purpose": "training", "sha256": file_digest(data)}] if save else []
         history, artifact = drive(run, name=name, model=engine.model, inputs=inputs, ownership=engine.ownership,
-                                  store=adapter_store(store, settings) if save else None, progress=progress)
+                                  store=adapter_store(store, settings) if save else None, progress=progress,
+                                  settings=settings)
         return GRPOResult(history, artifact, run)
     finally:
         if own_engine:

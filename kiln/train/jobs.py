@@ -48,6 +48,7 @@ from kiln.train.serving_share import ServingShare
 from kiln.train.sft import SFTConfig, SFTRun
 from kiln.train.slices import StepAbandoned
 from kiln.train.store import TrainingStore, new_id, now
+from kiln.train.tensorboard import TensorBoard, job_log_dir
 
 log = logging.getLogger("kiln.train")
 
@@ -589,7 +590,7 @@ class JobManager:
         """The one way a job ends cancelled: its status, the event, its checkpoints removed."""
         self._set(job, status="cancelled", finished_at=now())
         self.store.add_event(job["id"], message)
-        shutil.rmtree(self._checkpoint_dir(job["id"]).parent, ignore_errors=True)
+        self._remove_checkpoints(job["id"])
 
     def _interrupted(self, job_id: str, action: str | None = None) -> bool:
         """Whether a shutdown, or a control (`action`, or any), waits for the job."""
@@ -638,8 +639,20 @@ class JobManager:
         self._set(job, status="failed", finished_at=now(), error={"code": code, "message": message, "param": None})
         self.store.add_event(job["id"], f"Fine-tuning job failed: {message}", level="error")
 
+    def _job_dir(self, job_id: str) -> Path:
+        """A job's own directory: its checkpoints while it runs, its TensorBoard event files."""
+        return self.store.root / "jobs" / job_id
+
     def _checkpoint_dir(self, job_id: str) -> Path:
-        return self.store.root / "jobs" / job_id / "checkpoints"
+        return self._job_dir(job_id) / "checkpoints"
+
+    def _remove_checkpoints(self, job_id: str) -> None:
+        """A job's checkpoints, and its directory when nothing else (event files) is left there."""
+        shutil.rmtree(self._checkpoint_dir(job_id), ignore_errors=True)
+        try:
+            self._job_dir(job_id).rmdir()
+        except OSError:  # not empty, or never made
+            pass
 
     def _run(self, job: dict) -> None:
         import orbax.checkpoint as ocp
@@ -649,26 +662,29 @@ class JobManager:
         run = self._make_run(spec)
         manager = ocp.CheckpointManager(self._checkpoint_dir(job_id).absolute(),
                                         options=ocp.CheckpointManagerOptions(max_to_keep=2))
-        shrunk = False
+        shrunk, board = False, TensorBoard(None)
         try:
             if spec.kv_resize_to:
                 shrunk = self.share.shrink_kv(spec.kv_resize_to, lambda: self._interrupted(job_id), event)
             if manager.latest_step() is not None:
                 run.restore(manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(run.state())))
                 self.store.add_event(job_id, f"Resumed from the checkpoint at step {run.step}")
+            # an earlier attempt's points after the checkpoint are hidden: its steps are taken again
+            board = TensorBoard(job_log_dir(self.settings, self._job_dir(job_id), job_id), purge_step=run.step + 1)
             job["kiln"]["total_steps"] = run.total_steps
             self._set(job, status="running")
             self.store.add_event(job_id, "Fine-tuning job started")
-            if not self._train(job, spec, run, manager):
+            if not self._train(job, spec, run, manager, board):
                 return
             if shrunk:  # before the job reads as finished
                 self.share.grow_kv(event)
                 shrunk = False
-            if spec.gate and not self._finish_gated(job, run, manager):
+            if spec.gate and not self._finish_gated(job, run, manager, board):
                 return
             if not spec.gate:
-                self._finish(job, run)
+                self._finish(job, run, board)
         finally:
+            board.close()
             manager.close()
             with self._cv:  # submitted rollouts the job will not take
                 for _, _, future in self._submissions.pop(job_id, []):
@@ -678,9 +694,10 @@ class JobManager:
             if shrunk:
                 self.share.grow_kv(event)
 
-    def _train(self, job: dict, spec: JobSpec, run: TrainingRun, manager) -> bool:
+    def _train(self, job: dict, spec: JobSpec, run: TrainingRun, manager, board: TensorBoard) -> bool:
         """Advances the run to its end, a step at a time between serving steps, acting on a
-        cancel, pause or shutdown at each boundary; False if one stopped it."""
+        cancel, pause or shutdown at each boundary, each step's metrics an event and TensorBoard
+        points; False if one stopped it."""
         job_id = job["id"]
 
         def stop() -> bool:
@@ -703,6 +720,7 @@ class JobManager:
             self._set(job, trained_tokens=run.trained_tokens)
             self.store.add_event(job_id, f"Step {metrics['step']}/{run.total_steps}: {run.summary(metrics)}",
                                  type_="metrics", data={**metrics, "total_steps": run.total_steps})
+            board.step(metrics)
             if run.step % spec.checkpoint_every == 0 and not run.done:
                 self._save_checkpoint(manager, run, job, metrics)
 
@@ -852,7 +870,7 @@ class JobManager:
                 | {"step": float(run.step)}})
             self.store.add_event(job["id"], f"Checkpoint created at step {run.step}")
 
-    def _finish_gated(self, job: dict, run, manager) -> bool:
+    def _finish_gated(self, job: dict, run, manager, board: TensorBoard) -> bool:
         """The gate, then the finish; False if a cancel or a shutdown stopped the gate. The final
         state is checkpointed first, so a restart resumes straight at the gate."""
         job_id = job["id"]
@@ -860,7 +878,7 @@ class JobManager:
             self._save_checkpoint(manager, run, job, None)
 
         try:
-            self._finish(job, run, lambda: self._interrupted(job_id, "cancel"))
+            self._finish(job, run, board, lambda: self._interrupted(job_id, "cancel"))
         except GateStopped:
             with self._cv:
                 cancelled = self._flags.pop(job_id, None) == "cancel"
@@ -881,7 +899,9 @@ class JobManager:
         finally:
             self.engine.retire_adapter(candidate).result()  # its slot frees once its requests end
 
-    def _finish(self, job: dict, run, stopped=lambda: False) -> None:
+    def _finish(self, job: dict, run, board: TensorBoard, stopped=lambda: False) -> None:
+        """Saves the adapter (after the gate, if any: its numbers go to `board` too), loads it unless
+        the gate failed or auto_load is off, and ends the job succeeded, its event files closed."""
         spec = job["kiln"]
         inputs = [{"purpose": purpose, "file_id": job[f"{purpose}_file"],
                    "sha256": self.store.get_file(job[f"{purpose}_file"])["sha256"]}  # digested at upload
@@ -893,6 +913,7 @@ class JobManager:
         if spec["gate"]:
             gate = self._run_gate(job, manifest, weights, stopped)
             spec["gate_result"] = gate.to_json()
+            board.gate(spec["gate_result"], run.step)
             manifest = msgspec.structs.replace(manifest, eval_results={
                 **(manifest.eval_results or {}), "gate": {**spec["gate"], **gate.to_json()}})
         artifact = self.registry.store.save(manifest, weights)
@@ -905,7 +926,8 @@ class JobManager:
         if spec["auto_load"] and (gate is None or gate.passed):
             self.registry.load(artifact.name, replace=self.registry.get(artifact.name) is not None)
             self.store.add_event(job["id"], f"Adapter {artifact.name} loaded for serving")
-        shutil.rmtree(self._checkpoint_dir(job["id"]).parent, ignore_errors=True)
+        self._remove_checkpoints(job["id"])
+        board.close()  # every point is on disk once the job reads as succeeded
         with self._cv:
             self._flags.pop(job["id"], None)  # a pause asked for during the gate comes too late
         self._set(job, status="succeeded", finished_at=now(), fine_tuned_model=artifact.name,

@@ -14,10 +14,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kiln.config import setting_default
+from kiln.config import resolve_settings, setting_default
 from kiln.train.artifact import adapter_manifest
 from kiln.train.forward import lora_to_numpy
 from kiln.train.slices import Turns
+from kiln.train.tensorboard import TensorBoard, run_log_dir
 
 
 class TrainingRun(Protocol):
@@ -132,22 +133,29 @@ def advance_to_end(run: TrainingRun, ownership=None, *, on_step: Callable[[dict]
 
 
 def drive(run: TrainingRun, *, name: str, model, inputs: list[dict], store=None, ownership=None,
-          progress: bool = True) -> tuple[list[dict], Any]:
-    """Runs `run` to its end in this process with a progress bar, then releases what it holds in
-    the engine and, given an AdapterStore, saves its adapter there with its manifest. Returns
-    the metrics history (one entry per optimizer step) and the artifact (None when not saved)."""
+          progress: bool = True, settings=None) -> tuple[list[dict], Any]:
+    """Runs `run` to its end in this process with a progress bar and TensorBoard event files (as
+    `settings`' `[train] tensorboard` and `log_dir` say; None: the resolved settings), then
+    releases what it holds in the engine and, given an AdapterStore, saves its adapter there with
+    its manifest. Returns the metrics history (one entry per optimizer step) and the artifact
+    (None when not saved)."""
     from tqdm.auto import tqdm
 
     started = _timestamp()
     history: list[dict] = []
     bar = tqdm(total=run.total_steps, desc=f"{run.kind} {name}", unit="step", disable=not progress)
+    board = TensorBoard(run_log_dir(settings or resolve_settings(None), name))
 
     def on_step(metrics: dict) -> None:
         history.append(metrics)
+        board.step(metrics)
         bar.update(1)
         bar.set_postfix({label: f"{metrics[key]:.3f}" for key, label in run.progress_keys.items() if key in metrics})
 
-    advance_to_end(run, ownership, on_step=on_step)
+    try:
+        advance_to_end(run, ownership, on_step=on_step)
+    finally:
+        board.close()
     bar.close()
     run.close()
     if store is None:

@@ -366,5 +366,6 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
     if save and validation is not None:
         inputs.append({"purpose": "validation", "sha256": file_digest(validation)})
     history, artifact = drive(run, name=name, model=model, inputs=inputs,
-                              store=adapter_store(store, settings) if save else None, progress=progress)
+                              store=adapter_store(store, settings) if save else None, progress=progress,
+                              settings=settings)
     return SFTResult(history, artifact, run)
