@@ -15,9 +15,10 @@ import pytest
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 
 
-def chromium() -> str:
+def chromium(required: bool = True) -> str | None:
+    """Chromium's path; without one, a test that requires it skips (and one that does not gets None)."""
     found = next((path for name in BROWSERS if (path := shutil.which(name))), None)
-    if found is None:
+    if found is None and required:
         pytest.skip("no Chromium here: install Debian's chromium (.ci/run does) to check pages in a browser")
     return found
 
@@ -36,6 +37,35 @@ def screenshot(url: str, width: int = 1280, height: int = 900, wait_ms: int = 0)
         proc = subprocess.run([*args, url], capture_output=True, text=True, timeout=120)
         assert out.exists(), f"chromium wrote no screenshot (exit {proc.returncode}): {proc.stderr[-2000:]}"
         return np.asarray(Image.open(out).convert("RGB"))
+
+
+def page_dom(url: str, wait_ms: int = 2500) -> str:
+    """The page at `url` as headless Chromium's DOM after its scripts ran for `wait_ms` of virtual
+    time (network waits do not count against it), serialized as HTML."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp}/profile",
+                f"--virtual-time-budget={wait_ms}", "--dump-dom", url]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout, f"no DOM (exit {proc.returncode}): {proc.stderr[-2000:]}"
+        return proc.stdout
+
+
+def elements(html: str, **attrs: str) -> list[dict[str, str]]:
+    """The attributes of every element of `html` whose attributes include `attrs` (underscores in
+    names stand for dashes: data_state="live")."""
+    from html.parser import HTMLParser
+
+    want = {k.replace("_", "-"): v for k, v in attrs.items()}
+    found = []
+
+    class Finder(HTMLParser):
+        def handle_starttag(self, tag, attributes):
+            a = {k: v or "" for k, v in attributes}
+            if all(a.get(k) == v for k, v in want.items()):
+                found.append({"tag": tag, **a})
+
+    Finder().feed(html)
+    return found
 
 
 def hex_rgb(colour: str) -> tuple[int, int, int]:

@@ -8,8 +8,10 @@ that disconnected is counted too).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -18,6 +20,7 @@ from kiln.engine.request import Delta
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                    80.0)
 PREFIXES = ("vllm", "kiln")
+RECENT_REQUESTS = 1024  # finished requests kept for exact recent percentiles (the console)
 
 
 class _SnapshotCollector:
@@ -99,6 +102,9 @@ class EngineMetrics:
                 "success": Counter(f"{prefix}:request_success", "Finished requests", ["model_name", "finished_reason"],
                                    registry=self.registry),
             })
+        # (end time, TTFT, mean ITL, end-to-end) of the latest finished requests: the histograms'
+        # buckets are too coarse for a live p50/p99, and a window shows now rather than since start
+        self._recent: deque[tuple[float, float | None, float | None, float | None]] = deque(maxlen=RECENT_REQUESTS)
 
     def attach(self, snapshot: Callable[[], dict]) -> None:
         """Gauges and counters come from `snapshot()` (the engine's published state) at scrape time."""
@@ -114,6 +120,19 @@ class EngineMetrics:
                     h[key].observe(phases[key])
             if phases.get("decode_s") is not None and tokens > 1:
                 h["itl"].observe(phases["decode_s"] / (tokens - 1))
+        itl = phases["decode_s"] / (tokens - 1) if phases.get("decode_s") is not None and tokens > 1 else None
+        self._recent.append((time.time(), phases.get("ttft_s"), itl, phases.get("e2e_s")))
+
+    def recent_latencies(self, window_s: float = 60.0) -> dict:
+        """Percentiles (p50, p90, p99, in seconds) of TTFT, mean inter-token latency and end-to-end
+        latency over the requests that finished in the last `window_s` seconds, and their count."""
+        since = time.time() - window_s
+        recent = [r for r in list(self._recent) if r[0] >= since]
+        out: dict = {"window_s": window_s, "requests": len(recent)}
+        for i, key in enumerate(("ttft_s", "itl_s", "e2e_s"), start=1):
+            values = [r[i] for r in recent if r[i] is not None]
+            out[key] = ({f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)} if values else None)
+        return out
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

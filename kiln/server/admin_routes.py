@@ -33,6 +33,21 @@ def _starting(request: Request) -> Response:
     return Response(body, status_code=503)
 
 
+def serving_status(st) -> str:
+    """What /health's `status` says of a ready server (the console shows it too)."""
+    if st.engine.device_lost is not None or not st.engine.alive():
+        return "unhealthy"
+    if st.engine.route_info()["quarantined"] is not None:
+        return "degraded"
+    if st.profile.profile is ServingProfile.MAINTENANCE:
+        return "maintenance"
+    if st.prewarm == "pending":
+        return "starting"
+    if st.draining:
+        return "draining"
+    return "ok"
+
+
 def _health(request: Request) -> Response:
     """200 only when serving. Device loss (unhealthy) and a quarantined route (degraded: requests are
     still served, on XLA) report backend_runtime.healthy false until a restart; a starting server says
@@ -54,18 +69,7 @@ def _health(request: Request) -> Response:
         reason = f"route_quarantined: {quarantined}"
     else:
         reason = None
-    if lost is not None or not engine_ok:
-        status = "unhealthy"
-    elif quarantined is not None:
-        status = "degraded"
-    elif st.profile.profile is ServingProfile.MAINTENANCE:
-        status = "maintenance"
-    elif st.prewarm == "pending":
-        status = "starting"
-    elif st.draining:
-        status = "draining"
-    else:
-        status = "ok"
+    status = serving_status(st)
     restart = lost is not None or quarantined is not None
     body = {
         "status": status,

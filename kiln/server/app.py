@@ -13,6 +13,7 @@ from kiln.config import Settings
 from kiln.errors import InvalidRequest, KilnError, NotFound, PayloadTooLarge, Unauthorized
 from kiln.server import (
     admin_routes,
+    console,
     eval_routes,
     grader_routes,
     openai_routes,
@@ -60,7 +61,12 @@ def _unexpected_error(_: Request, exc: Exception) -> Response:
 
 async def _authorize(request: Request) -> None:
     keys = server_settings(request).server.api_keys
-    if not keys or request.url.path in admin_routes.OPEN_ROUTES:
+    path = request.url.path
+    if not keys or path in admin_routes.OPEN_ROUTES or path == console.PATH:  # the page asks for its key itself
+        return
+    if console.is_console_path(path):
+        if not console.authorized(request, keys):
+            raise Unauthorized("missing or invalid API key: open /console?key=<key> or send it as a bearer key")
         return
     header = request.headers.get("authorization", "")
     if not header.startswith("Bearer ") or header[7:].strip() not in keys:
@@ -73,7 +79,7 @@ def create_app(state: ServerState | None, *, settings: Settings | None = None, p
     settings = settings or state.settings
     app = Litestar(
         route_handlers=[*openai_routes.ROUTES, *responses_routes.ROUTES, *admin_routes.ROUTES, *training_routes.ROUTES,
-                        *grader_routes.ROUTES, *eval_routes.ROUTES],
+                        *grader_routes.ROUTES, *eval_routes.ROUTES, *console.ROUTES],
         exception_handlers={KilnError: _kiln_error, ValidationException: _validation_error,
                             HTTPException: _http_error, Exception: _unexpected_error},
         before_request=_authorize,

@@ -227,3 +227,40 @@ def test_maintenance_runs_adapter_transitions_and_keys_guard_them(locked_server,
     r = httpx.post(url + "completions", json={"model": "sql", "prompt": "x", "max_tokens": 2}, headers=auth)
     assert r.status_code == 503 and r.json()["error"]["code"] == "inference_disabled_by_profile"
     assert np.isfinite(len(httpx.get(url + "models", headers=auth).json()["data"]))
+
+
+def test_the_console_needs_a_key_and_says_why_inference_is_off(locked_server):
+    base, auth = locked_server.url, {"Authorization": "Bearer s3cret"}
+    for route in ("overview", "jobs", "adapters", "evals"):
+        r = httpx.get(f"{base}/console/api/{route}", timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", route
+    assert httpx.get(f"{base}/console/api/overview", headers={"Authorization": "Bearer nope"}).status_code == 401
+    page = httpx.get(f"{base}/console")
+    assert page.status_code == 401 and "/console?key=" in page.text  # the page says how to open it
+    assert httpx.get(f"{base}/console?key=nope").status_code == 401
+
+    # ?key= trades the key for a cookie and drops it from the address; the cookie opens the data routes
+    with httpx.Client(base_url=base, timeout=30) as browser:
+        r = browser.get("/console", params={"key": "s3cret", "job": "ftjob-x"})
+        assert r.status_code == 303 and r.headers["location"] == "/console?job=ftjob-x"
+        cookie = r.headers["set-cookie"].lower()
+        assert "httponly" in cookie and "samesite=strict" in cookie and "s3cret" not in cookie
+        assert browser.get("/console").status_code == 200
+        overview = browser.get("/console/api/overview").json()
+    assert overview == {**overview, "status": "maintenance", "serving_profile": "maintenance"}
+    assert overview["inference"]["on"] is False and "maintenance" in overview["inference"]["reason"]
+    loaded = {a["name"] for a in httpx.get(f"{base}/v1/adapters", headers=auth, timeout=30).json()["data"]
+              if a["loaded"]}
+    adapters = httpx.get(f"{base}/console/api/adapters", headers=auth, timeout=30).json()["data"]
+    assert loaded and {a["name"] for a in adapters if a["state"] == "live"} == loaded
+
+
+def test_the_console_page_works_in_a_browser_under_maintenance(locked_server):
+    from browser import elements, page_dom
+
+    loaded = [a["name"] for a in httpx.get(f"{locked_server.url}/v1/adapters", timeout=30,
+                                           headers={"Authorization": "Bearer s3cret"}).json()["data"] if a["loaded"]]
+    html = page_dom(f"{locked_server.url}/console?key=s3cret")
+    [banner] = elements(html, id="banner")
+    assert "hidden" not in banner and "maintenance" in html.split('id="banner"')[1].split("</div>")[0]
+    assert loaded and all(elements(html, data_name=name, data_state="live") for name in loaded)

@@ -7,8 +7,10 @@ import signal
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from browser import chromium, elements, page_dom, screenshot
 from server_process import SUITE_ENGINE, ServerProcess
 
 MODEL = "tiny-llama"
@@ -132,6 +134,65 @@ def test_a_job_trains_an_adapter_that_serves_at_once(server, client, expressive_
     assert deleted.deleted and valid.id not in [f.id for f in client.files.list().data]
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(valid.id)
+
+
+def metrics_events(client, job_id) -> list[dict]:
+    """A job's metrics events' data, oldest first."""
+    return [e.data for e in reversed(client.fine_tuning.jobs.list_events(job_id, limit=10_000).data)
+            if e.type == "metrics"]
+
+
+def curve_points(html: str) -> int:
+    [curve] = elements(html, id="job-curve")
+    return int(curve["data-points"])
+
+
+def test_the_console_shows_a_job_training_live_and_its_adapter_once_done(server, client):
+    chromium()  # skips without a browser
+    train = client.files.create(file=("train.jsonl", TRAIN), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model=MODEL, training_file=train.id, suffix="console", method=method(40, 2),
+                                         extra_body={"kiln": KILN})
+    page = f"{server.url}/console?job={job.id}"
+
+    deadline = time.monotonic() + 300
+    while len(metrics_events(client, job.id)) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    first = curve_points(page_dom(page))
+    assert first >= 2 and client.fine_tuning.jobs.retrieve(job.id).status == "running"  # 160 steps: still going
+    while len(metrics_events(client, job.id)) < first + 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    html = page_dom(page)
+    assert curve_points(html) > first  # the curve gained points while the job ran
+    [panel] = elements(html, id="job")
+    assert panel["data-state"] == "ok"
+
+    done = wait_for(client, job.id, ("succeeded", "failed"))
+    assert done.status == "succeeded", done.error
+    html = page_dom(page)
+    assert curve_points(html) == 160
+    assert elements(html, data_name=done.fine_tuned_model, data_state="live"), "the job's adapter is not shown live"
+    # the page's data: the job's curve is its metrics events, the adapter names the job that made it
+    shown = httpx.get(f"{server.url}/console/api/jobs/{job.id}", timeout=30).json()
+    assert [m["train_loss"] for m in shown["series"]] == [m["train_loss"] for m in metrics_events(client, job.id)]
+    assert shown["status"] == "succeeded" and shown["fine_tuned_model"] == done.fine_tuned_model
+    adapters = httpx.get(f"{server.url}/console/api/adapters", timeout=30).json()["data"]
+    [adapter] = [a for a in adapters if a["name"] == done.fine_tuned_model]
+    assert adapter["state"] == "live" and adapter["job"] == job.id and adapter["loaded_at"] > 0
+    overview = httpx.get(f"{server.url}/console/api/overview", timeout=30).json()
+    assert overview["inference"] == {"on": True, "reason": None} and overview["status"] == "ok"
+    assert overview["counters"]["generation_tokens"] >= 0 and 0 <= overview["kv_cache"]["usage"] <= 1
+    assert overview["accelerator"]["training_slices"]["count"] >= 0 and overview["jobs"]["running"] is None
+
+    image = screenshot(page, wait_ms=2500)
+    assert image.std() > 10 and len(np.unique(image.reshape(-1, 3), axis=0)) > 20, "the console rendered blank"
+
+    # an unknown job: a 404 from the data route, a not-found state on the page
+    r = httpx.get(f"{server.url}/console/api/jobs/ftjob-nope", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "job_not_found"
+    [panel] = elements(page_dom(f"{server.url}/console?job=ftjob-nope"), id="job")
+    assert panel["data-state"] == "not-found"
 
 
 PROMPTS = jsonl([{"messages": [{"role": "user", "content": q}], "answer": "k"} for q in QUESTIONS])
@@ -446,6 +507,25 @@ def test_the_promotion_gate_loads_an_adapter_that_beats_its_baseline_and_keeps_o
     assert client.evals.runs.retrieve(kept_result["candidate_run"], eval_id=evaluation.id).data_source.type == (
         "responses")
     assert not adapter_listing(server, kept.fine_tuned_model)["loaded"]
+
+    # the console shows each job's gate, the eval's runs with their pass rates, and compares two of them
+    console = f"{server.url}/console/api"
+    assert httpx.get(f"{console}/jobs/{good.id}", timeout=30).json()["gate_result"] == result
+    [shown] = [e for e in httpx.get(f"{console}/evals", timeout=30).json()["data"] if e["id"] == evaluation.id]
+    by_id = {r["id"]: r for r in shown["runs"]}
+    assert len(by_id) == 4 and by_id[result["baseline_run"]]["pass_rates"][0]["pass_rate"] == 0.0
+    pair = f"{result['baseline_run']},{result['candidate_run']}"
+    compared = httpx.get(f"{console}/evals/{evaluation.id}/compare", params={"runs": pair}, timeout=30).json()
+    assert compared == httpx.get(f"{server.url}/v1/evals/{evaluation.id}/compare", params={"runs": pair},
+                                 timeout=30).json()
+    report = httpx.get(server.url + by_id[result["candidate_run"]]["report"], timeout=30)
+    assert report.status_code == 200 and result["candidate_run"] in report.text
+    r = httpx.get(f"{console}/evals/{evaluation.id}/compare", params={"runs": "evalrun_nope,evalrun_nix"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["param"] == "runs"
+    if chromium(required=False):  # and the page draws them
+        html = page_dom(f"{server.url}/console?job={good.id}&eval={evaluation.id}&runs={pair}")
+        [panel] = elements(html, id="compare")
+        assert panel["data-state"] == "ok" and "Promotion gate: " in html and "says_hi" in html
 
     # bad gates are refused when the job is created
     bad = [({"eval_id": "eval_missing"}, "eval_not_found", "kiln.gate.eval_id"),
