@@ -351,6 +351,8 @@ class EngineCore:
             "running_adapters": sorted({r.adapter_name for r in sched.running if r.adapter_name}),
             "waiting_adapters": sorted({r.adapter_name for r in sched.waiting if r.adapter_name}),
             "writer_operations": self.ownership.writes,
+            "writer_hold_s": self.ownership.write_hold_s,
+            "training_slice_s": self.ownership.slice_total_s,
             "steps": self.steps,
             "steps_ahead": self.steps_ahead,
             "compiled_steps": len(self.runner.executables),

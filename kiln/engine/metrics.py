@@ -50,6 +50,12 @@ class _SnapshotCollector:
             yield self._family(GaugeMetricFamily, f"kiln:{name}", doc, s[key])
         yield self._family(CounterMetricFamily, "kiln:writer_operations",
                            "Accelerator writer operations (adapter transitions, ...)", s["writer_operations"])
+        # their rates are the share of time writers, and training slices among them, held the accelerator
+        yield self._family(CounterMetricFamily, "kiln:writer_hold_seconds",
+                           "Time writer operations held the accelerator (training slices, adapter loads, ...)",
+                           s["writer_hold_s"])
+        yield self._family(CounterMetricFamily, "kiln:training_slice_seconds",
+                           "Time training slices held the accelerator", s["training_slice_s"])
         yield self._family(GaugeMetricFamily, "kiln:compiled_step_buckets",
                            "Step executables built or loaded (forward buckets and samplers)", s["compiled_steps"])
         yield self._family(GaugeMetricFamily, "kiln:step_executables",

@@ -46,6 +46,7 @@ class Ownership:
         self._slice_end = 0.0
         self._slice_held = 0.0
         self.slices = 0
+        self.slice_total_s = 0.0  # total time training slices held the accelerator
         self.slice_s: deque[float] = deque(maxlen=4096)  # the last slices' lengths
         self.serving_steps_between = 0  # serving steps run between training slices
 
@@ -124,6 +125,7 @@ class Ownership:
             held = time.monotonic() - started
         with self._cond:
             self.slices += 1
+            self.slice_total_s += held
             self.slice_s.append(held)
             self._slice_end, self._slice_held, self._turn_mark = time.monotonic(), held, self.inference_done
 

@@ -465,6 +465,9 @@ class RouterCore:
         self.tally[num].picks += 1
         labels = self.metrics.tenant_labels(request.tenant)
         self.metrics.picks.labels(workerset=entry.ws.name, worker=worker.worker_id_str, reason=reason, **labels).inc()
+        per_worker = {"workerset": entry.ws.name, "worker": worker.worker_id_str, **labels}
+        self.metrics.pick_cached_blocks.labels(**per_worker).inc(cached_blocks)
+        self.metrics.pick_prompt_blocks.labels(**per_worker).inc(prompt_blocks)
         return PickResult(
             request_id=request_id,
             worker_id=worker.worker_id_str,

@@ -69,6 +69,16 @@ class RouterMetrics:
         self.picks = counter(
             "picks", "Workers picked, by worker set, worker and reason", ("workerset", "worker", "reason", *tenant)
         )
+        # the prefix blocks each pick found cached on its worker, and the blocks its prompt has: their
+        # rates' ratio is the cache-hit rate of routed traffic as the router predicted it
+        self.pick_cached_blocks = counter(
+            "pick_cached_blocks", "Prompt blocks the picked worker held in its prefix cache, by worker set and worker",
+            ("workerset", "worker", *tenant),
+        )
+        self.pick_prompt_blocks = counter(
+            "pick_prompt_blocks", "Prompt blocks of picked requests, by worker set and worker",
+            ("workerset", "worker", *tenant),
+        )
         self.pick_failures = counter(
             "pick_failures", "Pick and PushBody calls answered with an error, by gRPC status code", ("code", *tenant)
         )

@@ -251,6 +251,10 @@ def test_feedback_calibrates_the_worker_sets_predictor():
     load({0: 1, 1: 0, 2: 0})
     first = pick(core, prefix)
     assert first.worker_id == "w0"  # uncalibrated: the prefix outweighs the queue
+    routed = core.metrics.render().decode()  # the routed traffic's cache hits, as the picks predicted them
+    assert f'kiln_router_pick_cached_blocks_total{{worker="w0",workerset="a"}} {float(first.cached_blocks)}' in routed
+    assert f'kiln_router_pick_prompt_blocks_total{{worker="w0",workerset="a"}} {float(first.prompt_blocks)}' in routed
+    assert first.cached_blocks == 100 and first.prompt_blocks == 100
     assert core.feedback(first.request_id, failed=True)  # (a failed request: nothing to calibrate on)
     rng = random.Random(0)
     for i in range(MIN_OBSERVATIONS + 20):

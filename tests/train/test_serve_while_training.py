@@ -45,6 +45,12 @@ def gaps(client, i: int, max_tokens: int = 40) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
+def slice_seconds(server) -> float:
+    [line] = [x for x in httpx.get(server.url + "/metrics").text.splitlines()
+              if x.startswith("kiln:training_slice_seconds_total")]
+    return float(line.rpartition(" ")[2])
+
+
 def test_streams_wait_for_at_most_a_slice_while_a_job_trains(server):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     gaps(client, -1)  # the serving steps these streams use are built
@@ -65,9 +71,12 @@ def test_streams_wait_for_at_most_a_slice_while_a_job_trains(server):
         assert time.monotonic() < deadline and client.fine_tuning.jobs.retrieve(job.id).status != "failed"
         time.sleep(0.5)
     before = httpx.get(server.url + "/v1/runtime").json()["ownership"]["training_slices"]
+    held_before, started = slice_seconds(server), time.monotonic()
     # streams long enough for the job's share of the time to hold several slices
     measured = [g for i in range(3) for g in gaps(client, i, max_tokens=160)]
     after = httpx.get(server.url + "/v1/runtime").json()["ownership"]["training_slices"]
+    held = slice_seconds(server) - held_before
+    assert 0 < held < time.monotonic() - started  # /metrics: the time training slices held the accelerator
     print(f"{len(measured)} gaps, max {max(measured) * 1e3:.0f} ms; slices {before} -> {after}")
     assert after["count"] > before["count"] + 5  # the job trained all along
     assert after["serving_steps_between"] > before["serving_steps_between"]
