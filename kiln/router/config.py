@@ -137,6 +137,8 @@ class Predictor(Section):
     q_running_penalty_falloff_qr: int = 5
     inflight_concurrent_capacity: int = 5
     expected_overlap_alpha: float = 1.0
+    # Kiln's: what a worker that lists the request's adapter but has not loaded it pays to load it
+    adapter_load_ms: float = 1000.0
 
 
 class Picker(Section):

@@ -402,6 +402,7 @@ class RouterCore:
                     cached_blocks=cached,
                     inflight_blocks=self.inflight.leading_blocks(num, keys, cached) if tracking else 0,
                     inflight=self.inflight.count(num),
+                    adapter_load=lora is not None and health is not None and lora in health.unloaded,
                 )
             )
         predictions = predict_all(entry.profile.predictor, loads, len(keys), tracking, entry.calibration.factors)
@@ -518,18 +519,39 @@ class RouterCore:
     # ---- reading --------------------------------------------------------------------------------
 
     def ready(self) -> tuple[bool, list[str]]:
-        """Ready once every static worker set with ingest (none in mock mode) has a worker whose KV events
-        arrived, and Kubernetes discovery and the custom resources' watchers have listed once (`not_ready`)."""
+        """Ready once every static worker set with ingest (none in mock mode) has a reachable worker, and
+        Kubernetes discovery and the custom resources' watchers have listed once (`not_ready`). A worker is
+        reachable when it is not evicted, its /v1/models answered (with a scraper) and its KV-event socket
+        (and replay socket, where it has one) connected. Warm caches are not asked for: an idle fleet sends
+        no KV events until it serves, and it serves nothing until its router is ready."""
         reasons = list(self.not_ready.values())
         for entry in self.sets.values():
             if entry.ws.discovery.mode != "static" or entry.ingest is None:
                 continue
-            stats = [s for s in entry.ingest.status().values() if s.evicted is None]
-            if not stats:
-                reasons.append(f"worker set {entry.ws.name}: no workers, or all evicted")
-            elif not any(s.last_event_at is not None or s.replays_ok for s in stats):
-                reasons.append(f"worker set {entry.ws.name}: no worker has sent KV events yet")
+            why = {w.worker_id_str: self._unreachable(w, entry) for w in entry.workers.values()}
+            if not why:
+                reasons.append(f"worker set {entry.ws.name}: no workers")
+            elif all(why.values()):
+                listed = "; ".join(f"{name} {reason}" for name, reason in why.items())
+                reasons.append(f"worker set {entry.ws.name}: no worker is reachable yet ({listed})")
         return not reasons, reasons
+
+    def _unreachable(self, worker: Worker, entry: _Set) -> str | None:
+        """Why readiness cannot count on the worker yet, or None."""
+        try:
+            stats = entry.ingest.stats(worker.worker_id_num)
+        except KeyError:
+            return "is not followed yet"
+        if stats.evicted is not None:
+            return "is evicted"
+        health = self._health(worker.worker_id_num)
+        if health is not None and worker.http_url and (health.models_at is None or not health.alive):
+            return "has not answered /v1/models" if health.models_at is None else "is dead"
+        if not stats.connected:
+            return "has no KV-event connection"
+        if worker.replay_endpoint and not stats.replay_connected:
+            return "has no replay connection"
+        return None
 
     def worker_view(self, worker: Worker, entry: _Set) -> dict[str, Any]:
         """One worker as the dashboard and /metrics see it."""
@@ -554,6 +576,7 @@ class RouterCore:
             "scrape_epoch": health.epoch if health else 0,
             "engine": health.engine if health else "unknown",
             "models": list(health.models) if health else [],
+            "adapters_unloaded": list(health.unloaded) if health else [],  # listed, loaded on a first request
             "inflight": self.inflight.count(num),
             "index_blocks": entry.index.blocks_of(num),
             "picks": tally.picks,

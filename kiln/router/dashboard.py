@@ -37,6 +37,7 @@ PAGE = """<!doctype html>
     <th>worker</th><th>worker set</th><th>status</th><th>running</th><th>waiting</th><th>KV usage</th>
     <th>index blocks</th><th>in flight</th><th>picks</th><th>predicted ms</th><th>TTFT ms</th><th>E2E ms</th>
     <th>engine</th>
+    <th>models</th>
     <th>labels</th>
   </tr></thead>
   <tbody id="workers"></tbody>
@@ -95,6 +96,8 @@ function render(s) {
     cell(row, ms(w.ttft_ms), "num");
     cell(row, ms(w.e2e_ms), "num");
     cell(row, w.engine);
+    // adapters the worker lists but loads on a first request cost it a load in the prediction
+    cell(row, w.models.map(m => w.adapters_unloaded.includes(m) ? `${m} (not loaded)` : m).join(", "), "labels");
     cell(row, Object.entries(w.labels).map(([k, v]) => `${k}=${v}`).join(" "), "labels");
     body.appendChild(row);
   }

@@ -30,6 +30,7 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kiln.kv_wire import MEDIUM_GPU
 from kiln.router.config import RouterConfig, Worker, WorkerSet
@@ -39,6 +40,7 @@ from kiln.router.kv_wire import Batch, Cleared, Malformed, Removed, Stored, Unkn
 log = logging.getLogger("kiln.router.ingest")
 
 END_SEQ = -1
+CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 
 @dataclasses.dataclass
@@ -58,6 +60,8 @@ class WorkerStats:
     restarts: int = 0  # times the worker's seq started over
     last_seq: int | None = None  # last seq applied
     last_event_at: float | None = None  # time.time() of the last message received
+    connected: bool = False  # the SUB socket holds a connection to the worker's KV-event endpoint
+    replay_connected: bool = False  # a probe socket holds one to its replay endpoint (where one is set)
     evicted: str | None = None  # why the worker's events are ignored, once they are
 
 
@@ -85,17 +89,40 @@ class _Feed:
 
     def _run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
+        # connection state for readiness: ZMQ connects in the background, so its monitor events say
+        # when the worker's endpoints are reachable (a DEALER probe stands for the replay endpoint,
+        # which is otherwise only connected to during a replay)
+        probe = self.ctx.socket(zmq.DEALER) if self.worker.replay_endpoint else None
+        watched = {"connected": sub.get_monitor_socket(CONNECTION_EVENTS)}
+        if probe is not None:
+            watched["replay_connected"] = probe.get_monitor_socket(CONNECTION_EVENTS)
+        poller = zmq.Poller()
+        for socket in (sub, *watched.values()):
+            poller.register(socket, zmq.POLLIN)
         try:
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.setsockopt(zmq.RCVHWM, 100_000)  # room for live batches while a replay runs
             sub.connect(self.worker.zmq_endpoint)
+            if probe is not None:
+                probe.connect(self.worker.replay_endpoint)
             while not self.stopping.is_set() and self.stats.evicted is None:
-                if sub.poll(self.POLL_MS):
+                ready = dict(poller.poll(self.POLL_MS))
+                for field, monitor in watched.items():
+                    while monitor in ready and monitor.poll(0):
+                        event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+                        setattr(self.stats, field, event == zmq.EVENT_CONNECTED)
+                if sub in ready:
                     self.on_message(sub.recv_multipart(zmq.NOBLOCK))
         except Exception:  # a bad endpoint, or a bug: logged; the worker's blocks stay as they were
             log.exception("KV event subscriber of worker %s stopped", self.worker.worker_id_str)
         finally:
-            sub.close(linger=0)
+            self.stats.connected = self.stats.replay_connected = False
+            for owner in (sub, probe):
+                if owner is not None:
+                    owner.disable_monitor()
+            for socket in (*watched.values(), sub, probe):
+                if socket is not None:
+                    socket.close(linger=0)
 
     # ---- messages ------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ class WorkerLoad:
     inflight: requests the router sent to this worker after the scrape that `running` and `waiting` come
         from began, and has not yet seen finish. The scrape cannot count them, so adding them never counts
         a request twice; the next scrape takes them over and they leave this count.
+    adapter_load: the request names an adapter the worker lists but has not loaded (its /v1/models).
     """
 
     worker_id: int
@@ -40,6 +41,7 @@ class WorkerLoad:
     cached_blocks: int = 0
     inflight_blocks: int = 0
     inflight: int = 0
+    adapter_load: bool = False  # the request's adapter is not loaded on the worker: it loads it first
 
     @property
     def pending(self) -> int:
@@ -61,6 +63,7 @@ class Prediction:
     running_penalty_ms: float
     cache_pressure_ms: float
     saturated_ms: float
+    adapter_load_ms: float
     # what the terms were computed from
     load: WorkerLoad
     prompt_blocks: int
@@ -94,6 +97,7 @@ class Prediction:
             "running_penalty_ms": self.running_penalty_ms,
             "cache_pressure_ms": self.cache_pressure_ms,
             "saturated_ms": self.saturated_ms,
+            "adapter_load_ms": self.adapter_load_ms,
             "prompt_blocks": self.prompt_blocks,
             "cached_blocks": self.cached_blocks,
             "batch": self.batch,
@@ -149,10 +153,11 @@ def predict(
     saturated = kv_usage >= p.cache_pressure_saturated_threshold
     cold_share = uncached / prompt_blocks if prompt_blocks else 0.0
     cold = p.saturated_cold_ms_per_entry * (queue_entries + 1) * cold_share if saturated else 0.0
+    adapter = p.adapter_load_ms if load.adapter_load else 0.0
 
     return Prediction(
         worker_id=load.worker_id,
-        total_ms=p.base_ms + forward + prefill + queue + penalty + pressure + cold + factors.offset_ms,
+        total_ms=p.base_ms + forward + prefill + queue + penalty + pressure + cold + adapter + factors.offset_ms,
         base_ms=p.base_ms,
         forward_ms=forward,
         prefill_ms=prefill,
@@ -160,6 +165,7 @@ def predict(
         running_penalty_ms=penalty,
         cache_pressure_ms=pressure,
         saturated_ms=cold,
+        adapter_load_ms=adapter,
         load=load,
         prompt_blocks=prompt_blocks,
         cached_blocks=cached,

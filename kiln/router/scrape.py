@@ -12,7 +12,9 @@ requests add up, but each engine reports the usage of its own cache, so the frac
 vLLM before v1 named the usage gauge `vllm:gpu_cache_usage_perc`; it is read when the other is absent.
 
 A second task GETs `{http_url}/v1/models` every `models_refresh_secs`: the ids served (the base
-model and loaded adapters) and the engine type, which is only displayed, never used for routing.
+model and adapters), which of them are not loaded yet (Kiln lists its store's adapters with
+`"loaded": false`; the predictor charges a worker the load for them), and the engine type, which
+is only displayed, never used for routing.
 
 Liveness (`WorkerHealth.alive`): a worker is dead once `FAILURE_THRESHOLD` consecutive metrics
 scrapes failed, or as many consecutive `/v1/models` polls found it unreachable (a transport error,
@@ -110,12 +112,14 @@ def parse_metrics(text: str, model_name: str) -> MetricsSample:
     )
 
 
-def parse_models(body: Any) -> tuple[str, tuple[str, ...]]:
-    """(engine type, model ids) of a /v1/models answer; raises ScrapeError if it is not an OpenAI list."""
+def parse_models(body: Any) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """(engine type, model ids, the ids of those not loaded) of a /v1/models answer; raises ScrapeError
+    if it is not an OpenAI list. A card with `"loaded": false` (Kiln lists the adapters of its store
+    that it would load on a first request) is served, but not loaded yet; any other card is loaded."""
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), str) for c in data):
         raise ScrapeError("not an OpenAI model list (expected {'data': [{'id': ...}, ...]})")
-    return detect_engine(data), tuple(c["id"] for c in data)
+    return detect_engine(data), tuple(c["id"] for c in data), tuple(c["id"] for c in data if c.get("loaded") is False)
 
 
 def detect_engine(cards: Iterable[dict[str, Any]]) -> str:
@@ -153,6 +157,7 @@ class WorkerHealth:
     # /v1/models
     engine: str = "unknown"  # display only
     models: tuple[str, ...] = ()  # ids served, from the last successful poll
+    unloaded: tuple[str, ...] = ()  # of those, adapters the worker loads on their first request
     models_at: float | None = None  # time.monotonic() of that poll
     models_failures: int = 0  # consecutive polls that found the worker unreachable
     models_error: str | None = None  # of the last poll that failed, unreachable or not
@@ -349,7 +354,7 @@ class Scraper:
             try:
                 body = await self._get(url, accept="application/json")
                 try:
-                    engine, models = parse_models(json.loads(body))
+                    engine, models, unloaded = parse_models(json.loads(body))
                 except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
                     raise ScrapeError("not JSON") from None
             except httpx.HTTPStatusError as e:
@@ -361,9 +366,10 @@ class Scraper:
             except (ScrapeError, httpx.HTTPError) as e:
                 self._models_failed(tracked, _describe(e))
                 return
-            self._models_ok(tracked, engine, models)
+            self._models_ok(tracked, engine, models, unloaded)
 
-    def _models_ok(self, tracked: _Tracked, engine: str, models: tuple[str, ...]) -> None:
+    def _models_ok(self, tracked: _Tracked, engine: str, models: tuple[str, ...], unloaded: tuple[str, ...] = ()
+                   ) -> None:
         old = tracked.state
         if old.models_failures:
             log.info("worker %s: /v1/models answers again", old.worker_id_str)
@@ -371,7 +377,8 @@ class Scraper:
             log.info("worker %s: engine %s, serving %s", old.worker_id_str, engine, ", ".join(models) or "nothing")
             if old.model_name not in models:
                 log.warning("worker %s: its /v1/models does not list model_name %r", old.worker_id_str, old.model_name)
-        self._set(tracked, engine=engine, models=models, models_at=time.monotonic(), models_failures=0)
+        self._set(tracked, engine=engine, models=models, unloaded=unloaded, models_at=time.monotonic(),
+                  models_failures=0)
 
     def _models_answered_error(self, tracked: _Tracked, error: str) -> None:
         old = tracked.state

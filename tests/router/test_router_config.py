@@ -88,6 +88,7 @@ PREDICTOR_DEFAULTS = {
     "q_running_penalty_falloff_qr": 5,
     "inflight_concurrent_capacity": 5,
     "expected_overlap_alpha": 1.0,
+    "adapter_load_ms": 1000.0,
 }
 PICKER_DEFAULTS = {
     "top_k_min": 2,

@@ -153,8 +153,10 @@ def test_inflight_tracking_off_ignores_the_prefix_in_flight():
 
 def test_every_coefficient_changes_some_prediction():
     """No coefficient is dead: moving each one off its default moves the prediction of a busy, saturated,
-    partly cached worker (kv_usage 0.95, 3 running, 1 waiting, 2 in flight, 3 of 10 blocks held, 2 in flight)."""
-    load = WorkerLoad(0, running=3, waiting=1, kv_usage=0.95, cached_blocks=3, inflight_blocks=2, inflight=2)
+    partly cached worker (kv_usage 0.95, 3 running, 1 waiting, 2 in flight, 3 of 10 blocks held, 2 in flight)
+    that has the request's adapter still to load."""
+    load = WorkerLoad(0, running=3, waiting=1, kv_usage=0.95, cached_blocks=3, inflight_blocks=2, inflight=2,
+                      adapter_load=True)
     default = Predictor()
     base = predict(default, load, 10, True).total_ms
     changed = {
@@ -171,6 +173,7 @@ def test_every_coefficient_changes_some_prediction():
         "q_running_penalty_falloff_qr": 8,
         "inflight_concurrent_capacity": 9,
         "expected_overlap_alpha": 0.5,
+        "adapter_load_ms": 200.0,
     }
     assert set(changed) == set(Predictor.model_fields)
     for name, value in changed.items():

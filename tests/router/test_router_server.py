@@ -554,8 +554,10 @@ def live(tmp_path_factory):
         "metrics": {"tenant_labels": "all"},
     }
     router = RouterProcess(write_config(tmp, config, {"a": [w.config() for w in workers.values()]}))
-    router.ready_before_events = router.get("/readyz")
     try:
+        # ready once the workers are reachable, before any of them has sent a KV event
+        router.ready_before_events = wait_until(lambda: (r := router.get("/readyz")).status_code == 200 and r, 10,
+                                                "/readyz with idle workers")
         workers[1].store(PREFIX)
         workers[3].store(list(range(8)), block_size=8)  # not the set's block size: w3 is evicted
 
@@ -591,11 +593,28 @@ def pick_and_finish(router, **fields) -> router_pb2.PickResponse:
     return response
 
 
-def test_readyz_turns_ready_once_events_arrive(live):
-    assert live.ready_before_events.status_code == 503
-    assert "no worker has sent KV events yet" in live.ready_before_events.json()["reasons"][0]
-    ready = live.get("/readyz")
+def test_readyz_is_ready_with_reachable_workers_and_cold_caches(live):
+    assert live.ready_before_events.json() == {"ready": True, "reasons": []}
+    ready = live.get("/readyz")  # and stays ready once a worker is evicted: the others are reachable
     assert ready.status_code == 200 and ready.json() == {"ready": True, "reasons": []}
+
+
+def test_readyz_says_which_workers_are_not_reachable(tmp_path):
+    """A worker set whose only worker answers nothing (no HTTP, no KV-event publisher) is not ready."""
+    gone = [free_port() for _ in range(3)]
+    worker = {"worker_id_str": "w0", "worker_id_num": 0, "model_name": "m", "zmq_endpoint": f"tcp://127.0.0.1:{gone[0]}",
+              "http_url": f"http://127.0.0.1:{gone[1]}", "metrics_url": f"http://127.0.0.1:{gone[1]}/metrics"}
+    config = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "metrics_poll_ms": 100, "models_refresh_secs": 1,
+              "profile": [{"name": "p"}], "workerset": [{"name": "a", "profile": "p", "kv_block_size": BS}]}
+    router = RouterProcess(write_config(tmp_path, config, {"a": [worker]}))
+    try:
+        time.sleep(1.0)
+        r = router.get("/readyz")
+        assert r.status_code == 503
+        assert r.json()["reasons"] == ["worker set a: no worker is reachable yet (w0 has not answered /v1/models)"]
+    finally:
+        code, output = router.stop()
+    assert code == 0, output[-4000:]
 
 
 def test_the_worker_holding_the_prefix_is_picked(live):
