@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from router.test_router_server import RouterProcess, stop_fleet, wait_until, write_config
 from server_process import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,20 +195,10 @@ def exposed(text: str) -> dict[str, set[str] | None]:
     return names
 
 
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def live_metrics(tmp_path_factory, tiny_model, kiln_cache):
     """The names (and their labels) that a live server's and a live router's /metrics expose, after two
     chat completions, each picked by the router, sent to the worker and reported back with Feedback."""
-    from router.test_router_server import RouterProcess, write_config
 
     from kiln.router.proto import router_pb2
 
@@ -252,12 +243,7 @@ def live_metrics(tmp_path_factory, tiny_model, kiln_cache):
         pages = {"server": httpx.get(server.url + "/metrics", timeout=30).text,
                  "router": router.get("/metrics").text}
     finally:
-        try:
-            if router is not None:
-                code, output = router.stop()
-                assert code == 0, output[-4000:]
-        finally:
-            server.stop_cleanly()
+        stop_fleet(router, [server])
     return {side: exposed(text) for side, text in pages.items()}
 
 

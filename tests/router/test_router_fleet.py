@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 from peft_adapters import make_peft_adapter
-from router.test_router_server import RouterProcess, wait_until, write_config
+from router.test_router_server import RouterProcess, stop_fleet, wait_until, write_config
 from server_process import ServerProcess, free_port
 from tiny_models import make_hf_model
 
@@ -68,13 +68,7 @@ def fleet(tiny_model, kiln_cache, store, tmp_path_factory):
         router.workers = workers
         yield router
     finally:
-        try:
-            if router is not None:
-                code, output = router.stop()
-                assert code == 0, output[-4000:]
-        finally:
-            for w in workers:
-                w.stop_cleanly()
+        stop_fleet(router, workers)
 
 
 def state_of(router, worker: str) -> dict:

@@ -45,6 +45,18 @@ def wait_until(predicate, timeout=10.0, what="condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def stop_fleet(router, servers) -> None:
+    """Stops a RouterProcess (it must exit 0; None: none started) and then Kiln servers, whatever the
+    router did."""
+    try:
+        if router is not None:
+            code, output = router.stop()
+            assert code == 0, output[-4000:]
+    finally:
+        for server in servers:
+            server.stop_cleanly()
+
+
 def to_toml(doc: dict, prefix: str = "") -> str:
     """Scalars and arrays as `key = value`; dicts as [tables]; lists of dicts as [[arrays of tables]]."""
 
