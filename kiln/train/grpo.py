@@ -143,6 +143,8 @@ class Rollout:
     reward: float
     text: str = ""
     loss_mask: np.ndarray | None = None  # per completion token: 1 where the policy sampled it (None: all)
+    # the reward's parts, where it has them (a multi grader's); keyword-only, so subclasses' fields stay positional
+    components: dict[str, float] | None = dataclasses.field(default=None, kw_only=True)
 
 
 def _pad(parts: list[np.ndarray], K: int, dtype=np.float32) -> np.ndarray:
@@ -266,14 +268,24 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
 Reward = Callable[[list[str | dict], list[Any]], list[float]]  # (output texts or sample namespaces, items)
 
 
+class Scores(list):
+    """A batch's rewards (floats), with each one's components where the reward has parts (a multi
+    grader's `sub_rewards`): what a step reports as `reward_components`."""
+
+    def __init__(self, rewards, components: list[dict[str, float]] | None = None):
+        super().__init__(rewards)
+        self.components = components
+
+
 def as_reward(reward, judge=None) -> Reward:
     """A batch reward from grader JSON, a kiln Grader, or a `(sample, item) -> float` callable."""
     from kiln import graders
 
     grader = graders.build(reward)
 
-    def score(samples: list[str | dict], items: list[Any]) -> list[float]:
-        return [r.reward for r in graders.grade_many(grader, samples, items, judge)]
+    def score(samples: list[str | dict], items: list[Any]) -> Scores:
+        results = graders.grade_many(grader, samples, items, judge)
+        return Scores([r.reward for r in results], [dict(r.sub_rewards) for r in results])
 
     return score
 
@@ -391,8 +403,10 @@ class GRPORun(LoraRun):
         """Sets each rollout's reward: the reward of its text, with its prompt's item."""
         flat = [r for g in groups for r in g]
         items = [self.items[i] for i, g in zip(indices, groups, strict=True) for _ in g]
-        for r, score in zip(flat, self.reward([r.text for r in flat], items), strict=True):
-            r.reward = float(score)
+        scores = self.reward([r.text for r in flat], items)
+        components = getattr(scores, "components", None) or [None] * len(flat)
+        for r, score, parts in zip(flat, scores, components, strict=True):
+            r.reward, r.components = float(score), parts or None
 
     def train_step(self, groups: list[list[Rollout]], ownership=None) -> dict:
         """One optimizer step (or num_iterations) on scored rollouts, grouped by prompt (each
@@ -443,6 +457,11 @@ class GRPORun(LoraRun):
         }
         if getattr(c, "jsd_beta", None) is not None:  # distillation's full-distribution term
             self.last_metrics["jsd"] = stats["jsd"] / weight
+        parts = [r.components for r in rollouts if r.components]
+        if parts:  # each component's mean over the rollouts that have it
+            names = sorted({name for p in parts for name in p})
+            self.last_metrics["reward_components"] = {
+                name: float(np.mean([p[name] for p in parts if name in p])) for name in names}
         return self.last_metrics
 
     def micro_batches(self, rollouts: list[Rollout], advantages: np.ndarray, shared: bool) -> list[RolloutBatch]:

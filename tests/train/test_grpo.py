@@ -143,6 +143,10 @@ def test_grpo_in_process_trains_and_saves_a_policy(policy_engine, tmp_path):
                   max_steps=2)
     assert [h["step"] for h in result.history] == [1, 2]
     assert all(0.0 <= h["reward_mean"] <= 1.0 for h in result.history)
+    # the multi grader's parts are reported per step (and written to TensorBoard as train/reward/<name>)
+    assert all(set(h["reward_components"]) == {"has_k", "judged"} for h in result.history)
+    assert all(h["reward_mean"] == pytest.approx(0.5 * h["reward_components"]["has_k"] + 0.5 * h["reward_components"][
+        "judged"], abs=1e-5) for h in result.history)
     artifact = AdapterStore(tmp_path / "store").latest("tiny-grpo")
     assert artifact.version == result.artifact.version and artifact.manifest.config["method"] == "reinforcement"
     assert artifact.manifest.provenance.source == "training:grpo" and artifact.manifest.training["steps"] == 2
