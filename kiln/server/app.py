@@ -61,8 +61,10 @@ def _unexpected_error(_: Request, exc: Exception) -> Response:
 
 async def _authorize(request: Request) -> None:
     keys = server_settings(request).server.api_keys
+    if not keys:
+        return
     path = request.url.path
-    if not keys or path in admin_routes.OPEN_ROUTES or path == console.PATH:  # the page asks for its key itself
+    if path in admin_routes.OPEN_ROUTES or path == console.PATH:  # the page asks for its key itself
         return
     if console.is_console_path(path):
         if not console.authorized(request, keys):

@@ -22,7 +22,7 @@ from litestar.datastructures import Cookie
 from litestar.enums import MediaType
 
 from kiln.server.admin_routes import serving_status
-from kiln.server.state import ServerState, server_settings, server_state
+from kiln.server.state import server_settings, server_state
 
 PAGE = (resources.files("kiln.server") / "static" / "console.html").read_text()  # shipped as package data
 UNAUTHORIZED_PAGE = """<!doctype html>
@@ -79,7 +79,7 @@ def console_page(request: Request, key: str | None = None) -> Response:
 
 # ---- data routes ---------------------------------------------------------------------------------
 
-def _owner(st: ServerState, snapshot: dict, ownership: dict) -> str:
+def _owner(snapshot: dict, ownership: dict) -> str:
     """Who holds the accelerator now, in a few words."""
     if ownership["active_writer"]:
         return ownership["active_writer"]
@@ -111,7 +111,7 @@ def overview(request: Request) -> dict[str, Any]:
         "kv_cache": {"usage": s["kv_usage"], "blocks": s["kv_blocks_total"],
                      "used_blocks": s["kv_blocks_total"] - s["kv_blocks_free"]},
         "latency": st.metrics.recent_latencies(LATENCY_WINDOW_S),
-        "accelerator": {"owner": _owner(st, s, ownership), **ownership},
+        "accelerator": {"owner": _owner(s, ownership), **ownership},
         "adapters": {"slots_used": s["lora_slots_used"], "slots": s["lora_slots_total"]},
         "jobs": {"running": jobs["running"], "queued": jobs["queued"]},
     }
