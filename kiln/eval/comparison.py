@@ -84,6 +84,33 @@ def compare(a: Sequence[dict], b: Sequence[dict], criteria: Sequence[str] | None
             "bootstrap_samples": samples, "seed": seed, "per_testing_criteria": out}
 
 
+def judge(comparison: dict[str, Any], criteria: Sequence[str], min_pass_rate: float,
+          min_delta: float) -> tuple[list[str], list[dict[str, Any]]]:
+    """The promotion gate's rules on a baseline (a) to candidate (b) comparison: each criterion's
+    candidate pass rate at least `min_pass_rate`, its paired difference at least `min_delta`.
+    Returns why it fails (empty: it passes) and each judged criterion's rates."""
+    reasons, rows = [], []
+    for entry in comparison["per_testing_criteria"]:
+        label = entry["testing_criteria"]
+        if label not in criteria:
+            continue
+        rate, delta = entry["b"]["pass_rate"], entry["pass_rate_difference"]
+        rows.append({"testing_criteria": label, "baseline_pass_rate": entry["a"]["pass_rate"],
+                     "candidate_pass_rate": rate, "pass_rate_difference": delta,
+                     "mean_score_difference": entry["mean_score_difference"], "paired_items": entry["paired_items"],
+                     "flipped": entry["flipped"]})
+        if rate is None:
+            reasons.append(f"{label}: no item could be compared")
+            continue
+        if rate < min_pass_rate:
+            reasons.append(f"{label}: pass rate {rate:.3f} is below min_pass_rate {min_pass_rate:g}")
+        if delta["estimate"] < min_delta:
+            reasons.append(f"{label}: pass rate changed by {delta['estimate']:+.3f} against the baseline "
+                           f"(95% interval {delta['ci_low']:+.3f} to {delta['ci_high']:+.3f}), below min_delta "
+                           f"{min_delta:g}")
+    return reasons, rows
+
+
 def _stats(passed: np.ndarray, scores: np.ndarray) -> dict[str, float | None]:
     if not len(passed):
         return {"pass_rate": None, "mean_score": None}

@@ -25,6 +25,7 @@ from typing import Any
 
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.errors import InvalidRequest, KilnError, NotFound
+from kiln.eval.comparison import judge
 from kiln.eval.service import ACTIVE, SAMPLING_SOURCES, EvalService
 
 GATE_KEYS = ("eval_id", "criteria", "baseline", "min_delta", "min_pass_rate", "data_source")
@@ -157,25 +158,7 @@ class Gate:
         if broken:
             return GateResult(False, broken, baseline, candidate_run, [])
         comparison = self.evals.compare(spec.eval_id, [baseline, candidate_run])
-        reasons, criteria = [], []
-        for entry in comparison["per_testing_criteria"]:
-            if entry["testing_criteria"] not in spec.criteria:
-                continue
-            rate, delta = entry["b"]["pass_rate"], entry["pass_rate_difference"]
-            criteria.append({"testing_criteria": entry["testing_criteria"], "baseline_pass_rate": entry["a"][
-                "pass_rate"], "candidate_pass_rate": rate, "pass_rate_difference": delta,
-                "mean_score_difference": entry["mean_score_difference"], "paired_items": entry["paired_items"],
-                "flipped": entry["flipped"]})
-            label = entry["testing_criteria"]
-            if rate is None:
-                reasons.append(f"{label}: no item could be compared")
-                continue
-            if rate < spec.min_pass_rate:
-                reasons.append(f"{label}: pass rate {rate:.3f} is below min_pass_rate {spec.min_pass_rate:g}")
-            if delta["estimate"] < spec.min_delta:
-                reasons.append(f"{label}: pass rate changed by {delta['estimate']:+.3f} against the baseline "
-                               f"(95% interval {delta['ci_low']:+.3f} to {delta['ci_high']:+.3f}), below min_delta "
-                               f"{spec.min_delta:g}")
+        reasons, criteria = judge(comparison, spec.criteria, spec.min_pass_rate, spec.min_delta)
         return GateResult(not reasons, reasons, baseline, candidate_run, criteria)
 
     def _body(self, model: str, role: str) -> dict:

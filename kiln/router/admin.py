@@ -1,5 +1,6 @@
 """The router's admin HTTP server on `admin_listen`: `/metrics`, `/readyz`, the dashboard (`/`, also
-`/dashboard`) and the JSON it polls (`/api/state`). Served by uvicorn on the router's own event loop."""
+`/dashboard`), the JSON it polls (`/api/state`) and fleet-wide adapter rollouts
+(`/admin/adapters/rollout`, rollout.py). Served by uvicorn on the router's own event loop."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
-from litestar import Litestar, MediaType, Response, get
+from litestar import Litestar, MediaType, Request, Response, get, post
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln.router.core import RouterCore
 from kiln.router.dashboard import PAGE
 from kiln.router.metrics import RouterMetrics
+from kiln.router.rollout import RolloutRefused
 
 
 def create_admin_app(core: RouterCore, metrics: RouterMetrics) -> Litestar:
@@ -36,7 +38,37 @@ def create_admin_app(core: RouterCore, metrics: RouterMetrics) -> Litestar:
     async def dashboard() -> str:
         return PAGE
 
-    return Litestar([prometheus, readyz, state, dashboard], openapi_config=None, logging_config=None)
+    @post("/admin/adapters/rollout")
+    async def start_rollout(request: Request) -> Response[dict[str, Any]]:
+        try:
+            body = await request.json()
+        except Exception:  # noqa: BLE001 - any undecodable body is the caller's
+            body = None
+        try:
+            status, rollout = await core.rollouts.create(body)
+        except RolloutRefused as e:
+            return Response(e.body(), status_code=e.status)
+        return Response(rollout, status_code=status)
+
+    @get("/admin/adapters/rollout")
+    async def list_rollouts() -> dict[str, Any]:
+        return {"object": "list", "data": core.rollouts.describe()}
+
+    @get("/admin/adapters/rollout/{rollout_id:str}")
+    async def one_rollout(rollout_id: str) -> Response[dict[str, Any]]:
+        found = core.rollouts.items.get(rollout_id)
+        if found is None:
+            error = {
+                "message": f"no rollout {rollout_id!r}",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "rollout_not_found",
+            }
+            return Response({"error": error}, status_code=404)
+        return Response(found.to_json())
+
+    handlers = [prometheus, readyz, state, dashboard, start_rollout, list_rollouts, one_rollout]
+    return Litestar(handlers, openapi_config=None, logging_config=None)
 
 
 def split_host_port(address: str) -> tuple[str, int]:

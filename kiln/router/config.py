@@ -315,6 +315,16 @@ class LeaderElection(Section):
         return value
 
 
+class RolloutSettings(Section):
+    """Kiln's [rollout]: fleet-wide adapter promotion (rollout.py)."""
+
+    section = "rollout"
+    state_file: ConfigPath | None = None  # None: rollouts are kept in memory only
+    bake_secs: Annotated[float, Field(ge=0)] = 30.0  # a stage's time under traffic before its check
+    max_error_rate: Annotated[float, Field(ge=0, le=1)] = 0.05
+    drain_secs: Annotated[float, Field(ge=0)] = 2.0  # off the adapter's picks before an unload
+
+
 class RouterConfig(Section):
     """The whole resolved configuration. Field names are the file's keys."""
 
@@ -343,6 +353,7 @@ class RouterConfig(Section):
     token_review: TokenReview = Field(default_factory=TokenReview)
     rate_limit: RateLimit = Field(default_factory=RateLimit)
     leader_election: LeaderElection = Field(default_factory=LeaderElection)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
 
     def profile_named(self, name: str) -> Profile:
         for profile in self.profile:

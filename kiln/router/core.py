@@ -56,6 +56,7 @@ from kiln.router.ingest import KVIngest, ingest_for
 from kiln.router.kv_index import KVIndex
 from kiln.router.picker import PrefixHeat, pick, prefix_key
 from kiln.router.predictor import WorkerLoad, predict_all
+from kiln.router.rollout import Rollouts
 from kiln.router.scrape import Scraper, WorkerHealth
 from kiln.router.tokenization import Tokenization, TokenizationError
 from kiln.router.types import PickError, PickInput, PickResult, Pool, Pools, WorkerMeta
@@ -147,6 +148,7 @@ class RouterCore:
         self.leader_election: LeaderElector | None = None  # set by serve() with [leader_election]
         # Why the router is not ready yet, by who says so (e.g. a discovery that has not listed yet).
         self.not_ready: dict[str, str] = {}
+        self.rollouts = Rollouts(self, config.rollout)
 
     @classmethod
     def from_config(cls, config: RouterConfig, metrics: RouterMetrics, bodies: BodyBudget | None = None) -> RouterCore:
@@ -164,10 +166,12 @@ class RouterCore:
         if self.scraper is not None:
             self.scraper.start()
         self._sweeper = asyncio.create_task(self._sweep())
+        await self.rollouts.start()
         self._started = True
 
     async def stop(self) -> None:
         self._started = False
+        await self.rollouts.stop()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -332,6 +336,10 @@ class RouterCore:
         health = self._health(worker.worker_id_num)
         return health is not None and model in health.models
 
+    def _offers(self, worker: Worker, model: str) -> bool:
+        """Serves the model, by what it lists or, during its rollout, by what the rollout loaded there."""
+        return self._serves(worker, model) or self.rollouts.serves(model, worker.worker_id_num)
+
     def _base_model(self, worker: Worker) -> str:
         """The worker's `model_name`; unset, the first model its /v1/models lists."""
         if worker.model_name:
@@ -359,14 +367,15 @@ class RouterCore:
     async def _pick(self, request: PickInput, pool: Pool | None = None) -> PickResult:
         model = request.model
         serving = [
-            (e, [w for w in e.workers.values() if self._serves(w, model) and self._in_pool(pool, w, e)])
+            (e, [w for w in e.workers.values() if self._offers(w, model) and self._in_pool(pool, w, e)])
             for e in self.sets.values()
         ]
         serving = [(e, ws) for e, ws in serving if ws]
         if not serving:
             raise PickError("not_found", f"no worker{_of(pool)} serves model {model!r}")
         for entry, workers in serving:
-            eligible = [w for w in workers if self._ineligible(w, entry) is None]
+            # (during a rollout of the model: only the workers that serve a version of it now)
+            eligible = self.rollouts.eligible(model, [w for w in workers if self._ineligible(w, entry) is None])
             if eligible:
                 break
         else:
@@ -426,6 +435,7 @@ class RouterCore:
             prediction.features(),
         )
         self.inflight.add(result.request_id, result.worker_id_num, keys, time.monotonic())
+        self.rollouts.picked(result.request_id, model, result.worker_id_num)
         return result
 
     async def _tokenize(self, entry: _Set, model: str, body: dict[str, Any] | None) -> list[int]:
@@ -486,6 +496,7 @@ class RouterCore:
     def feedback(self, request_id: str, ttft_ms: float = 0.0, e2e_ms: float = 0.0, failed: bool = False) -> bool:
         """How a picked request went; False when no pick with that id is held (never made, or expired)."""
         self.inflight.end(request_id)
+        self.rollouts.feedback(request_id, failed)
         observation = self.observations.pop(request_id)
         if observation is None:
             self.metrics.feedback.labels("unknown").inc()
@@ -642,6 +653,7 @@ class RouterCore:
             "inflight": len(self.inflight),
             "observations": len(self.observations),
             "leader": self.is_leader(),
+            "rollouts": self.rollouts.describe(),
         }
 
 

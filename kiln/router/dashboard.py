@@ -16,6 +16,7 @@ PAGE = """<!doctype html>
 <style>
   body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #1d2430; background: #fff; }
   h1 { font-size: 20px; margin: 0 0 4px; }
+  h2 { font-size: 16px; margin: 24px 0 8px; }
   #summary { color: #4a5565; margin-bottom: 16px; }
   #summary .bad { color: #b3261e; }
   table { border-collapse: collapse; }
@@ -41,6 +42,13 @@ PAGE = """<!doctype html>
     <th>labels</th>
   </tr></thead>
   <tbody id="workers"></tbody>
+</table>
+<h2 id="rollouts-title" hidden>Adapter rollouts</h2>
+<table id="rollouts" hidden>
+  <thead><tr>
+    <th>rollout</th><th>adapter</th><th>version</th><th>status</th><th>stage</th><th>workers</th><th>last check</th>
+  </tr></thead>
+  <tbody></tbody>
 </table>
 <script>
 const BAR_PX = @BAR@;
@@ -99,6 +107,28 @@ function render(s) {
     // adapters the worker lists but loads on a first request cost it a load in the prediction
     cell(row, w.models.map(m => w.adapters_unloaded.includes(m) ? `${m} (not loaded)` : m).join(", "), "labels");
     cell(row, Object.entries(w.labels).map(([k, v]) => `${k}=${v}`).join(" "), "labels");
+    body.appendChild(row);
+  }
+  renderRollouts(s.rollouts || []);
+}
+function renderRollouts(rollouts) {
+  const table = document.getElementById("rollouts");
+  table.hidden = document.getElementById("rollouts-title").hidden = rollouts.length === 0;
+  const body = table.querySelector("tbody");
+  body.replaceChildren();
+  for (const r of rollouts) {
+    const row = document.createElement("tr");
+    row.dataset.rollout = r.id;
+    cell(row, r.id);
+    cell(row, r.name);
+    cell(row, r.version);
+    cell(row, r.status, r.status === "rolled_back" || r.status === "failed" ? "dead" : "");
+    const total = r.stage_workers[r.stage_workers.length - 1];
+    cell(row, `${r.stage} of ${r.stages.length} (${r.stage_workers[Math.max(0, r.stage - 1)]} of ${total} workers)`);
+    cell(row, r.targets.map(t => `${t.worker}: ${t.state}` + (t.previous ? ` (was ${t.previous})` : "")).join(", "),
+      "labels");
+    const last = r.checks[r.checks.length - 1];
+    cell(row, r.reason || (last ? `stage ${last.stage} ${last.passed ? "passed" : "failed"}` : ""), "labels");
     body.appendChild(row);
   }
 }

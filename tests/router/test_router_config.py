@@ -146,6 +146,7 @@ TOP_DEFAULTS = {
         "renew_grace_secs": 10,
         "retry_secs": 2,
     },
+    "rollout": {"state_file": None, "bake_secs": 30.0, "max_error_rate": 0.05, "drain_secs": 2.0},
 }
 
 
@@ -265,6 +266,8 @@ def full() -> dict:
             "renew_grace_secs": 20,
             "retry_secs": 4,
         },
+        "rollout": {"state_file": "/var/lib/kiln/rollouts.json", "bake_secs": 120.0, "max_error_rate": 0.01,
+                    "drain_secs": 5.0},
     }
 
 
