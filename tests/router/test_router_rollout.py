@@ -42,6 +42,13 @@ class Fleet:
         self.store = tmp / "store"
         self.v1 = save_version(self.store, tiny_model, tmp, seed=13, alpha=4.0)
         self.workers, self.router = [], None
+        try:
+            self._start(tiny_model, kiln_cache, tmp)
+        except BaseException:
+            stop_fleet(self.router, self.workers)  # (the fixture never gets a fleet to stop)
+            raise
+
+    def _start(self, tiny_model, kiln_cache, tmp):
         self.ports = [(free_port(), free_port()) for _ in range(3)]
         for n, (zmq, replay) in enumerate(self.ports):  # w1 serves version 1; w0 and w2 have no adapter loaded
             preload = {"KILN_ADAPTERS_LOAD": "math"} if n == 1 else {}
