@@ -24,7 +24,11 @@ and router/random ratios. Then the pick's latency: in process (RouterCore.pick: 
 prediction and pick, bookkeeping included) over 64 workers holding 10,000 blocks each, and the
 gRPC Pick round trip against the live router with token ids.
 
+`--calibrate N` first sends N requests of other tenants through the router (with Feedback), so that
+its measured run starts with the predictor's calibration converged rather than from the coefficients.
+
     python bench/router.py [--quick] [--requests N] [--rate R] [--policies router,round-robin,random]
+                           [--calibrate N]
 """
 
 from __future__ import annotations
@@ -653,6 +657,13 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a router profile key, e.g. predictor.attention_uncached_block_ms=40 (default: the default profile)",
     )
+    ap.add_argument(
+        "--calibrate",
+        type=int,
+        default=0,
+        help="requests of other tenants sent through the router (with Feedback) before its measured run, so "
+        "that it runs with its calibration converged (default 0: a fresh router)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--picks", type=int, help="picks timed in process and over gRPC (default 2000, --quick 500)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the workers' and router's logs")
@@ -709,6 +720,10 @@ def main() -> None:
             if policy == "router":
                 router = RouterProc(tmp, workers, model, args.metrics_poll_ms, args.profile)
                 router.wait_synced(workers, model)
+                if args.calibrate:
+                    calibration = workload(args.calibrate, args.rate, args.seed + 2, args.system_words, tenant_base=700)
+                    asyncio.run(run_policy("router", calibration, workers, model, args, router, "calibration"))
+                    print(f"  calibration after {args.calibrate} requests: {describe_calibration(router)}", flush=True)
             setup = time.perf_counter() - t
             res[policy] = r = asyncio.run(run_policy(policy, requests, workers, model, args, router))
             loads = sum(w.bucket_loads() for w in workers) - sum(loads)
@@ -754,6 +769,15 @@ def main() -> None:
     )
 
 
+def describe_calibration(router: RouterProc) -> str:
+    c = router.state()["worker_sets"][0]["calibration"]
+    return (
+        f"{'active' if c['active'] else 'not active'} after {c['observations']} TTFTs: queue x{c['queue_scale']:.2f}, "
+        f"prefill x{c['prefill_scale']:.2f}, {c['batch_ms']:.0f} ms per request in the batch, offset "
+        f"{c['offset_ms']:.0f} ms"
+    )
+
+
 def report_router(router: RouterProc, r: dict) -> None:
     """What the router did: its reasons, its index against what the workers found cached, its predictions,
     and the busiest it saw each worker."""
@@ -786,7 +810,7 @@ def report_router(router: RouterProc, r: dict) -> None:
     inflight = [max((s[n]["inflight"] for s in samples), default=0) for n in range(WORKERS)]
     print(
         f"  the router's view, sampled every second: most running + waiting per worker {busiest}, most in "
-        f"flight {inflight}",
+        f"flight {inflight}; calibration at the end: {describe_calibration(router)}",
         flush=True,
     )
 

@@ -131,7 +131,7 @@ class Observation:
     tenant: str = ""
     # What calibration.Calibration fits against the observed TTFT: the prediction's uncalibrated queue
     # and prefill terms and the sum of the others; None for a pick not predicted term by term (mock mode).
-    features: tuple[float, float, float] | None = None
+    features: tuple[float, float, float, float] | None = None
 
 
 class Observations:

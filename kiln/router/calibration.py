@@ -5,18 +5,23 @@ than `queue_ms_per_entry`, and a router trusting the default piles requests onto
 a prefix. `Calibration` fits, per worker set, the observed time to first token of each pick against
 the terms its prediction was made of:
 
-    observed_ttft ~ other + offset + queue_scale * queue_ms + prefill_scale * prefill_ms
+    observed_ttft ~ other + offset + queue_scale * queue_ms + prefill_scale * prefill_ms + batch_ms * batch
 
-where queue_ms and prefill_ms are the uncalibrated queue and prefill terms of the prediction and
-`other` the sum of the rest (base, forward pass, running penalty, cache pressure, saturation). The
+where queue_ms and prefill_ms are the uncalibrated queue and prefill terms of the prediction, `batch`
+the requests in the batch the request joins (B + 1, itself included) and `other` the sum of the rest
+(base, forward pass, running penalty, cache pressure, saturation). `batch_ms` is what each request
+running beside it costs a new request's first token: the coefficients price running requests only
+through the running penalty, which falls back to 0 once a batch is "full", while on hardware that
+steps a big batch slower (a CPU, or prefill chunks sharing a token budget) every one of them counts. The
 fit is an exponentially weighted least squares (each observation's weight decays by DECAY per newer
 one) with a ridge prior of PRIOR_WEIGHT observations pulling it toward the identity (offset 0,
-scales 1); it is applied only once MIN_OBSERVATIONS observations came, and its scales are clamped to
-SCALE_MIN .. SCALE_MAX and its offset to OFFSET_MIN_MS .. OFFSET_MAX_MS. Before that, and for a
+scales 1, batch_ms 0); it is applied only once MIN_OBSERVATIONS observations came, and its scales are
+clamped to SCALE_MIN .. SCALE_MAX, its offset to OFFSET_MIN_MS .. OFFSET_MAX_MS and batch_ms to
+0 .. BATCH_MS_MAX. Before that, and for a
 worker set with no Feedback, predictions are exactly the uncalibrated ones.
 
 The spec's configuration has no key for it: these are module constants (docs/router.md, "Calibration").
-An update (on Feedback) is a 3x3 solve; a pick only multiplies two terms by the current factors.
+An update (on Feedback) is a 4x4 solve; a pick only multiplies three terms by the current factors.
 Not thread-safe: the router's event loop owns it.
 """
 
@@ -32,6 +37,7 @@ DECAY = 0.995  # weight kept by each observation per newer one: an effective win
 PRIOR_WEIGHT = 0.1  # the identity counts as this many observations (in each fitted coordinate)
 SCALE_MIN, SCALE_MAX = 0.25, 8.0
 OFFSET_MIN_MS, OFFSET_MAX_MS = -2000.0, 5000.0
+BATCH_MS_MAX = 5000.0
 OUTLIER_MS = 600_000.0  # a TTFT above this (10 minutes) is a stuck request, not a latency: ignored
 
 
@@ -42,10 +48,11 @@ class Factors:
     queue_scale: float = 1.0
     prefill_scale: float = 1.0
     offset_ms: float = 0.0
+    batch_ms: float = 0.0  # per request in the batch the new one joins
 
     @property
     def identity(self) -> bool:
-        return self.queue_scale == 1.0 and self.prefill_scale == 1.0 and self.offset_ms == 0.0
+        return self == IDENTITY
 
 
 IDENTITY = Factors()
@@ -58,20 +65,20 @@ class Calibration:
         self.observations = 0  # TTFT observations taken (not decayed)
         self.factors = IDENTITY
         self.fitted = IDENTITY  # the last solve, before the MIN_OBSERVATIONS gate
-        # Decayed sums over observations of x = (1, queue_ms, prefill_ms) and y = ttft - other:
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
+        # Decayed sums over observations of x = (1, queue_ms, prefill_ms, batch) and y = ttft - other:
+        self._xx = [[0.0] * 4 for _ in range(4)]
+        self._xy = [0.0] * 4
 
-    def observe(self, ttft_ms: float, queue_ms: float, prefill_ms: float, other_ms: float) -> None:
-        """One pick's observed TTFT and its prediction's uncalibrated terms."""
-        if not 0.0 < ttft_ms <= OUTLIER_MS or queue_ms < 0 or prefill_ms < 0:
+    def observe(self, ttft_ms: float, queue_ms: float, prefill_ms: float, other_ms: float, batch: float = 0.0) -> None:
+        """One pick's observed TTFT and its prediction's uncalibrated terms (`Prediction.features()`)."""
+        if not 0.0 < ttft_ms <= OUTLIER_MS or queue_ms < 0 or prefill_ms < 0 or batch < 0:
             return
-        x = (1.0, queue_ms, prefill_ms)
+        x = (1.0, queue_ms, prefill_ms, batch)
         y = ttft_ms - other_ms
-        for i in range(3):
+        for i in range(4):
             self._xy[i] = DECAY * self._xy[i] + x[i] * y
             row = self._xx[i]
-            for j in range(3):
+            for j in range(4):
                 row[j] = DECAY * row[j] + x[i] * x[j]
         self.observations += 1
         self.fitted = self._solve()
@@ -81,19 +88,20 @@ class Calibration:
     def _solve(self) -> Factors:
         """The ridge solution toward the identity, clamped."""
         n = self._xx[0][0]  # the decayed count
-        prior = (0.0, 1.0, 1.0)
+        prior = (0.0, 1.0, 1.0, 0.0)
         # The prior's strength in each coordinate: PRIOR_WEIGHT observations of that regressor's mean square.
-        ridge = [PRIOR_WEIGHT * max(self._xx[i][i] / n, 1.0) if n > 0 else PRIOR_WEIGHT for i in range(3)]
-        a = [[self._xx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
-        b = [self._xy[i] + ridge[i] * prior[i] for i in range(3)]
+        ridge = [PRIOR_WEIGHT * max(self._xx[i][i] / n, 1.0) if n > 0 else PRIOR_WEIGHT for i in range(4)]
+        a = [[self._xx[i][j] + (ridge[i] if i == j else 0.0) for j in range(4)] for i in range(4)]
+        b = [self._xy[i] + ridge[i] * prior[i] for i in range(4)]
         try:
-            offset, queue, prefill = np.linalg.solve(a, b).tolist()
+            offset, queue, prefill, batch = np.linalg.solve(a, b).tolist()
         except np.linalg.LinAlgError:  # singular: keep the last fit
             return self.fitted
         return Factors(
             queue_scale=min(SCALE_MAX, max(SCALE_MIN, queue)),
             prefill_scale=min(SCALE_MAX, max(SCALE_MIN, prefill)),
             offset_ms=min(OFFSET_MAX_MS, max(OFFSET_MIN_MS, offset)),
+            batch_ms=min(BATCH_MS_MAX, max(0.0, batch)),
         )
 
     def view(self) -> dict[str, Any]:
@@ -106,5 +114,6 @@ class Calibration:
             "queue_scale": f.queue_scale,
             "prefill_scale": f.prefill_scale,
             "offset_ms": f.offset_ms,
+            "batch_ms": f.batch_ms,
         }
 

@@ -462,7 +462,7 @@ class RouterCore:
         prompt_blocks: int,
         reason: str,
         endpoint: str,
-        features: tuple[float, float, float] | None = None,
+        features: tuple[float, float, float, float] | None = None,
     ) -> PickResult:
         """Count the pick and keep its observation for Feedback."""
         request_id = request.request_id or uuid.uuid4().hex

@@ -65,7 +65,7 @@ function calibration(w) {
   if (!c) return "";
   if (!c.active) return `, uncalibrated (${c.observations} of ${c.min_observations} TTFTs)`;
   return `, calibrated: queue x${c.queue_scale.toFixed(2)}, prefill x${c.prefill_scale.toFixed(2)}, ` +
-    `offset ${c.offset_ms.toFixed(0)} ms`;
+    `${c.batch_ms.toFixed(0)} ms per request in the batch, offset ${c.offset_ms.toFixed(0)} ms`;
 }
 function render(s) {
   const sets = s.worker_sets.map(w => `${w.name}: ${w.workers} workers, ${w.index_blocks} blocks` + calibration(w))

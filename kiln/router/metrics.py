@@ -188,6 +188,11 @@ class _StateCollector(Collector):
             "Milliseconds the calibration adds to every prediction, fitted from Feedback (0 until fitted)",
             labels=("workerset",),
         )
+        per_batch = GaugeMetricFamily(
+            PREFIX + "calibration_batch_ms",
+            "Milliseconds the calibration charges a prediction per request in the batch it joins (0 until fitted)",
+            labels=("workerset",),
+        )
         observed = CounterMetricFamily(
             PREFIX + "calibration_observations",
             "Time to first token observations the worker set's calibration has taken",
@@ -199,10 +204,12 @@ class _StateCollector(Collector):
                 scales.add_metric([ws["name"], "queue"], c["queue_scale"])
                 scales.add_metric([ws["name"], "prefill"], c["prefill_scale"])
                 offsets.add_metric([ws["name"]], c["offset_ms"])
+                per_batch.add_metric([ws["name"]], c["batch_ms"])
                 observed.add_metric([ws["name"]], c["observations"])
         yield blocks
         yield scales
         yield offsets
+        yield per_batch
         yield observed
 
         for key, doc in (

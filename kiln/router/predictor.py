@@ -3,8 +3,9 @@
 `predict` is pure arithmetic over a profile's `[profile.predictor]` coefficients; docs/router.md
 ("Predicting latency and picking a worker") writes the formula out term by term. A `Prediction`
 keeps every term, for the dashboard and the debug log, and the load it came from, for the picker.
-A worker set's `calibration.Factors` (fitted from Feedback) scale the queue and prefill terms and
-add an offset; the identity leaves the prediction as the coefficients alone make it.
+A worker set's `calibration.Factors` (fitted from Feedback) scale the queue and prefill terms, add an
+offset and charge each request of the batch the request joins; the identity leaves the prediction as
+the coefficients alone make it.
 """
 
 from __future__ import annotations
@@ -72,14 +73,16 @@ class Prediction:
     queue_entries: int  # requests ahead of this one in the worker's queue
     saturated: bool  # kv_usage reached cache_pressure_saturated_threshold
     offset_ms: float = 0.0  # the calibration's offset, a term of its own
+    batch_ms: float = 0.0  # the calibration's charge for the batch: factors.batch_ms x (batch + 1)
     factors: Factors = IDENTITY  # the calibration queue_ms and prefill_ms were scaled by
 
-    def features(self) -> tuple[float, float, float]:
-        """The uncalibrated queue and prefill terms and the sum of the other (unscaled) terms, for
-        calibration: what the total would have been is their sum."""
+    def features(self) -> tuple[float, float, float, float]:
+        """For calibration: the uncalibrated queue and prefill terms, the sum of the other (unscaled)
+        terms (what the total would have been uncalibrated is these three's sum) and the requests
+        in the batch the request joins, itself included."""
         f = self.factors
-        other = self.total_ms - self.queue_ms - self.prefill_ms - self.offset_ms
-        return self.queue_ms / f.queue_scale, self.prefill_ms / f.prefill_scale, other
+        other = self.total_ms - self.queue_ms - self.prefill_ms - self.offset_ms - self.batch_ms
+        return self.queue_ms / f.queue_scale, self.prefill_ms / f.prefill_scale, other, float(self.batch + 1)
 
     @property
     def uncached_blocks(self) -> float:
@@ -104,6 +107,7 @@ class Prediction:
             "queue_entries": self.queue_entries,
             "saturated": self.saturated,
             "offset_ms": self.offset_ms,
+            "batch_ms": self.batch_ms,
             "queue_scale": self.factors.queue_scale,
             "prefill_scale": self.factors.prefill_scale,
         }
@@ -154,10 +158,12 @@ def predict(
     cold_share = uncached / prompt_blocks if prompt_blocks else 0.0
     cold = p.saturated_cold_ms_per_entry * (queue_entries + 1) * cold_share if saturated else 0.0
     adapter = p.adapter_load_ms if load.adapter_load else 0.0
+    crowd = factors.batch_ms * (batch + 1)  # (0 until calibrated)
 
+    terms = (p.base_ms, forward, prefill, queue, penalty, pressure, cold, adapter, crowd, factors.offset_ms)
     return Prediction(
         worker_id=load.worker_id,
-        total_ms=p.base_ms + forward + prefill + queue + penalty + pressure + cold + adapter + factors.offset_ms,
+        total_ms=sum(terms),
         base_ms=p.base_ms,
         forward_ms=forward,
         prefill_ms=prefill,
@@ -173,6 +179,7 @@ def predict(
         queue_entries=queue_entries,
         saturated=saturated,
         offset_ms=factors.offset_ms,
+        batch_ms=crowd,
         factors=factors,
     )
 

@@ -22,19 +22,21 @@ LOADED = WorkerLoad(0, running=5, waiting=1, cached_blocks=PROMPT)
 IDLE = WorkerLoad(1)
 
 
-def observe_hardware(cal: Calibration, n: int, queue_cost: float = 3.0, prefill_cost: float = 1.0, seed: int = 0):
-    """n picks on hardware where a queued request costs `queue_cost` times queue_ms_per_entry and prefill
-    `prefill_cost` times the coefficients' prefill, with the predictions made as the router makes them (with
-    the calibration of the moment), and their TTFTs fed back."""
+def observe_hardware(cal: Calibration, n: int, queue_cost: float = 3.0, prefill_cost: float = 1.0, seed: int = 0,
+                     batch_cost: float = 0.0):
+    """n picks on hardware where a queued request costs `queue_cost` times queue_ms_per_entry, prefill
+    `prefill_cost` times the coefficients' prefill and each request of the batch joined `batch_cost` ms,
+    with the predictions made as the router makes them (with the calibration of the moment), and their
+    TTFTs fed back."""
     rng = random.Random(seed)
     for _ in range(n):
         load = WorkerLoad(
             rng.randrange(4), running=rng.randrange(8), waiting=rng.randrange(5), cached_blocks=rng.randrange(PROMPT)
         )
         prediction = predict(DEFAULT, load, PROMPT, True, cal.factors)
-        queue_ms, prefill_ms, other_ms = prediction.features()
-        ttft = other_ms + queue_cost * queue_ms + prefill_cost * prefill_ms + rng.gauss(0, 50)
-        cal.observe(ttft, queue_ms, prefill_ms, other_ms)
+        queue_ms, prefill_ms, other_ms, batch = prediction.features()
+        ttft = other_ms + queue_cost * queue_ms + prefill_cost * prefill_ms + batch_cost * batch + rng.gauss(0, 50)
+        cal.observe(ttft, queue_ms, prefill_ms, other_ms, batch)
 
 
 def test_queueing_at_three_times_the_coefficient_turns_the_pick_to_the_idle_worker():
@@ -68,6 +70,7 @@ def test_no_observations_change_nothing():
         "queue_scale": 1.0,
         "prefill_scale": 1.0,
         "offset_ms": 0.0,
+        "batch_ms": 0.0,
     }
 
 
@@ -115,11 +118,32 @@ def test_the_fit_follows_a_change_of_hardware():
 
 
 def test_features_are_the_uncalibrated_terms():
-    f = Factors(queue_scale=2.5, prefill_scale=0.5, offset_ms=120.0)
+    f = Factors(queue_scale=2.5, prefill_scale=0.5, offset_ms=120.0, batch_ms=30.0)
     load = WorkerLoad(3, running=3, waiting=2, kv_usage=0.4, cached_blocks=100, inflight=1)
     plain, scaled = predict(DEFAULT, load, PROMPT, True), predict(DEFAULT, load, PROMPT, True, f)
     assert scaled.features() == pytest.approx(
-        (plain.queue_ms, plain.prefill_ms, plain.total_ms - plain.queue_ms - plain.prefill_ms)
+        (plain.queue_ms, plain.prefill_ms, plain.total_ms - plain.queue_ms - plain.prefill_ms, plain.batch + 1)
     )
-    assert scaled.total_ms == pytest.approx(plain.total_ms + 1.5 * plain.queue_ms - 0.5 * plain.prefill_ms + 120.0)
+    assert scaled.batch_ms == 30.0 * (plain.batch + 1)
+    assert scaled.total_ms == pytest.approx(
+        plain.total_ms + 1.5 * plain.queue_ms - 0.5 * plain.prefill_ms + 120.0 + scaled.batch_ms
+    )
     assert scaled.terms()["queue_scale"] == 2.5 and scaled.terms()["offset_ms"] == 120.0
+
+
+def test_a_crowded_batch_the_coefficients_do_not_price_turns_the_pick_to_the_idle_worker():
+    """Past q_running_penalty_falloff_qr the running penalty is 0: a worker running 7 requests with the
+    prefix looks cheaper than an idle one without it. Where each running request delays a new one's first
+    token (here 400 ms), the fitted batch_ms prices that in."""
+    busy, idle = WorkerLoad(0, running=7, cached_blocks=PROMPT), WorkerLoad(1)
+    uncalibrated = predict_all(DEFAULT, [busy, idle], PROMPT, True)
+    assert pick(uncalibrated, Picker(), random.Random(0)).worker_id == 0
+
+    cal = Calibration()
+    observe_hardware(cal, 300, queue_cost=1.0, batch_cost=400.0)
+    assert cal.factors.batch_ms == pytest.approx(400.0, rel=0.1)
+    assert cal.factors.queue_scale == pytest.approx(1.0, abs=0.1)
+    assert pick(predict_all(DEFAULT, [busy, idle], PROMPT, True, cal.factors), Picker(), random.Random(0)).worker_id == 1
+    cal = Calibration()
+    observe_hardware(cal, 300, batch_cost=-300.0)  # never below 0: more running requests never help
+    assert cal.factors.batch_ms == 0.0

@@ -282,4 +282,5 @@ def test_feedback_calibrates_the_worker_sets_predictor():
     assert samples['kiln_router_calibration_scale{term="queue",workerset="a"}'] == view["queue_scale"]
     assert samples['kiln_router_calibration_scale{term="prefill",workerset="a"}'] == view["prefill_scale"]
     assert samples['kiln_router_calibration_offset_ms{workerset="a"}'] == view["offset_ms"]
+    assert samples['kiln_router_calibration_batch_ms{workerset="a"}'] == view["batch_ms"]
     assert samples['kiln_router_calibration_observations_total{workerset="a"}'] == MIN_OBSERVATIONS + 20
