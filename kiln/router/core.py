@@ -364,6 +364,22 @@ class RouterCore:
             return "evicted"
         return None
 
+    # ---- what rollouts read (rollout.Fleet) -------------------------------------------------------
+
+    def fleet(self) -> list[Worker]:
+        return [w for e in self.sets.values() for w in sorted(e.workers.values(), key=lambda w: w.worker_id_num)
+                if self._ineligible(w, e) is None]
+
+    def why_ineligible(self, worker_id_num: int) -> str | None:
+        found = self.workers.get(worker_id_num)
+        return self._ineligible(*found) if found is not None else "gone"
+
+    def base_model_of(self, worker: Worker) -> str:
+        return self._base_model(worker)
+
+    def lists(self, worker: Worker, model: str) -> bool:
+        return self._serves(worker, model)
+
     async def _pick(self, request: PickInput, pool: Pool | None = None) -> PickResult:
         model = request.model
         serving = [

@@ -37,46 +37,46 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 
-from kiln.router.config import RolloutSettings
-
-if TYPE_CHECKING:
-    from kiln.router.core import RouterCore
+from kiln.router.config import RolloutSettings, Worker
 
 log = logging.getLogger("kiln.router")
 
-KEYS = (
-    "name",
-    "version",
-    "store",
-    "stages",
-    "eval_id",
-    "criteria",
-    "min_delta",
-    "min_pass_rate",
-    "data_source",
-    "bake_secs",
-    "max_error_rate",
-)
-SAME = (
-    "name",
-    "version",
-    "store",
-    "stages",
-    "eval_id",
-    "criteria",
-    "min_delta",
-    "min_pass_rate",
-)  # what makes two equal
+# what makes two rollouts the same one (a second post of it is answered with the first)
+SAME = ("name", "version", "store", "stages", "eval_id", "criteria", "min_delta", "min_pass_rate")
+KEYS = (*SAME, "data_source", "bake_secs", "max_error_rate")  # what a request may name
 RUNNING = ("running", "rolling_back")
 KEEP = 50  # finished rollouts kept in the state
 EVAL_POLL_S = 0.5
 EVAL_TIMEOUT_S = 3600.0
 LOAD_TIMEOUT_S = 600.0
 SETTLE_S = 5.0  # after a rollout ends, its view still steers picks while the workers' /v1/models catch up
+
+
+class Fleet(Protocol):
+    """What rollouts read of the router (core.RouterCore, which holds them)."""
+
+    leader_election: Any  # a leader.LeaderElector, or None
+    scraper: Any  # a scrape.Scraper, or None (mock mode)
+
+    def is_leader(self) -> bool | None: ...
+
+    def fleet(self) -> list[Worker]:
+        """Every worker that may be picked now (alive, not evicted), by worker set, then worker id."""
+        ...
+
+    def why_ineligible(self, worker_id_num: int) -> str | None:
+        """Why the worker may not be picked now (dead, evicted, gone), or None."""
+        ...
+
+    def base_model_of(self, worker: Worker) -> str: ...
+
+    def lists(self, worker: Worker, model: str) -> bool:
+        """Whether the worker serves `model` by its configuration or its /v1/models."""
+        ...
 
 
 class RolloutRefused(Exception):
@@ -162,7 +162,7 @@ class Rollout:
 class Rollouts:
     """The router's rollouts (see the module docstring); every method runs on the router's loop."""
 
-    def __init__(self, core: RouterCore, settings: RolloutSettings) -> None:
+    def __init__(self, core: Fleet, settings: RolloutSettings) -> None:
         self.core = core
         self.settings = settings
         self.items: dict[str, Rollout] = {}  # by id, oldest first
@@ -390,13 +390,10 @@ class Rollouts:
         except Exception as e:  # (AdapterNotFound, InvalidAdapter): a version the workers could not load either
             raise RolloutRefused(400, f"version {spec['version']} of {spec['name']!r}: {e}", param="version") from None
         core, found = self.core, []
-        for entry in core.sets.values():
-            for worker in sorted(entry.workers.values(), key=lambda w: w.worker_id_num):
-                url = worker.http_url or (f"http://{worker.endpoint}" if worker.endpoint else "")
-                if not url or core._ineligible(worker, entry) is not None:
-                    continue
-                if core._base_model(worker) == base or core._serves(worker, spec["name"]):
-                    found.append((worker, url.rstrip("/")))
+        for worker in core.fleet():
+            url = worker.http_url or (f"http://{worker.endpoint}" if worker.endpoint else "")
+            if url and (core.base_model_of(worker) == base or core.lists(worker, spec["name"])):
+                found.append((worker, url.rstrip("/")))
         if not found:
             raise RolloutRefused(
                 400,
@@ -411,7 +408,7 @@ class Rollouts:
                 w.worker_id_str,
                 w.worker_id_num,
                 url,
-                self.core._base_model(w),
+                self.core.base_model_of(w),
                 next(k for k, n in enumerate(counts, 1) if i < n),
                 version,
             )
@@ -585,8 +582,7 @@ class Rollouts:
                 continue
             answered, failed = window.get(target.worker_id_num, [0, 0])
             view[target.worker] = {"answered": answered, "failed": failed}
-            worker = self.core.workers.get(target.worker_id_num)
-            why = self.core._ineligible(*worker) if worker is not None else "gone"
+            why = self.core.why_ineligible(target.worker_id_num)
             if why is not None:
                 reasons.append(f"{target.worker} is {why}")
             elif failed and failed / answered > rollout.max_error_rate:

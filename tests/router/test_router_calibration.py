@@ -143,7 +143,8 @@ def test_a_crowded_batch_the_coefficients_do_not_price_turns_the_pick_to_the_idl
     observe_hardware(cal, 300, queue_cost=1.0, batch_cost=400.0)
     assert cal.factors.batch_ms == pytest.approx(400.0, rel=0.1)
     assert cal.factors.queue_scale == pytest.approx(1.0, abs=0.1)
-    assert pick(predict_all(DEFAULT, [busy, idle], PROMPT, True, cal.factors), Picker(), random.Random(0)).worker_id == 1
+    calibrated = predict_all(DEFAULT, [busy, idle], PROMPT, True, cal.factors)
+    assert pick(calibrated, Picker(), random.Random(0)).worker_id == 1
     cal = Calibration()
     observe_hardware(cal, 300, batch_cost=-300.0)  # never below 0: more running requests never help
     assert cal.factors.batch_ms == 0.0

@@ -47,7 +47,9 @@ def fleet(tiny_model, kiln_cache, store, tmp_path_factory):
             workers.append(ServerProcess(
                 tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL, KILN_ADAPTERS_STORE=str(store),
                 KILN_ENGINE_KV_EVENTS_ENDPOINT=f"tcp://*:{zmq}",  # (a wildcard host binds)
-                KILN_ENGINE_KV_EVENTS_REPLAY_ENDPOINT=f"tcp://*:{replay}", **preload))
+                KILN_ENGINE_KV_EVENTS_REPLAY_ENDPOINT=f"tcp://*:{replay}",
+                # each its own jobs and evals: none that another test left behind resumes here and loads it
+                KILN_TRAIN_DATA_DIR=str(tmp_path_factory.mktemp(f"data-w{n}")), **preload))
         config = {"listen": "127.0.0.1:0", "admin_listen": "127.0.0.1:0", "metrics_poll_ms": 100,
                   "models_refresh_secs": 1,
                   # the tiny model's prompts are a few blocks: a cached one saves 20 ms, so that they count
@@ -122,7 +124,9 @@ def test_an_adapter_goes_to_the_worker_that_has_it_loaded_unless_it_is_overloade
     messages = [{"role": "user", "content": "what is 2 + 2?"}]
     for _ in range(4):  # one after the other: w0 holds math loaded, w1 would load it first
         picked = pick(fleet, "math", messages)
-        assert picked.worker_id == "w0", picked
+        loads = [(w["worker"], w["running"], w["waiting"], w["inflight"], w["kv_usage"])
+                 for w in fleet.get("/api/state").json()["workers"]]
+        assert picked.worker_id == "w0", (picked, loads)
         send(fleet, picked, "math", messages)
     # the load is a cost in the prediction, not a filter: requests piling up on w0 (picks with no
     # feedback yet are in flight there) outweigh it, and w1 gets the next
