@@ -122,7 +122,11 @@ def test_an_adapter_goes_to_the_worker_that_has_it_loaded_unless_it_is_overloade
     wait_until(lambda: state_of(fleet, "w1")["adapters_unloaded"] == ["math"], 20, "w1's /v1/models")
     assert state_of(fleet, "w0")["adapters_unloaded"] == [] and "math" in state_of(fleet, "w0")["models"]
     messages = [{"role": "user", "content": "what is 2 + 2?"}]
+    def idle():  # a scrape taken while the last request ran still counts it until the next one
+        return all(state_of(fleet, f"w{n}")["running"] == state_of(fleet, f"w{n}")["waiting"] == 0 for n in range(2))
+
     for _ in range(4):  # one after the other: w0 holds math loaded, w1 would load it first
+        wait_until(idle, 30, "the router to see an idle fleet")
         picked = pick(fleet, "math", messages)
         loads = [(w["worker"], w["running"], w["waiting"], w["inflight"], w["kv_usage"])
                  for w in fleet.get("/api/state").json()["workers"]]
