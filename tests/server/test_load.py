@@ -85,9 +85,10 @@ def test_256_streams_with_disconnects_leave_nothing_behind(server):
         raise AssertionError("the engine did not return to idle within 30 s:\n" + text)
 
     text = asyncio.run(drained())
-    # the engine recorded every request once, when it ended: a hung-up one as aborted (or as
-    # finished, if it completed before the server saw the disconnect: a tiny model's 200 tokens
-    # take about a second, so a busy event loop lets some finish)
+    # the engine recorded every request once, when it ended: a hung-up one as aborted, or as
+    # finished when the engine generated its 200 tokens before the server saw the disconnect (a
+    # tiny model outruns 256 streams' delivery on two cores, so how many is down to timing; that
+    # a hang-up aborts its request is test_server.py's test_client_disconnect_aborts_the_request)
     length = metric(text, "vllm:request_success_total", finished_reason="length")
     aborted = metric(text, "vllm:request_success_total", finished_reason="abort")
-    assert length + aborted == CLIENTS and length >= len(completed) and aborted >= len(hang_ups) // 5
+    assert length + aborted == CLIENTS and length >= len(completed)

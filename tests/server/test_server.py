@@ -142,7 +142,15 @@ def test_bad_requests_do_not_disturb_a_running_stream(client, server):
     assert result["finish"] == "length"
 
 
+def aborted_requests(url: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    line = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} '
+    return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
+
+
 def test_client_disconnect_aborts_the_request(server):
+    before = aborted_requests(server.url)
+
     async def main():
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
             body = {"model": MODEL, "messages": CHAT, "max_tokens": 200, "stream": True, "ignore_eos": True}
@@ -159,24 +167,20 @@ def test_client_disconnect_aborts_the_request(server):
 
     assert asyncio.run(main())
     assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.0' in httpx.get(server.url + "/metrics").text
+    assert aborted_requests(server.url) - before == 1  # cut short, not generated to its 200 tokens
 
 
 def test_a_client_that_leaves_a_whole_completion_aborts_it(server):
     """Not streamed: the request is aborted when its client hangs up, not generated to its end."""
-    def aborted() -> float:
-        text = httpx.get(server.url + "/metrics").text
-        line = f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} '
-        return sum(float(x.split()[-1]) for x in text.splitlines() if x.startswith(line))
-
-    before = aborted()
+    before = aborted_requests(server.url)
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 220, "n": 8, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
     for _ in range(100):
-        if aborted() - before == 8:  # every choice, within moments of the hang-up
+        if aborted_requests(server.url) - before == 8:  # every choice, within moments of the hang-up
             break
         time.sleep(0.05)
-    assert aborted() - before == 8
+    assert aborted_requests(server.url) - before == 8
     # the same request, waited for, takes longer than the hang-up: it was cut short, not finished
     started = time.monotonic()
     assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
