@@ -22,7 +22,7 @@ import numpy as np
 from common import chat_prompts, hf_generate, load_transformers
 
 from kiln.models.batch import RowWork, build_step_inputs
-from kiln.models.decoder import init_kv_cache
+from kiln.models.decoder import float_dtype, init_kv_cache
 from kiln.models.generate import greedy_step
 from kiln.models.loader import default_model_path, load_model
 
@@ -33,7 +33,7 @@ def kiln_generate(model, prompts, new_tokens):
     """Returns (total seconds, decode-only seconds) for prefill + new_tokens greedy tokens."""
     cfg, n = model.config, len(prompts)
     per_row = math.ceil((max(map(len, prompts)) + new_tokens) / BLOCK)
-    kv = init_kv_cache(cfg, n * per_row, BLOCK, model.params["embed"].dtype)
+    kv = init_kv_cache(cfg, n * per_row, BLOCK, float_dtype(model.params))
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(n)]
     t0 = time.perf_counter()
     inputs = build_step_inputs([RowWork(p, 0, tables[i]) for i, p in enumerate(prompts)], BLOCK)

@@ -25,6 +25,7 @@ import jax
 from common import bare_step, decode_step_args, decoding_core, engine_step_times, matmul_chain, step_flops, timed
 
 from kiln.engine.steps import forward_step, sample_step
+from kiln.models.decoder import float_dtype
 from kiln.models.loader import load_model
 
 SCOPES = ("sampling", "lm_head", "attention", "kv_write", "qkv", "o_proj", "mlp")
@@ -70,7 +71,7 @@ def main():
     core = decoding_core(model, args.rows, args.context)
     steps = engine_step_times(core)
     run, shape = bare_step(core)
-    chain = matmul_chain(cfg, args.rows, model.params["embed"].dtype)
+    chain = matmul_chain(cfg, args.rows, float_dtype(model.params))
     t = timed({"bare": run, "chain": chain}, args.repeats)  # round-robin: the step's share of the matmul peak
     bare = t["bare"]
     engine = bare + steps["added"]

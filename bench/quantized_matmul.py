@@ -6,6 +6,9 @@
 - int8 x int8: the activations quantized per row as well, `lax.dot_general` of two int8 operands
   with `preferred_element_type=int32`, then both scales.
 
+Then the LM head held as a quantized model's table (int8 and int4, a chunk of the vocabulary
+dequantized and multiplied at a time) against float32 and against dequantizing it whole.
+
 Weights are 30 layers deep under `lax.scan` (so that, as in a decode step, they do not stay in the
 cache from one multiply to the next), except the LM head, which is one matrix. Times are per call,
 best of three; ratios are float32's time over the int8 path's (above 1 = int8 is faster).
@@ -22,8 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kiln.models.quant import (
+    dequantize_rows,
+    quantize_int4,
+    quantize_int8,
+    quantize_table,
+    table_from_weight,
+    table_logits,
+)
 from kiln.models.quant import matmul as int8_weight_matmul
-from kiln.models.quant import quantize_int8
 
 LAYERS = 30
 # (in, out) of SmolLM2-135M's projections and its (tied) LM head
@@ -80,6 +90,30 @@ def main():
             shape = f"{name} {depth}x{n_in}x{n_out}"
             print(f"{shape:>22} | {rows:>4} | {f32:>8.2f} | {weight_only:>11.2f} | {f32 / weight_only:>5.2f}x | "
                   f"{both:>11.2f} | {f32 / both:>5.2f}x")
+    head_as_table(rng, [int(r) for r in args.rows.split(",")])
+
+
+def head_as_table(rng, row_counts):
+    """The LM head held as Kiln holds a quantized model's embedding (a table [vocab, hidden] that the
+    head multiplies a chunk of rows at a time, `kiln.models.quant.table_logits`), against the float32
+    head and against dequantizing the whole table in one go."""
+    n_in, vocab = SHAPES["lm_head"]
+    table = (rng.standard_normal((vocab, n_in)) * 0.02).astype(np.float32)
+    t8 = jax.tree.map(jnp.asarray, quantize_table(table))
+    t4 = jax.tree.map(jnp.asarray, table_from_weight(quantize_int4(table.T)))
+    f32 = jax.jit(lambda x, w: jnp.einsum("th,vh->tv", x, w))
+    whole = jax.jit(lambda x, t: jnp.einsum("th,vh->tv", x, dequantize_rows(t)))
+    chunked = jax.jit(table_logits)
+    print(f"\nLM head as a table [{vocab}, {n_in}], ms per call (best of 3); ratio: float32's time over the table's")
+    header = f"{'rows':>4} | {'float32':>8} | {'int8, whole':>11} | {'int8, chunks':>12} | {'ratio':>6} | " \
+             f"{'int4, chunks':>12} | {'ratio':>6}"
+    print(f"{header}\n{'-' * len(header)}")
+    w = jnp.asarray(table)
+    for rows in row_counts:
+        x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
+        base, one_go, c8, c4 = (best_ms(f, x, a) for f, a in ((f32, w), (whole, t8), (chunked, t8), (chunked, t4)))
+        print(f"{rows:>4} | {base:>8.2f} | {one_go:>11.2f} | {c8:>12.2f} | {base / c8:>5.2f}x | {c4:>12.2f} | "
+              f"{base / c4:>5.2f}x")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ server's resident memory (VmRSS) after start and after the requests, the KV pool
 bytes (`/v1/config` kv_pool.resident_bytes: the blocks requests wrote) and its budget, against the
 GGUF file's size plus that KV. The peer: llama-cpp-python (`--peer-python`, an interpreter that
 has it; 2 threads, the same chats through its chat completion, then the same timed stream), in
-its own process, measured the same way.
+its own process, measured the same way. Then each server's memory in parts: the runtime before
+any model, the weights as loaded, the KV written, and the rest.
 
     python bench/serve_memory.py [--quantization none,int8] [--requests 4] [--new-tokens 128]
                                  [--peer-python /path/to/python]
@@ -46,6 +47,27 @@ for _ in llm.create_completion("Once upon a time", max_tokens=new_tokens, temper
 print(json.dumps({"rss_ready": ready, "rss_after": rss(), "tokens": len(stamps),
                   "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0])}))
 """
+
+
+# the parts of a server's memory that a process can name: the runtime (Python, JAX's CPU backend and
+# the server's modules, before any model) and the weights as loaded (their arrays' bytes)
+PARTS = r"""
+import json, sys
+def rss():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
+import jax, uvicorn, kiln.cli, kiln.server.app, kiln.engine.core
+jax.devices()
+runtime = rss()
+from kiln.models.loader import load_model
+model = load_model(None, quantization=sys.argv[1], show_progress=False)
+print(json.dumps({"runtime": runtime, "weights": sum(x.nbytes for x in jax.tree.leaves(model.params))}))
+"""
+
+
+def parts_of(quantization: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", PARTS, quantization], capture_output=True, text=True, timeout=600,
+                          check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def vm_rss(pid: int) -> int:
@@ -119,6 +141,18 @@ def main() -> None:
         if "kv_budget" in r:
             print(f"{name}: KV pool {r['kv_budget'] / MiB:.0f} MiB budgeted ({r['kv_reason']}), "
                   f"{r['kv_resident'] / MiB:.1f} MiB of it resident")
+    print("\nwhere a server's memory goes (RSS after the requests): the runtime is a process with Python, JAX's CPU "
+          "backend and the server's modules imported, no model; the weights, their arrays' bytes as loaded; the rest: "
+          "compiled steps, buffers, the heap")
+    print(f"{'server':<22} | {'runtime':>8} | {'weights':>8} | {'KV written':>10} | {'the rest':>8} | "
+          f"{'RSS after':>9} | {'(RSS - runtime) / (file + KV)':>29}")
+    for q in args.quantization.split(","):
+        r, p = rows[f"kiln {q}"], parts_of(q)
+        kv = r["kv_resident"] or 0
+        rest = r["rss_after"] - p["runtime"] - p["weights"] - kv
+        print(f"{'kiln ' + q:<22} | {p['runtime'] / MiB:>6.0f}Mi | {p['weights'] / MiB:>6.0f}Mi | {kv / MiB:>8.1f}Mi | "
+              f"{rest / MiB:>6.0f}Mi | {r['rss_after'] / MiB:>7.0f}Mi | "
+              f"{(r['rss_after'] - p['runtime']) / (file_bytes + kv):>28.2f}x")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from common import (
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.params import SamplingParams
+from kiln.models.decoder import float_dtype
 from kiln.models.loader import DEFAULT_MODEL_ID, load_model
 
 MODEL_ID = DEFAULT_MODEL_ID  # the served model's id (main sets it from the loaded model)
@@ -164,7 +165,7 @@ def prefill_fraction(model, n: int = 32) -> tuple[float, float, float]:
     seconds = timed({"prefill": run}, 3)["prefill"]  # its untimed first call builds the buckets it uses
     flops = sum(map(len, prompts)) * core.runner.flops_per_token + n * 2 * model.config.hidden_size * \
         model.config.vocab_size
-    chain = matmul_chain(model.config, 512, model.params["embed"].dtype)
+    chain = matmul_chain(model.config, 512, float_dtype(model.params))
     peak = step_flops(model.config, 512) / timed({"chain": chain}, 5)["chain"]
     core.close()
     return flops / seconds / 1e9, peak / 1e9, seconds
@@ -223,7 +224,7 @@ def main():
         run, _ = bare_step(core)
         fns = {"step": run}
         if c == big:
-            fns["chain"] = matmul_chain(model.config, c, model.params["embed"].dtype)
+            fns["chain"] = matmul_chain(model.config, c, float_dtype(model.params))
         t = timed(fns, 10)
         step[c] = c / t["step"]
         if "chain" in t:

@@ -100,7 +100,12 @@ def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.
 
 def kv_float_dtype(kv: KVCache, params: Params):
     """The float type of the pool's values: its own, or for uint16 bits the model's 16-bit type."""
-    return params["embed"].dtype if kv.k.dtype == jnp.uint16 else kv.k.dtype
+    return float_dtype(params) if kv.k.dtype == jnp.uint16 else kv.k.dtype
+
+
+def float_dtype(params: Params):
+    """The model's float type (its norms'), whatever format its matrices are held in."""
+    return params["final_norm"].dtype
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -114,9 +119,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
 def embed_tokens(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The float32 residual stream of these token ids (the residual stream is float32 whatever the
     weights; Gemma scales it by sqrt(hidden_size), rounded to the weights' dtype as transformers does)."""
-    h = params["embed"][tokens].astype(jnp.float32)
+    embed = params["embed"]
+    h = quant.table_rows(embed, tokens) if quant.is_table(embed) else embed[tokens].astype(jnp.float32)
     if cfg.embed_scale is not None:
-        h = h * float(np.asarray(cfg.embed_scale, params["embed"].dtype))
+        h = h * float(np.asarray(cfg.embed_scale, float_dtype(params)))
     return h
 
 
@@ -467,6 +473,9 @@ def forward_hidden(
 def logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Vocabulary logits in float32 for hidden states [T, hidden] (soft-capped where configured)."""
     head = params.get("lm_head")
+    table = params["embed"] if head is None else head
+    if quant.is_table(table):  # rows padded to whole chunks of its loop
+        return softcap(quant.table_logits(hidden, table)[:, : cfg.vocab_size], cfg.final_logit_softcapping)
     if head is not None:
         return softcap(matmul(hidden, head), cfg.final_logit_softcapping)
     embed = params["embed"]

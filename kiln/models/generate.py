@@ -15,7 +15,7 @@ import numpy as np
 
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import KVCache, StepInputs, forward_hidden, init_kv_cache, logits
+from kiln.models.decoder import KVCache, StepInputs, float_dtype, forward_hidden, init_kv_cache, logits
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "unroll"), donate_argnames=("kv",))
@@ -43,7 +43,7 @@ def greedy_generate(
     n = len(prompts)
     blocks_per_row = math.ceil((max(map(len, prompts)) + max_new_tokens) / block_size)
     num_blocks = n * blocks_per_row
-    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    dtype = float_dtype(params)
     kv = init_kv_cache(cfg, num_blocks, block_size, dtype)
     tables = [list(range(i * blocks_per_row, (i + 1) * blocks_per_row)) for i in range(n)]
     slots = adapter_slots or [0] * n

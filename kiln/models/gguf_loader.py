@@ -1,5 +1,6 @@
 """Loads GGUF files: metadata -> config, dequantized tensors -> HF layout, tokenizer -> tokenizer.json;
-and Q8_0/Q4_0/Q4_1 layer weights as Kiln's int8/int4 as stored (`stored_layers`).
+and Q8_0/Q4_0/Q4_1 layer weights and tables as Kiln's int8/int4 as stored (`stored_layers`,
+`stored_tables`).
 
 Files are read as llama.cpp's converter writes each family: it permutes the Q/K rows of `llama`
 models for interleaved RoPE (undone here, to HF's rotate-half layout), holds Llama 3's RoPE
@@ -20,7 +21,16 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 
 from kiln.errors import ModelLoadError
 from kiln.models.config import ModelConfig
-from kiln.models.quant import GROUP, LINEAR, Int4Weight, Int8Weight, int4_from_levels
+from kiln.models.quant import (
+    GROUP,
+    LINEAR,
+    Int4Table,
+    Int4Weight,
+    Int8Table,
+    Int8Weight,
+    int4_from_levels,
+    table_from_weight,
+)
 from kiln.models.weights import build_params
 
 ARCH_TO_HF = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -340,6 +350,18 @@ class GGUFModel:
             if all(t is not None and t.tensor_type in types for t in tensors):
                 layers = [self._stored(t, gguf_suffix) for t in tensors]
                 out[name] = type(layers[0])(*(np.stack(parts) for parts in zip(*layers, strict=True)))
+        return out
+
+    def stored_tables(self) -> dict[str, Int8Table | Int4Table]:
+        """The embedding ("embed") and an untied LM head ("lm_head") that the file stores in Q8_0,
+        Q4_0 or Q4_1 blocks, as Kiln's tables (whatever format the layers are held in: the file's own
+        blocks lose nothing). One in another type is left out (the loader quantizes it from float)."""
+        stored = set(_STORED_AS["int8"] + _STORED_AS["int4"])
+        out = {}
+        for gguf_name, name in (("token_embd.weight", "embed"), ("output.weight", "lm_head")):
+            t = self.tensors.get(gguf_name)
+            if t is not None and t.tensor_type in stored:
+                out[name] = table_from_weight(self._stored(t, gguf_name))
         return out
 
     def _stored(self, t, gguf_suffix: str) -> Int8Weight | Int4Weight:

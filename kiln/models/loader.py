@@ -29,7 +29,7 @@ from kiln.errors import ConfigError, ModelLoadError
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_loader import GGUFModel
 from kiln.models.hf_loader import load_hf_dir
-from kiln.models.quant import Int4Weight, Int8Weight, quantize_params
+from kiln.models.quant import Int4Table, Int4Weight, Int8Table, Int8Weight, quantize_params
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.models.weights import to_hf_tensors
 
@@ -75,6 +75,7 @@ def auto_quantization(path: str | Path | None) -> tuple[str, str]:
 # beside a converted GGUF file: its layers' own format (auto's answer), and the layers it stores in
 # a quantized format as Kiln's arrays, so that later loads never parse the file's metadata again
 STORED_FORMAT = "kiln_stored_format.json"
+STORED_VERSION = 2  # of the stored arrays' file: 2 added the embedding and head (`stored_tables`)
 
 
 def _recorded_format(model_dir: Path) -> tuple[str, str] | None:
@@ -97,11 +98,12 @@ def gguf_stored_layers(gguf_path: Path, model_dir: Path, quantization: str) -> t
         quantization, reason = recorded
     if quantization == "none":
         return quantization, reason, {}
-    stored = model_dir / f"kiln_stored_{quantization}.npz"
+    stored = model_dir / f"kiln_stored_{quantization}.{STORED_VERSION}.npz"
     if stored.is_file():
         with np.load(stored) as arrays:
             return quantization, reason, _unflatten(arrays)
-    layers = (gguf or GGUFModel(gguf_path)).stored_layers(quantization)
+    gguf = gguf or GGUFModel(gguf_path)
+    layers = {**gguf.stored_layers(quantization), **gguf.stored_tables()}
     buffer = io.BytesIO()
     np.savez(buffer, **{f"{name}.{type(w).__name__}.{field}": part for name, w in layers.items()
                         for field, part in w._asdict().items()})
@@ -114,7 +116,7 @@ def _unflatten(arrays) -> dict:
     for key in arrays.files:
         name, kind, field = key.split(".")
         parts.setdefault((name, kind), {})[field] = arrays[key]
-    kinds = {"Int8Weight": Int8Weight, "Int4Weight": Int4Weight}
+    kinds = {kind.__name__: kind for kind in (Int8Weight, Int4Weight, Int8Table, Int4Table)}
     return {name: kinds[kind](**fields) for (name, kind), fields in parts.items()}
 
 
@@ -243,7 +245,8 @@ def load_model(
     whether layers are held stacked or one dict per layer; a mesh always uses stacked layers.
     `quantization` ("none" | "int8" | "int4", see kiln.models.quant, or "auto": a GGUF file's own layer
     format, float for a checkpoint) is applied on the host, before the weights reach the accelerator;
-    a GGUF file's Q8_0 (int8) or Q4_0/Q4_1 (int4) layer weights are taken as stored."""
+    a GGUF file's Q8_0 (int8) or Q4_0/Q4_1 (int4) layer weights are taken as stored, and so are its
+    embedding and head where they are stored in one of those (whatever the layers' format)."""
     dtype = resolve_dtype(dtype)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {sorted(DTYPES)} or auto")
@@ -271,8 +274,9 @@ def load_model(
     cfg, params, generation = load_hf_dir(model_dir, np_dtype, show_progress, label=model_id)
     if quantization != "none" and mesh is not None:
         raise ConfigError("model.quantization: quantized weights do not run sharded over a mesh yet; use none")
-    if stored:  # Q8_0 (int8) or Q4_0/Q4_1 (int4) layers as stored
-        params = {**params, "layers": {**params["layers"], **stored}}
+    if stored:  # Q8_0 (int8) or Q4_0/Q4_1 (int4) layers, embedding and head as stored
+        tables = {name: stored.pop(name) for name in ("embed", "lm_head") if name in stored}
+        params = {**params, **tables, "layers": {**params["layers"], **stored}}
     params = quantize_params(params, quantization)
     tokenizer = KilnTokenizer.from_dir(model_dir)
     digest = digest or _dir_digest(model_dir)

@@ -5,6 +5,7 @@ quantized weights' layouts (stacked under scan, one dict per layer)."""
 import asyncio
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import jit_forward
@@ -18,8 +19,23 @@ from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.generate import greedy_generate
 from kiln.models.gguf_loader import GGUFModel
-from kiln.models.loader import auto_quantization, file_digest, layer_param, load_model
-from kiln.models.quant import Int4Weight, Int8Weight, dequantize, quantize_int4, quantize_int8, quantize_params
+from kiln.models.loader import STORED_VERSION, auto_quantization, file_digest, layer_param, load_model
+from kiln.models.quant import (
+    HEAD_CHUNK,
+    Int4Table,
+    Int4Weight,
+    Int8Table,
+    Int8Weight,
+    dequantize,
+    dequantize_table,
+    quantize_int4,
+    quantize_int8,
+    quantize_params,
+    quantize_table,
+    table_from_weight,
+    table_logits,
+    table_rows,
+)
 from kiln.models.quant import matmul as quant_matmul
 from kiln.xla_flags import CPU_SCHEDULER_FLAG, add_process_flags
 
@@ -71,6 +87,26 @@ def test_int4_round_trip_is_within_half_a_step_per_group():
     assert np.all(dequantize(q)[..., 3] == 0.25)
 
 
+@pytest.mark.parametrize("rows", [260, 2 * HEAD_CHUNK + 3])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_table_looks_rows_up_and_multiplies_them_as_its_float_copy(kind, rows):
+    """Rows padded to whole chunks of the head's loop: lookups and logits equal the dequantized
+    table's, chunk boundaries and padding included, and the padding adds logits of 0 only."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((rows, 64)).astype(np.float32)
+    table = quantize_table(w) if kind == "int8" else table_from_weight(quantize_int4(w.T))
+    full = dequantize_table(table)
+    assert full.shape[0] >= rows and full.shape[0] % 8 == 0 and np.all(full[rows:] == 0)
+    assert np.abs(full[:rows] - w).max() < (0.02 if kind == "int8" else 0.4)
+    ids = jnp.asarray(rng.integers(0, rows, (3, 5)))
+    np.testing.assert_array_equal(np.asarray(table_rows(table, ids)), full[np.asarray(ids)])
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(table_logits)(x, table)), x @ full.T, rtol=1e-5, atol=1e-4)
+    # differentiable in x (LoRA training on a quantized base runs its head)
+    grad = jax.grad(lambda x: table_logits(x, table)[:, :rows].sum())(jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(grad), np.broadcast_to(full[:rows].sum(0), x.shape), rtol=1e-4, atol=1e-3)
+
+
 def test_int4_needs_input_rows_that_groups_divide():
     params = {"layers": {"q_proj": np.zeros((2, 48, 64), np.float32)}}
     with pytest.raises(ConfigError, match="int4: q_proj has 48 input rows, which groups of 32 do not divide"):
@@ -95,6 +131,14 @@ def test_gguf_blocks_load_as_stored(tmp_path, kiln_cache, qtype, quantization):
     loaded = load_model(path, show_progress=False, quantization=quantization)
     for name, w in stored.items():
         assert all(np.array_equal(np.asarray(a), b) for a, b in zip(loaded.params["layers"][name], w, strict=True))
+    # the embedding (and an untied head) as stored, whichever format the layers are asked in
+    tables = GGUFModel(path).stored_tables()
+    assert sorted(tables) == sorted(n for n in ("embed", "lm_head") if n in ref.params)
+    for name, table in tables.items():
+        assert isinstance(table, Int8Table if qtype == "Q8_0" else Int4Table)
+        want = np.asarray(ref.params[name]) if name == "embed" else np.asarray(ref.params[name]).T
+        np.testing.assert_allclose(dequantize_table(table)[: want.shape[0]], want, rtol=0, atol=1e-6)
+        assert all(np.array_equal(np.asarray(a), b) for a, b in zip(loaded.params[name], table, strict=True))
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -103,7 +147,8 @@ def test_quantized_logits_stay_near_float32_and_greedy_agrees(model_file, kiln_c
     ref = load_model(model_file, show_progress=False, layer_loop=layer_loop)
     qm = load_model(model_file, show_progress=False, layer_loop=layer_loop, quantization=quantization)
     assert qm.quantization == quantization and isinstance(layer_param(qm.params, "q_proj", 1), WEIGHT[quantization])
-    assert not isinstance(qm.params.get("lm_head"), WEIGHT[quantization])  # the head keeps the model's dtype
+    # the embedding and an untied head are int8 tables for either format (the head moves logits most)
+    assert all(isinstance(qm.params[name], Int8Table) for name in ("embed", "lm_head") if name in ref.params)
     rng = np.random.default_rng(1)
     agree, worst = [], 0.0
     for ids in [rng.integers(0, 260, 24).tolist() for _ in range(8)]:
@@ -215,7 +260,8 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
                       quant=gguf.GGMLQuantizationType.Q4_1)
     first = load_model(path, show_progress=False, quantization="auto")
     converted = kiln_cache / "converted" / file_digest(path)[:32]
-    assert {p.name for p in converted.glob("kiln_stored*")} == {"kiln_stored_format.json", "kiln_stored_int4.npz"}
+    assert {p.name for p in converted.glob("kiln_stored*")} == {"kiln_stored_format.json",
+                                                                 f"kiln_stored_int4.{STORED_VERSION}.npz"}
     again = load_model(path, show_progress=False, quantization="auto")
     assert (again.quantization, again.quantization_source) == (first.quantization, first.quantization_source)
     for name in ("q_proj", "down_proj"):
@@ -223,6 +269,9 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
         for a, b in zip(jax.tree.leaves(first.params["layers"][name]), jax.tree.leaves(again.params["layers"][name]),
                         strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert isinstance(again.params["embed"], Int4Table)  # the file's Q4_1 embedding, kept too
+    for a, b in zip(first.params["embed"], again.params["embed"], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the recorded answer is what auto reports from then on
     (converted / "kiln_stored_format.json").write_text('["int4", "auto: recorded"]')
     assert load_model(path, show_progress=False, quantization="auto").quantization_source == "auto: recorded"
