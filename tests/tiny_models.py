@@ -231,6 +231,36 @@ def on_mxfp4_grid(model) -> None:
                 param.copy_(torch.from_numpy(np.ascontiguousarray(grid.transpose(0, 2, 1))))
 
 
+def q4_k_blocks(w):
+    """Q4_K super-blocks of a float [rows, cols] (cols a multiple of 256), as a simple quantizer makes
+    them: each group of 32 its range over 15 levels, the 8 groups' scales and mins in 6 bits against
+    the super-block's float16 d and dmin; bytes: d, dmin, 12 bytes of packed scales and mins, then
+    32 bytes per pair of groups (the first in the low nibbles)."""
+    import numpy as np
+
+    rows, cols = w.shape
+    blocks = cols // 256
+    g = w.astype(np.float32).reshape(rows, blocks, 8, 32)
+    lo, hi = np.minimum(g.min(-1), 0.0), g.max(-1)
+    scale, mins = (hi - lo) / 15.0, -lo
+    d, dmin = (scale.max(-1) / 63).astype(np.float16), (mins.max(-1) / 63).astype(np.float16)
+
+    def six_bits(x, unit):
+        unit = unit.astype(np.float32)[..., None]
+        return np.clip(np.rint(x / np.where(unit == 0, 1, unit)), 0, 63).astype(np.uint8)
+
+    sc, m = six_bits(scale, d), six_bits(mins, dmin)
+    step = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * m
+    q = np.clip(np.rint((g + offset[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, 15).astype(np.uint8)
+    packed = [sc[..., :4] | (sc[..., 4:] >> 4) << 6, m[..., :4] | (m[..., 4:] >> 4) << 6,
+              (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4]
+    pairs = q.reshape(rows, blocks, 4, 2, 32)
+    levels = (pairs[..., 0, :] | pairs[..., 1, :] << 4).reshape(rows, blocks, 128)
+    halves = [x[..., None].view(np.uint8) for x in (d, dmin)]
+    return np.concatenate([*halves, *packed, levels], axis=-1).reshape(rows, blocks * 144)
+
+
 def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=None, pre: str = "smollm",
                fuse_gate_up: bool = False) -> Path:
     """Writes an HF model (Llama, Mixtral, Qwen3-MoE, Phi-3, Gemma 3 or gpt-oss) as llama.cpp's
@@ -366,7 +396,12 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
                 names = {**_GGUF_LAYER_NAMES, **_GGUF_GPT_OSS_NAMES}
             tensors[f"blk.{layer}.{names[rest]}"] = arr
     for gname, arr in tensors.items():
-        if quant is not None and arr.ndim == 2:
+        if quant == gguf.GGMLQuantizationType.Q4_K and arr.ndim == 2:  # gguf-py cannot encode K-quants
+            if arr.shape[1] % 256:
+                w.add_tensor(gname, arr)  # llama.cpp too stores a row that super-blocks do not divide otherwise
+            else:
+                w.add_tensor(gname, q4_k_blocks(arr), raw_dtype=quant)
+        elif quant is not None and arr.ndim == 2:
             block, type_size = gguf.GGML_QUANT_SIZES[quant]
             try:
                 raw = gguf.quants.quantize(arr, quant)

@@ -1,5 +1,5 @@
 """Loads GGUF files: metadata -> config, dequantized tensors -> HF layout, tokenizer -> tokenizer.json;
-and Q8_0/Q4_0/Q4_1 layer weights and tables as Kiln's int8/int4 as stored (`stored_layers`,
+and Q8_0/Q4_0/Q4_1/Q4_K layer weights and tables as Kiln's int8/int4 as stored (`stored_layers`,
 `stored_tables`).
 
 Files are read as llama.cpp's converter writes each family: it permutes the Q/K rows of `llama`
@@ -85,7 +85,9 @@ _STACKED_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "
 _GATE_UP_EXPERTS = "ffn_gate_up_exps.weight"  # gate's rows then up's, in one tensor (llama.cpp's fused option)
 _EXPERT_OF_ITS_OWN = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 # the GGUF types each quantization holds as stored
-_STORED_AS = {"int8": (GGMLQuantizationType.Q8_0,), "int4": (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)}
+_STORED_AS = {"int8": (GGMLQuantizationType.Q8_0,),
+              "int4": (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)}
+Q4_K_BLOCK = 256  # values per Q4_K super-block: 8 groups of 32, 144 bytes
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Pre-tokenizer regexes by `tokenizer.ggml.pre`, as llama.cpp defines them.
@@ -131,6 +133,28 @@ def _merges_from_scores(vocab: dict[str, int], scores: list[float]) -> list[tupl
 def _nibbles(qs: np.ndarray, n_out: int, n_in: int) -> np.ndarray:
     """Q4_x block bytes [out, blocks, 16] as levels [out, in]."""
     return np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n_out, n_in)
+
+
+def _q4_k(data: np.ndarray, n_out: int, n_in: int) -> list[np.ndarray]:
+    """Q4_K super-blocks as [levels [out, in], scale, offset [out, in / 32]]. A super-block holds
+    float16 d and dmin, then 12 bytes of 6-bit scales and mins for its 8 groups of 32, then 128
+    bytes of levels: 32 bytes per pair of groups, the first group in the low nibbles. A weight is
+    d * scale_g * level - dmin * min_g, so each group is Int4Weight's scale and offset."""
+    blocks = np.asarray(data).reshape(n_out, n_in // Q4_K_BLOCK, 144)
+
+    def f16(at: int) -> np.ndarray:
+        return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+
+    packed = blocks[..., 4:16]
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    # groups 0-3: the low 6 bits of bytes 0-3 (scales) and 4-7 (mins); groups 4-7: a nibble of
+    # bytes 8-11 below the top 2 bits of bytes 0-3 (scales) and 4-7 (mins)
+    scales = np.concatenate([low & 63, (extra & 15) | (low >> 6) << 4], axis=-1).astype(np.float32)
+    mins = np.concatenate([high & 63, (extra >> 4) | (high >> 6) << 4], axis=-1).astype(np.float32)
+    pairs = blocks[..., 16:].reshape(n_out, n_in // Q4_K_BLOCK, 4, 1, 32)
+    levels = np.concatenate([pairs & 15, pairs >> 4], axis=-2).reshape(n_out, n_in)
+    groups = n_in // GROUP
+    return [levels, (f16(0) * scales).reshape(n_out, groups), (-f16(2) * mins).reshape(n_out, groups)]
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -330,7 +354,7 @@ class GGUFModel:
 
     def stored_quantization(self) -> tuple[str, str]:
         """The quantization that holds this file's layer weights as stored, and why: int8 for Q8_0,
-        int4 for Q4_0/Q4_1, none (float) for float types or a mix."""
+        int4 for Q4_0/Q4_1/Q4_K, none (float) for float types or a mix."""
         types = {t.tensor_type for name, t in self.tensors.items()
                  if (m := _BLK.match(name)) and m.group(2) in self.linear_suffixes}
         names = ", ".join(sorted(t.name for t in types))
@@ -341,7 +365,7 @@ class GGUFModel:
 
     def stored_layers(self, quantization: str) -> dict[str, Int8Weight | Int4Weight]:
         """The layers' linear weights that the file stores in `quantization`'s own blocks (int8: Q8_0;
-        int4: Q4_0, Q4_1), as Kiln's quantized weights (stacked per name) without a trip through
+        int4: Q4_0, Q4_1, Q4_K), as Kiln's quantized weights (stacked per name) without a trip through
         float. A name some layer stores in another type is left out (the loader quantizes it from float)."""
         types = _STORED_AS.get(quantization, ())
         out = {}
@@ -354,7 +378,7 @@ class GGUFModel:
 
     def stored_tables(self) -> dict[str, Int8Table | Int4Table]:
         """The embedding ("embed") and an untied LM head ("lm_head") that the file stores in Q8_0,
-        Q4_0 or Q4_1 blocks, as Kiln's tables (whatever format the layers are held in: the file's own
+        Q4_0, Q4_1 or Q4_K blocks, as Kiln's tables (whatever format the layers are held in: the file's own
         blocks lose nothing). One in another type is left out (the loader quantizes it from float)."""
         stored = set(_STORED_AS["int8"] + _STORED_AS["int4"])
         out = {}
@@ -365,22 +389,25 @@ class GGUFModel:
         return out
 
     def _stored(self, t, gguf_suffix: str) -> Int8Weight | Int4Weight:
-        """One Q8_0/Q4_0/Q4_1 tensor ([out, in] in the file) as [in, out]. Block j of a row holds input
-        rows 32j..32j+31 after its float16 scale (and Q4_1's float16 offset): Q8_0 as 32 int8, Q4_x
-        as 16 bytes, rows 0-15 in the low nibbles and 16-31 in the high."""
+        """One Q8_0/Q4_0/Q4_1/Q4_K tensor ([out, in] in the file) as [in, out]. Block j of a row holds
+        input rows 32j..32j+31 after its float16 scale (and Q4_1's float16 offset): Q8_0 as 32 int8,
+        Q4_x as 16 bytes, rows 0-15 in the low nibbles and 16-31 in the high (Q4_K: `_q4_k`)."""
         n_out, n_in = (int(x) for x in reversed(t.shape))
-        blocks = np.asarray(t.data).reshape(n_out, n_in // GROUP, -1)
+        if t.tensor_type == GGMLQuantizationType.Q4_K:
+            parts = _q4_k(t.data, n_out, n_in)
+        else:
+            blocks = np.asarray(t.data).reshape(n_out, n_in // GROUP, -1)
 
-        def f16(at: int) -> np.ndarray:
-            return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+            def f16(at: int) -> np.ndarray:
+                return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
-        scale = f16(0)
-        if t.tensor_type == GGMLQuantizationType.Q8_0:
-            parts = [blocks[..., 2:].copy().view(np.int8).reshape(n_out, n_in), scale]
-        elif t.tensor_type == GGMLQuantizationType.Q4_1:
-            parts = [_nibbles(blocks[..., 4:], n_out, n_in), scale, f16(2)]
-        else:  # Q4_0: levels 0..15 around 8
-            parts = [_nibbles(blocks[..., 2:], n_out, n_in), scale, -8.0 * scale]
+            scale = f16(0)
+            if t.tensor_type == GGMLQuantizationType.Q8_0:
+                parts = [blocks[..., 2:].copy().view(np.int8).reshape(n_out, n_in), scale]
+            elif t.tensor_type == GGMLQuantizationType.Q4_1:
+                parts = [_nibbles(blocks[..., 4:], n_out, n_in), scale, f16(2)]
+            else:  # Q4_0: levels 0..15 around 8
+                parts = [_nibbles(blocks[..., 2:], n_out, n_in), scale, -8.0 * scale]
         if self.arch == "llama" and gguf_suffix in ("attn_q.weight", "attn_k.weight"):
             heads = self.config.num_heads if gguf_suffix == "attn_q.weight" else self.config.num_kv_heads
             parts = [unpermute_qk(a, heads) for a in parts]

@@ -245,7 +245,7 @@ def load_model(
     whether layers are held stacked or one dict per layer; a mesh always uses stacked layers.
     `quantization` ("none" | "int8" | "int4", see kiln.models.quant, or "auto": a GGUF file's own layer
     format, float for a checkpoint) is applied on the host, before the weights reach the accelerator;
-    a GGUF file's Q8_0 (int8) or Q4_0/Q4_1 (int4) layer weights are taken as stored, and so are its
+    a GGUF file's Q8_0 (int8) or Q4_0/Q4_1/Q4_K (int4) layer weights are taken as stored, and so are its
     embedding and head where they are stored in one of those (whatever the layers' format)."""
     dtype = resolve_dtype(dtype)
     if dtype not in DTYPES:
@@ -274,7 +274,7 @@ def load_model(
     cfg, params, generation = load_hf_dir(model_dir, np_dtype, show_progress, label=model_id)
     if quantization != "none" and mesh is not None:
         raise ConfigError("model.quantization: quantized weights do not run sharded over a mesh yet; use none")
-    if stored:  # Q8_0 (int8) or Q4_0/Q4_1 (int4) layers, embedding and head as stored
+    if stored:  # Q8_0 (int8) or Q4_0/Q4_1/Q4_K (int4) layers, embedding and head as stored
         tables = {name: stored.pop(name) for name in ("embed", "lm_head") if name in stored}
         params = {**params, **tables, "layers": {**params["layers"], **stored}}
     params = quantize_params(params, quantization)

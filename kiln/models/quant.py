@@ -1,6 +1,6 @@
 """Weight-only quantization: the layers' linear weights held as int8 or int4 in groups of 32 input
 rows, each group with float32 scales per output channel (and, for int4, offsets), dequantized inside
-the compiled step. GGUF's Q8_0, Q4_0 and Q4_1 blocks are exactly these groups, so a GGUF file's
+the compiled step. GGUF's Q8_0, Q4_0, Q4_1 and Q4_K blocks are exactly these groups, so a GGUF file's
 layers load as stored (`gguf_loader.GGUFModel.stored_layers`).
 
 A quantized weight is a pytree (`Int8Weight`, `Int4Weight`), so it stacks on the layer axis, slices

@@ -203,6 +203,32 @@ def test_quantized_weights_take_the_xla_route(model_file, tmp_path):
     assert select_backend_from_settings(resolve_settings(env=env), q8).name == "xla"
 
 
+def test_q4_k_super_blocks_load_as_int4_groups(tmp_path, kiln_cache):
+    """Q4_K (llama.cpp's k-quant: super-blocks of 8 groups of 32, 6-bit scales and mins under float16
+    ones) is int4 groups exactly: the stored layers and embedding dequantize to what gguf's own
+    dequantizer makes of the file, auto holds the file as int4, and its logits are the float ones."""
+    import gguf
+
+    hf = make_hf_model("llama", vocab_size=260, seed=7, hidden_size=256, intermediate_size=512,
+                       num_hidden_layers=1, tie_word_embeddings=True)
+    path = write_gguf(hf, tmp_path / "k.gguf", quant=gguf.GGMLQuantizationType.Q4_K)
+    reader = GGUFModel(path)
+    assert reader.stored_quantization() == ("int4", "auto: the GGUF file's layers are Q4_K")
+    ref = load_model(path, show_progress=False, layer_loop="scan")  # through gguf's dequantizer
+    stored = reader.stored_layers("int4")
+    assert sorted(stored) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    for name, w in stored.items():
+        assert isinstance(w, Int4Weight)
+        np.testing.assert_allclose(dequantize(w), np.asarray(ref.params["layers"][name]), rtol=0, atol=1e-6)
+    table = reader.stored_tables()["embed"]
+    assert isinstance(table, Int4Table)
+    np.testing.assert_allclose(dequantize_table(table)[:260], np.asarray(ref.params["embed"]), rtol=0, atol=1e-6)
+    auto = load_model(path, show_progress=False, quantization="auto")
+    assert auto.quantization == "int4" and isinstance(auto.params["embed"], Int4Table)
+    ids = np.random.default_rng(4).integers(0, 260, 24).tolist()
+    np.testing.assert_allclose(logprobs(auto, ids), logprobs(ref, ids), rtol=0, atol=2e-4)
+
+
 @pytest.mark.parametrize(("qtype", "expected"), [(None, "none"), ("Q8_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4")])
 def test_auto_holds_a_gguf_file_in_its_own_format(tmp_path, kiln_cache, qtype, expected):
     import gguf
