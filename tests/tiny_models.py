@@ -262,14 +262,14 @@ def q4_k_blocks(w):
 
 
 def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=None, pre: str = "smollm",
-               fuse_gate_up: bool = False) -> Path:
+               fuse_gate_up: bool = False, types: dict | None = None) -> Path:
     """Writes an HF model (Llama, Mixtral, Qwen3-MoE, Phi-3, Gemma 3 or gpt-oss) as llama.cpp's
     converter would (its architecture's keys and tensor names; Llama 3's scaling as rope_freqs, Phi-3's
     LongRoPE factors as tensors, Gemma's norms as the 1 + w they scale by, gpt-oss's experts as MXFP4
     with gate and up apart; optionally Q8_0 matrices), with the byte-level BPE test tokenizer (and
     pre-tokenizer `pre`), or with `tokenizer="llama"` the SentencePiece one (SPM_TOKENS).
     `fuse_gate_up`: gpt-oss's gate and up experts in one tensor, gate's rows first (llama.cpp's option).
-    `extra(writer)` adds keys of a test's own."""
+    `extra(writer)` adds keys of a test's own; `types` gives tensors (by GGUF name) a type of their own."""
     import gguf
     import numpy as np
 
@@ -396,18 +396,19 @@ def write_gguf(model, path: Path, quant=None, tokenizer: str = "gpt2", extra=Non
                 names = {**_GGUF_LAYER_NAMES, **_GGUF_GPT_OSS_NAMES}
             tensors[f"blk.{layer}.{names[rest]}"] = arr
     for gname, arr in tensors.items():
-        if quant == gguf.GGMLQuantizationType.Q4_K and arr.ndim == 2:  # gguf-py cannot encode K-quants
+        qtype = (types or {}).get(gname, quant)
+        if qtype == gguf.GGMLQuantizationType.Q4_K and arr.ndim == 2:  # gguf-py cannot encode K-quants
             if arr.shape[1] % 256:
                 w.add_tensor(gname, arr)  # llama.cpp too stores a row that super-blocks do not divide otherwise
             else:
-                w.add_tensor(gname, q4_k_blocks(arr), raw_dtype=quant)
-        elif quant is not None and arr.ndim == 2:
-            block, type_size = gguf.GGML_QUANT_SIZES[quant]
+                w.add_tensor(gname, q4_k_blocks(arr), raw_dtype=qtype)
+        elif qtype is not None and arr.ndim == 2:
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             try:
-                raw = gguf.quants.quantize(arr, quant)
+                raw = gguf.quants.quantize(arr, qtype)
             except NotImplementedError:  # a type gguf-py cannot encode: write zeroed blocks
                 raw = np.zeros((arr.shape[0], arr.shape[1] // block * type_size), np.uint8)
-            w.add_tensor(gname, raw, raw_dtype=quant)
+            w.add_tensor(gname, raw, raw_dtype=qtype)
         else:
             w.add_tensor(gname, arr)
     for gname, arr in mxfp4.items():

@@ -29,6 +29,7 @@ from kiln.models.quant import (
     Int8Table,
     Int8Weight,
     int4_from_levels,
+    quantize_int8,
     table_from_weight,
 )
 from kiln.models.weights import build_params
@@ -87,6 +88,8 @@ _EXPERT_OF_ITS_OWN = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 # the GGUF types each quantization holds as stored
 _STORED_AS = {"int8": (GGMLQuantizationType.Q8_0,),
               "int4": (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)}
+_FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+                GGMLQuantizationType.F64}
 Q4_K_BLOCK = 256  # values per Q4_K super-block: 8 groups of 32, 144 bytes
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -353,27 +356,41 @@ class GGUFModel:
         return w
 
     def stored_quantization(self) -> tuple[str, str]:
-        """The quantization that holds this file's layer weights as stored, and why: int8 for Q8_0,
-        int4 for Q4_0/Q4_1/Q4_K, none (float) for float types or a mix."""
+        """The quantization that holds this file's layer weights, and why: int8 for Q8_0, int4 for
+        Q4_0/Q4_1/Q4_K; for other quantized types, and mixes of them, int4 where some layers are in
+        4-bit blocks (a Q4_K_M file, whose attn_v and ffn_down layers are partly Q6_K), int8 otherwise
+        (`stored_layers` says which projection is held how); none (float) where a layer is float."""
         types = {t.tensor_type for name, t in self.tensors.items()
                  if (m := _BLK.match(name)) and m.group(2) in self.linear_suffixes}
         names = ", ".join(sorted(t.name for t in types))
         for quantization, stored in _STORED_AS.items():
             if types and types <= set(stored):
                 return quantization, f"auto: the GGUF file's layers are {names}"
-        return "none", f"auto: the GGUF file's layers are {names}, held as float"
+        if not types or types & _FLOAT_TYPES:
+            return "none", f"auto: the GGUF file's layers are {names}, held as float"
+        if types & set(_STORED_AS["int4"]):
+            return "int4", f"auto: the GGUF file's layers are {names}; projections with more bits held as int8"
+        return "int8", f"auto: the GGUF file's layers are {names}, held as int8"
 
     def stored_layers(self, quantization: str) -> dict[str, Int8Weight | Int4Weight]:
         """The layers' linear weights that the file stores in `quantization`'s own blocks (int8: Q8_0;
         int4: Q4_0, Q4_1, Q4_K), as Kiln's quantized weights (stacked per name) without a trip through
-        float. A name some layer stores in another type is left out (the loader quantizes it from float)."""
+        float. With int4, a projection the file stores in more bits is held as int8: as stored where
+        all its layers are Q8_0, else quantized from float (Q5_x, Q6_K, or a mix of layers). Any
+        other name is left out (the loader quantizes it from float)."""
         types = _STORED_AS.get(quantization, ())
         out = {}
         for gguf_suffix, name in self.linear_suffixes.items():
             tensors = [self.tensors.get(f"blk.{i}.{gguf_suffix}") for i in range(self.config.num_layers)]
-            if all(t is not None and t.tensor_type in types for t in tensors):
+            if any(t is None for t in tensors):
+                continue
+            kinds = {t.tensor_type for t in tensors}
+            if kinds <= set(types) or (quantization == "int4" and kinds <= set(_STORED_AS["int8"])):
                 layers = [self._stored(t, gguf_suffix) for t in tensors]
                 out[name] = type(layers[0])(*(np.stack(parts) for parts in zip(*layers, strict=True)))
+            elif quantization == "int4" and not kinds & _FLOAT_TYPES:
+                out[name] = quantize_int8(np.stack([self.read(f"blk.{i}.{gguf_suffix}").T for i in
+                                                    range(self.config.num_layers)]))
         return out
 
     def stored_tables(self) -> dict[str, Int8Table | Int4Table]:

@@ -74,8 +74,8 @@ def auto_quantization(path: str | Path | None) -> tuple[str, str]:
 
 # beside a converted GGUF file: its layers' own format (auto's answer), and the layers it stores in
 # a quantized format as Kiln's arrays, so that later loads never parse the file's metadata again
-STORED_FORMAT = "kiln_stored_format.json"
-STORED_VERSION = 2  # of the stored arrays' file: 2 added the embedding and head (`stored_tables`)
+STORED_VERSION = 2  # of what is kept: 2 added the embedding and head, Q4_K, and quantized mixes
+STORED_FORMAT = f"kiln_stored_format.{STORED_VERSION}.json"
 
 
 def _recorded_format(model_dir: Path) -> tuple[str, str] | None:

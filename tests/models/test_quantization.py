@@ -19,7 +19,7 @@ from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.generate import greedy_generate
 from kiln.models.gguf_loader import GGUFModel
-from kiln.models.loader import STORED_VERSION, auto_quantization, file_digest, layer_param, load_model
+from kiln.models.loader import STORED_FORMAT, STORED_VERSION, auto_quantization, file_digest, layer_param, load_model
 from kiln.models.quant import (
     HEAD_CHUNK,
     Int4Table,
@@ -44,6 +44,7 @@ from kiln.xla_flags import CPU_SCHEDULER_FLAG, add_process_flags
 # weight type each format holds
 LOGPROB_BOUND = {"int8": 0.05, "int4": 0.3}
 WEIGHT = {"int8": Int8Weight, "int4": Int4Weight}
+WEIGHT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module", params=["untied", "tied"])
@@ -123,7 +124,11 @@ def test_gguf_blocks_load_as_stored(tmp_path, kiln_cache, qtype, quantization):
     path = write_gguf(hf, tmp_path / f"{qtype}.gguf", quant=gguf.GGMLQuantizationType[qtype])
     stored = GGUFModel(path).stored_layers(quantization)
     assert sorted(stored) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    assert GGUFModel(path).stored_layers("int4" if quantization == "int8" else "int8") == {}
+    if quantization == "int4":
+        assert GGUFModel(path).stored_layers("int8") == {}  # 4-bit blocks are not int8's
+    else:  # int4 asked of Q8_0 layers keeps their 8 bits, as stored
+        other = GGUFModel(path).stored_layers("int4")
+        assert all(np.array_equal(a, b) for n in stored for a, b in zip(other[n], stored[n], strict=True))
     ref = load_model(path, show_progress=False, layer_loop="scan")
     for name, w in stored.items():
         assert isinstance(w, WEIGHT[quantization])
@@ -229,6 +234,30 @@ def test_q4_k_super_blocks_load_as_int4_groups(tmp_path, kiln_cache):
     np.testing.assert_allclose(logprobs(auto, ids), logprobs(ref, ids), rtol=0, atol=2e-4)
 
 
+def test_a_q4_k_m_like_mix_holds_its_4_bit_projections_as_int4_and_the_rest_as_int8(tmp_path, kiln_cache):
+    """As a Q4_K_M file keeps attn_v and some ffn_down layers in more bits: a projection all in Q8_0
+    is int8 as stored, one that mixes Q8_0 and Q4_K layers is int8 from its float values, the rest
+    int4 as stored; auto picks int4 for the mix, and the logits stay the file's."""
+    import gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    hf = make_hf_model("llama", vocab_size=260, seed=7, hidden_size=256, intermediate_size=512,
+                       tie_word_embeddings=True)
+    path = write_gguf(hf, tmp_path / "km.gguf", quant=gguf.GGMLQuantizationType.Q4_K,
+                      types={"blk.0.attn_v.weight": q8, "blk.1.attn_v.weight": q8, "blk.0.ffn_down.weight": q8})
+    assert GGUFModel(path).stored_quantization() == (
+        "int4", "auto: the GGUF file's layers are Q4_K, Q8_0; projections with more bits held as int8")
+    ref = load_model(path, show_progress=False, layer_loop="scan")
+    auto = load_model(path, show_progress=False, quantization="auto")
+    kinds = {name: type(w).__name__ for name, w in auto.params["layers"].items() if name in WEIGHT_NAMES}
+    assert kinds == {**dict.fromkeys(WEIGHT_NAMES, "Int4Weight"), "v_proj": "Int8Weight", "down_proj": "Int8Weight"}
+    np.testing.assert_allclose(dequantize(auto.params["layers"]["v_proj"]), np.asarray(ref.params["layers"]["v_proj"]),
+                               rtol=0, atol=1e-6)  # Q8_0 as stored
+    ids = np.random.default_rng(5).integers(0, 260, 24).tolist()
+    # down_proj's Q4_K layer requantized to int8 groups: within int8's rounding of float logits
+    assert np.abs(logprobs(auto, ids) - logprobs(ref, ids)).max() < LOGPROB_BOUND["int8"]
+
+
 @pytest.mark.parametrize(("qtype", "expected"), [(None, "none"), ("Q8_0", "int8"), ("Q4_0", "int4"), ("Q4_1", "int4")])
 def test_auto_holds_a_gguf_file_in_its_own_format(tmp_path, kiln_cache, qtype, expected):
     import gguf
@@ -286,8 +315,7 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
                       quant=gguf.GGMLQuantizationType.Q4_1)
     first = load_model(path, show_progress=False, quantization="auto")
     converted = kiln_cache / "converted" / file_digest(path)[:32]
-    assert {p.name for p in converted.glob("kiln_stored*")} == {"kiln_stored_format.json",
-                                                                 f"kiln_stored_int4.{STORED_VERSION}.npz"}
+    assert {p.name for p in converted.glob("kiln_stored*")} == {STORED_FORMAT, f"kiln_stored_int4.{STORED_VERSION}.npz"}
     again = load_model(path, show_progress=False, quantization="auto")
     assert (again.quantization, again.quantization_source) == (first.quantization, first.quantization_source)
     for name in ("q_proj", "down_proj"):
@@ -299,6 +327,6 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
     for a, b in zip(first.params["embed"], again.params["embed"], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the recorded answer is what auto reports from then on
-    (converted / "kiln_stored_format.json").write_text('["int4", "auto: recorded"]')
+    (converted / STORED_FORMAT).write_text('["int4", "auto: recorded"]')
     assert load_model(path, show_progress=False, quantization="auto").quantization_source == "auto: recorded"
     assert auto_quantization(path) == ("int4", "auto: recorded")
