@@ -84,6 +84,14 @@ def compare(a: Sequence[dict], b: Sequence[dict], criteria: Sequence[str] | None
             "bootstrap_samples": samples, "seed": seed, "per_testing_criteria": out}
 
 
+def threshold(value: Any, lo: float, hi: float) -> float | None:
+    """A judging threshold (`min_delta`, `min_pass_rate`, ...) as a float: a number, not a bool, from
+    lo to hi; None otherwise (the caller names the key in its own error)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        return None
+    return float(value)
+
+
 def judge(comparison: dict[str, Any], criteria: Sequence[str], min_pass_rate: float,
           min_delta: float) -> tuple[list[str], list[dict[str, Any]]]:
     """The promotion gate's rules on a baseline (a) to candidate (b) comparison: each criterion's

@@ -25,7 +25,7 @@ from typing import Any
 
 from kiln.engine.lora_slots import AdapterWeights
 from kiln.errors import InvalidRequest, KilnError, NotFound
-from kiln.eval.comparison import judge
+from kiln.eval.comparison import judge, threshold
 from kiln.eval.service import ACTIVE, SAMPLING_SOURCES, EvalService
 
 GATE_KEYS = ("eval_id", "criteria", "baseline", "min_delta", "min_pass_rate", "data_source")
@@ -59,10 +59,10 @@ class GateSpec:
 
 def _number(gate: dict, key: str, default: float, lo: float, hi: float) -> float:
     value = gate.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+    if (number := threshold(value, lo, hi)) is None:
         raise InvalidRequest(f"kiln.gate.{key} must be a number from {lo:g} to {hi:g}, got {value!r}",
                              param=f"kiln.gate.{key}")
-    return float(value)
+    return number
 
 
 def parse_gate(gate: Any, evals: EvalService, base_model: str, is_served: Callable[[str], bool]) -> GateSpec:

@@ -739,10 +739,12 @@ def _version(adapter_dir: Path, version: Any) -> str:
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    from kiln.eval.comparison import threshold
+
     value = body.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+    if (number := threshold(value, lo, hi)) is None:
         raise RolloutRefused(400, f"{key} must be a number from {lo:g} to {hi:g}, got {value!r}", param=key)
-    return float(value)
+    return number
 
 
 def _said(reply: httpx.Response | None) -> str:
