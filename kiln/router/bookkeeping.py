@@ -6,6 +6,9 @@ so the predictor adds it (`WorkerLoad.inflight`), with its prompt's block keys, 
 prompt sharing the prefix is credited with the blocks still being prefilled
 (`WorkerLoad.inflight_blocks`). An entry ends when the first successful scrape that began after it
 was sent completes (that scrape counts the request, or saw it finish), on Feedback, or after a TTL.
+A request such a scrape counted is still remembered until its Feedback: once that comes, the
+worker's scraped load counts a request that has ended, until a scrape that began after the end
+completes (`InFlight.finished`), and the predictor takes it off (`WorkerLoad.running`).
 
 `Observations`: per request id, the worker picked and the latency predicted, kept until Feedback
 reports the observed latency or a TTL passes.
@@ -37,47 +40,76 @@ class _Worker:
 
 
 class InFlight:
-    """Requests sent to each worker, by worker_id_num, that its last scrape cannot have counted."""
+    """Requests sent to each worker, by worker_id_num, that its last scrape cannot have counted; and
+    requests its last scrape counted that have ended since."""
 
     def __init__(self) -> None:
         self._workers: dict[int, _Worker] = {}
         self._where: dict[str, int] = {}  # request id -> worker
+        self._counted: dict[str, tuple[int, float]] = {}  # settled, not ended: request id -> (worker, sent_at)
+        self._ended: dict[int, list[float]] = {}  # per worker: when counted requests ended, oldest first
 
     def __len__(self) -> int:
         return len(self._where)
 
     def add(self, request_id: str, worker: int, keys: Sequence[Key], now: float) -> None:
-        """A request was sent to `worker` at `now`; a request id in flight already is replaced."""
-        self.end(request_id)
+        """A request was sent to `worker` at `now`; a request id held already is replaced."""
+        if (held := self._where.get(request_id)) is not None:
+            self._drop(self._workers[held].entries[request_id])
+        self._counted.pop(request_id, None)
         w = self._workers.setdefault(worker, _Worker())
         w.entries[request_id] = _Entry(request_id, worker, now, tuple(keys))
         w.keys.update(keys)
         self._where[request_id] = worker
 
-    def end(self, request_id: str) -> bool:
-        """The request finished (or failed); False if it was not in flight."""
+    def end(self, request_id: str, now: float) -> bool:
+        """The request finished (or failed) at `now`; False if it was neither in flight nor counted."""
         worker = self._where.get(request_id)
-        if worker is None:
+        if worker is not None:
+            self._drop(self._workers[worker].entries[request_id])
+            return True
+        counted = self._counted.pop(request_id, None)
+        if counted is None:
             return False
-        self._drop(self._workers[worker].entries[request_id])
+        self._ended.setdefault(counted[0], []).append(now)
         return True
 
     def settle(self, worker: int, scrape_started_at: float | None) -> None:
-        """Drop `worker`'s entries sent before its last successful scrape began (it counted them)."""
-        w = self._workers.get(worker)
-        if w is None or scrape_started_at is None:
+        """Move `worker`'s entries sent before its last successful scrape began to the counted (that
+        scrape counts them), and forget ends that scrape has seen."""
+        if scrape_started_at is None:
             return
-        while w.entries:
+        ended = self._ended.get(worker)
+        if ended:
+            seen = sum(1 for t in ended if t < scrape_started_at)
+            del ended[:seen]
+            if not ended:
+                del self._ended[worker]
+        w = self._workers.get(worker)
+        while w is not None and w.entries:
             oldest = next(iter(w.entries.values()))
             if oldest.sent_at >= scrape_started_at:
                 break
             self._drop(oldest)
+            self._counted[oldest.request_id] = (worker, oldest.sent_at)
+            w = self._workers.get(worker)
+
+    def finished(self, worker: int) -> int:
+        """Requests `worker`'s last scrape counted that have ended since (it still counts them)."""
+        return len(self._ended.get(worker, ()))
 
     def expire(self, sent_before: float) -> int:
-        """Drop every entry sent before `sent_before` (feedback never came); returns how many."""
+        """Drop every entry sent before `sent_before` (feedback never came), and ends recorded before
+        it; returns how many entries."""
         old = [e for w in self._workers.values() for e in w.entries.values() if e.sent_at < sent_before]
         for entry in old:
             self._drop(entry)
+        for request_id in [r for r, (_, sent) in self._counted.items() if sent < sent_before]:
+            del self._counted[request_id]
+        for worker in list(self._ended):
+            self._ended[worker] = [t for t in self._ended[worker] if t >= sent_before]
+            if not self._ended[worker]:
+                del self._ended[worker]
         return len(old)
 
     def drop_worker(self, worker: int) -> int:
@@ -86,6 +118,9 @@ class InFlight:
         entries = list(w.entries.values()) if w is not None else []
         for entry in entries:
             self._drop(entry)
+        for request_id in [r for r, (num, _) in self._counted.items() if num == worker]:
+            del self._counted[request_id]
+        self._ended.pop(worker, None)
         return len(entries)
 
     def count(self, worker: int) -> int:

@@ -418,11 +418,12 @@ class RouterCore:
             if health is not None:
                 self.inflight.settle(num, health.scrape_started_at)
             cached = matched.get(num, 0)
+            running, waiting = self._scraped_load(num, health)
             loads.append(
                 WorkerLoad(
                     worker_id=num,
-                    running=health.running if health else 0,
-                    waiting=health.waiting if health else 0,
+                    running=running,
+                    waiting=waiting,
                     kv_usage=health.kv_usage if health else 0.0,
                     cached_blocks=cached,
                     inflight_blocks=self.inflight.leading_blocks(num, keys, cached) if tracking else 0,
@@ -453,6 +454,15 @@ class RouterCore:
         self.inflight.add(result.request_id, result.worker_id_num, keys, time.monotonic())
         self.rollouts.picked(result.request_id, model, result.worker_id_num)
         return result
+
+    def _scraped_load(self, num: int, health) -> tuple[int, int]:
+        """(running, waiting) of the worker's last scrape, less the requests it counted that have
+        ended since (their Feedback came after the scrape began): running ones first."""
+        if health is None:
+            return 0, 0
+        ended = self.inflight.finished(num)
+        running = max(0, health.running - ended)
+        return running, max(0, health.waiting - (ended - (health.running - running)))
 
     async def _tokenize(self, entry: _Set, model: str, body: dict[str, Any] | None) -> list[int]:
         assert self.tokenization is not None and body is not None
@@ -511,7 +521,7 @@ class RouterCore:
 
     def feedback(self, request_id: str, ttft_ms: float = 0.0, e2e_ms: float = 0.0, failed: bool = False) -> bool:
         """How a picked request went; False when no pick with that id is held (never made, or expired)."""
-        self.inflight.end(request_id)
+        self.inflight.end(request_id, time.monotonic())
         self.rollouts.feedback(request_id, failed)
         observation = self.observations.pop(request_id)
         if observation is None:
@@ -605,6 +615,7 @@ class RouterCore:
             "models": list(health.models) if health else [],
             "adapters_unloaded": list(health.unloaded) if health else [],  # listed, loaded on a first request
             "inflight": self.inflight.count(num),
+            "ended_since_scrape": self.inflight.finished(num),
             "index_blocks": entry.index.blocks_of(num),
             "picks": tally.picks,
             "predicted_ms": tally.predicted_ms,

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 class WorkerLoad:
     """What the router knows about one eligible worker when a request arrives.
 
-    running, waiting: the worker's last scraped `vllm:num_requests_running` and `vllm:num_requests_waiting`.
+    running, waiting: the worker's last scraped `vllm:num_requests_running` and `vllm:num_requests_waiting`,
+        less the requests that scrape counted whose Feedback has come since (running ones first).
     kv_usage: its last scraped `vllm:kv_cache_usage_perc`, a fraction in 0..1.
     cached_blocks: leading blocks of this prompt the worker holds, from the prefix index.
     inflight_blocks: further leading blocks (after cached_blocks) that requests the router sent to this

@@ -125,12 +125,23 @@ def test_in_flight_bookkeeping():
     assert inflight.leading_blocks(0, keys, 3) == 1 and inflight.leading_blocks(1, keys, 0) == 0
     inflight.settle(0, scrape_started_at=1.5)  # counted "a" only
     assert inflight.count(0) == 1 and inflight.leading_blocks(0, keys, 0) == 4
-    assert inflight.end("b") and not inflight.end("b")
+    assert inflight.end("b", now=2.5) and not inflight.end("b", now=2.6)
     assert inflight.count(0) == 0 and inflight.leading_blocks(0, keys, 0) == 0
+    assert inflight.finished(0) == 0  # "b" ended in flight: no scrape counted it
+    # "a" was counted by the scrape that began at 1.5; it ends at 3.0, which that scrape cannot know
+    assert inflight.end("a", now=3.0) and inflight.finished(0) == 1
+    inflight.settle(0, scrape_started_at=2.9)  # a scrape that began before the end still counts it
+    assert inflight.finished(0) == 1
+    inflight.settle(0, scrape_started_at=3.1)  # one that began after it saw it gone
+    assert inflight.finished(0) == 0 and not inflight.end("a", now=4.0)
     inflight.add("c", 1, keys, now=1.0)
     inflight.add("c", 2, keys[:1], now=5.0)  # a reused id moves
     assert inflight.count(1) == 0 and inflight.count(2) == 1
     assert inflight.expire(sent_before=6.0) == 1 and len(inflight) == 0
+    inflight.add("d", 3, keys, now=7.0)
+    inflight.settle(3, scrape_started_at=8.0)
+    inflight.end("d", now=9.0)
+    assert inflight.finished(3) == 1 and inflight.drop_worker(3) == 0 and inflight.finished(3) == 0
 
 
 def test_observations_expire():
