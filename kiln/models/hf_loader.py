@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +52,9 @@ def _open(path: Path):
 
 
 def load_hf_dir(model_dir: str | Path, dtype, show_progress: bool = True,
-                label: str | None = None) -> tuple[ModelConfig, dict, dict]:
-    """Returns (config, numpy params, generation_config)."""
+                label: str | None = None, supplied: Collection[str] = ()) -> tuple[ModelConfig, dict, dict]:
+    """Returns (config, numpy params, generation_config); the params named in `supplied` are left
+    out, unread (see `build_params`)."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     cfg = ModelConfig.from_hf(read_json(config_path), source=str(config_path))
@@ -73,7 +75,7 @@ def load_hf_dir(model_dir: str | Path, dtype, show_progress: bool = True,
 
     with tqdm(total=len(files), desc=f"loading {label or model_dir.name}", unit="tensor", disable=not show_progress,
               leave=False) as bar:
-        params = build_params(cfg, sorted(files), read, source, dtype, progress=bar.update)
+        params = build_params(cfg, sorted(files), read, source, dtype, progress=bar.update, supplied=supplied)
     gen_path = model_dir / "generation_config.json"
     generation = read_json(gen_path) if gen_path.exists() else {}
     return cfg, params, generation

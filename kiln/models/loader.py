@@ -271,7 +271,7 @@ def load_model(
     elif quantization == "auto":
         quantization, quantization_source = auto_quantization(path)
     np_dtype = jnp.dtype(DTYPES[dtype])
-    cfg, params, generation = load_hf_dir(model_dir, np_dtype, show_progress, label=model_id)
+    cfg, params, generation = load_hf_dir(model_dir, np_dtype, show_progress, label=model_id, supplied=set(stored))
     if quantization != "none" and mesh is not None:
         raise ConfigError("model.quantization: quantized weights do not run sharded over a mesh yet; use none")
     if stored:  # Q8_0 (int8) or Q4_0/Q4_1/Q4_K (int4) layers, embedding and head as stored

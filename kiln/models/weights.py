@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import numpy as np
 
@@ -157,13 +157,17 @@ def build_params(
     source: Callable[[str], str],
     dtype,
     progress: Callable[[int], None] | None = None,
+    supplied: Collection[str] = (),
 ) -> dict:
     """Builds the stacked param pytree (numpy) from HF-named tensors.
 
     read(name) returns the HF tensor; source(name) names its file for errors. Every expected
     tensor must be present with the expected shape; extra tensors (e.g. rotary caches) are ignored.
+    Params named in `supplied` (a GGUF file's layers and tables as stored) come from the caller:
+    their tensors are neither read nor required, and the result leaves them out.
     """
-    shapes, suffixes = expected_shapes(cfg), layer_tensors(cfg)
+    all_shapes, suffixes = expected_shapes(cfg), layer_tensors(cfg)
+    shapes = {n: shape for n, shape in all_shapes.items() if n not in supplied}
     layer_names = [n for n in shapes if n not in GLOBAL_NAMES]
     layers = {n: np.empty((cfg.num_layers, *shapes[n]), dtype) for n in layer_names}
     seen: set[tuple[str, int]] = set()
@@ -177,6 +181,8 @@ def build_params(
             expert = _EXPERT.match(suffix) if cfg.num_experts else None
             if expert:
                 key, e = EXPERT_TENSORS[expert.group(2)], int(expert.group(1))
+                if key not in layers:
+                    continue
                 if idx >= cfg.num_layers or e >= cfg.num_experts:
                     raise ModelLoadError(f"expert {e} of layer {idx} is past the config's {cfg.num_experts} experts "
                                          f"and {cfg.num_layers} layers", file=source(name), tensor=name)
@@ -199,7 +205,7 @@ def build_params(
             if suffix in STACKED_EXPERTS:
                 _stacked_experts(layers, shapes, idx, suffix, read(name), name, source(name), seen)
                 continue
-            if suffix in FUSED_TENSORS:
+            if suffix in FUSED_TENSORS and any(part in layers for part in FUSED_TENSORS[suffix]):
                 parts = FUSED_TENSORS[suffix]
             elif suffix in suffixes and suffixes[suffix][0] in layers:
                 parts = (suffixes[suffix][0],)
@@ -212,12 +218,13 @@ def build_params(
                 layers[parts[0]][idx] = _checked(read(name), shapes[parts[0]], suffixes[suffix][1], name,
                                                  source(name))
             else:  # [sum of outputs, in]: each part's rows, transposed to [in, out]
-                widths = [shapes[k][1] for k in parts]
-                fused = _checked(read(name), (shapes[parts[0]][0], sum(widths)), True, name, source(name))
+                widths = [all_shapes[k][1] for k in parts]
+                fused = _checked(read(name), (all_shapes[parts[0]][0], sum(widths)), True, name, source(name))
                 for key, part in zip(parts, np.split(fused, np.cumsum(widths)[:-1], axis=1), strict=True):
-                    layers[key][idx] = part
+                    if key in layers:
+                        layers[key][idx] = part
             seen.update((key, idx) for key in parts)
-        elif name == "model.embed_tokens.weight":
+        elif name == "model.embed_tokens.weight" and "embed" in shapes:
             out["embed"] = _checked(read(name), shapes["embed"], False, name, source(name)).astype(dtype)
         elif name == "model.norm.weight":
             out["final_norm"] = _checked(read(name), shapes["final_norm"], False, name, source(name)).astype(dtype)
@@ -225,7 +232,7 @@ def build_params(
             out["lm_head"] = _checked(read(name), shapes["lm_head"], True, name, source(name)).astype(dtype)
         if progress:
             progress(1)
-    for key in ("embed", "final_norm") + (("lm_head",) if "lm_head" in shapes else ()):
+    for key in [key for key in GLOBAL_NAMES if key in shapes]:
         if key not in out:
             raise ModelLoadError("missing tensor", file=source(""), tensor=_hf_name(cfg, key))
     for key in layer_names:

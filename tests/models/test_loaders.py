@@ -47,6 +47,32 @@ def test_sharded_checkpoint_equals_single_file(hf_model, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_supplied_params_are_neither_read_nor_required(hf_model, tmp_path):
+    """A GGUF file's stored layers and tables come from the file's own blocks: the converted
+    directory's float copies of them are skipped, unread, and may be absent."""
+    from safetensors import safe_open
+
+    from kiln.models.weights import build_params
+
+    single = save_hf_model(hf_model, tmp_path / "single")
+    cfg, whole, _ = load_hf_dir(single, np.float32, show_progress=False)
+    with safe_open(str(single / "model.safetensors"), "np") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    supplied = {"q_proj", "down_proj", "embed"}
+    kept = {name: t for name, t in tensors.items()
+            if not name.endswith(("q_proj.weight", "down_proj.weight", "embed_tokens.weight"))}
+    read: list[str] = []
+    params = build_params(cfg, sorted(kept), lambda name: read.append(name) or kept[name], str, np.float32,
+                          supplied=supplied)
+    assert "embed" not in params and not supplied & set(params["layers"])
+    assert not any(name.endswith(("q_proj.weight", "down_proj.weight", "embed_tokens.weight")) for name in read)
+    for key, value in params["layers"].items():
+        np.testing.assert_array_equal(value, whole["layers"][key])
+    np.testing.assert_array_equal(params["final_norm"], whole["final_norm"])
+    with pytest.raises(ModelLoadError, match="missing tensor"):  # what is not supplied is still required
+        build_params(cfg, sorted(kept), kept.__getitem__, str, np.float32, supplied={"q_proj", "embed"})
+
+
 def test_gguf_and_hf_dir_give_identical_logits(hf_model, hf_dir, tmp_path, kiln_cache):
     gguf_path = write_gguf(hf_model, tmp_path / "tiny.gguf")
     from_gguf = load_model(gguf_path, show_progress=False)
