@@ -27,11 +27,13 @@ import logging
 import random
 import time
 
+import jax
+
 from kiln.engine.backends import XLA, Backend
 from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import EngineConfig
 from kiln.engine.grammar import GrammarCompiler
-from kiln.engine.kv_pool import size_pool
+from kiln.engine.kv_pool import DeviceHeap, size_pool
 from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.ownership import Ownership
@@ -69,7 +71,7 @@ class EngineCore:
         self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype,
                                     config.lora_experts)
         self.kv_pool = size_pool(cfg, config, model.dtype, config.max_model_len or cfg.max_position_embeddings,
-                                 on_host=backend.is_iree)
+                                 on_host=backend.is_iree, heap=self._device_heap(backend))
         log.info("KV pool: %d blocks of %d tokens, %.0f MiB (%s)", self.kv_pool.blocks, config.block_size,
                  self.kv_pool.blocks * self.kv_pool.block_bytes / (1 << 20), self.kv_pool.reason)
         self.config = config = dataclasses.replace(config, num_kv_blocks=self.kv_pool.blocks)
@@ -105,6 +107,16 @@ class EngineCore:
         self.step_failures = 0  # batches that failed (their requests ended with an error)
         self.device_lost: DeviceLost | None = None  # set once, for the life of the process
         self._seeds = random.Random(config.seed)  # seeds for requests that bring none
+
+    def _device_heap(self, backend: Backend) -> DeviceHeap | None:
+        """What a Vulkan route's device holds before the KV pool, against its heap (None elsewhere:
+        the host, or an XLA accelerator whose allocator says what is free)."""
+        if not backend.is_iree or backend.name != "vulkan":
+            return None
+        placed = jax.tree.leaves((self.model.params, self.lora_slots.abstract_state()))
+        capabilities = backend.device.capabilities
+        return DeviceHeap(capabilities.memory_bytes, sum(x.size * x.dtype.itemsize for x in placed),
+                          capabilities.max_buffer_bytes)
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -7,7 +7,12 @@ The pool is sized from `[engine] kv_cache_memory` unless `[engine] num_kv_blocks
   on the CPU);
 - `auto`: on an accelerator 0.9 of that free memory, as vLLM's `gpu_memory_utilization`; on the
   CPU a modest share of the host (at most 2 GiB): its pages are only taken as blocks are written,
-  so the pool's resident size grows with the traffic, not with the setting.
+  so the pool's resident size grows with the traffic, not with the setting. On a Vulkan device
+  (an IREE route), which reports its memory heap but not what is free, half of 0.9 of the heap
+  once the weights and adapter slots are placed: the other half is for the steps' temporaries
+  (a prefill's gathered context, a bucket gate's own pool), and no more blocks than keep each of
+  its K and V arrays within the largest buffer a shader may bind (lavapipe: a 2 GiB heap, 128 MiB
+  buffers); a pool set larger than that buffer is a startup error.
 `auto` never exceeds what `max_num_seqs` sequences of the longest length can fill. A budget that
 cannot hold one longest sequence is a startup error.
 """
@@ -23,6 +28,7 @@ from kiln.errors import ConfigError
 
 ACCELERATOR_AUTO_FRACTION = 0.9
 CPU_AUTO_BYTES = 2 << 30  # ...or an eighth of the host's memory, whichever is less
+DEVICE_POOL_SHARE = 0.5  # of a Vulkan device's heap left after the weights (the rest: temporaries)
 BLOCK_ROUNDING = 64  # budget-sized pools round down to this many blocks, so that a start's step shapes repeat
 
 
@@ -46,23 +52,50 @@ def block_bytes(cfg, block_size: int, kv_dtype) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jax.numpy.dtype(kv_dtype).itemsize
 
 
-def free_memory(on_host: bool) -> tuple[int, str]:
+@dataclasses.dataclass(frozen=True)
+class DeviceHeap:
+    """A device that reports its memory but not what is free (an IREE Vulkan device): its heap, and
+    what the engine places there before the pool (weights, adapter slots)."""
+
+    memory: int
+    placed: int
+    max_buffer: int  # the largest buffer a step may bind: each of the pool's K and V arrays is one
+
+    @property
+    def free(self) -> int:
+        return max(0, self.memory - self.placed)
+
+
+def free_memory(on_host: bool, heap: DeviceHeap | None = None) -> tuple[int, str]:
     """Bytes free for the pool now, and where the number comes from."""
+    if heap is not None:
+        return heap.free, f"device memory (a {_size(heap.memory)} heap less {_size(heap.placed)} of weights)"
     free, device_kind = free_bytes(on_host)
     return free, f"free {device_kind} memory" if device_kind else "available host memory"
 
 
-def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool) -> KVPoolSize:
+def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool, heap: DeviceHeap | None = None) -> KVPoolSize:
     """The pool for these settings. `max_len`: the longest sequence the engine must hold (the
-    configured max_model_len, else the model's positions); `on_host`: the pool lives in host memory."""
+    configured max_model_len, else the model's positions); `on_host`: the pool lives in host memory;
+    `heap`: the pool lives on a device that reports only its heap size."""
     bs = config.block_size
     per_block = block_bytes(cfg, bs, kv_dtype)
     if config.num_kv_blocks > 0:
+        if heap is not None and config.num_kv_blocks * (per_block // 2) > heap.max_buffer:
+            raise ConfigError(
+                f"[engine] num_kv_blocks: {config.num_kv_blocks} blocks make K and V arrays of "
+                f"{_size(config.num_kv_blocks * (per_block // 2))} each, and the device binds at most "
+                f"{_size(heap.max_buffer)} as one buffer ({heap.max_buffer // (per_block // 2)} blocks)")
         return KVPoolSize(config.num_kv_blocks, bs, per_block, "[engine] num_kv_blocks")
     one_sequence = -(-max_len // bs) + 1
     setting = config.kv_cache_memory
     if setting == "auto":
-        if on_host or jax.devices()[0].platform == "cpu":
+        if heap is not None:
+            free, source = free_memory(on_host, heap)
+            budget = int(free * ACCELERATOR_AUTO_FRACTION * DEVICE_POOL_SHARE)
+            why = (f"auto: {DEVICE_POOL_SHARE} of {ACCELERATOR_AUTO_FRACTION} of {_size(free)} {source}; the rest "
+                   f"is for the steps' temporaries")
+        elif on_host or jax.devices()[0].platform == "cpu":
             budget = min(CPU_AUTO_BYTES, meminfo()["MemTotal"] // 8)
             why = f"auto: {_size(budget)} of host memory (pages are taken as blocks are written)"
         else:
@@ -74,7 +107,7 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool) -> KVPoolSize:
         if blocks == every_sequence:
             why += f"; capped at {config.max_num_seqs} sequences of {max_len} tokens"
     elif "." in setting:
-        free, source = free_memory(on_host)
+        free, source = free_memory(on_host, heap)
         budget = int(free * float(setting))
         blocks = _rounded(budget // per_block)
         why = f"[engine] kv_cache_memory = {setting} of {_size(free)} {source}"
@@ -82,6 +115,18 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool) -> KVPoolSize:
         budget = int(setting)
         blocks = budget // per_block
         why = f"[engine] kv_cache_memory = {_size(budget)}"
+    if heap is not None and blocks * (per_block // 2) > heap.max_buffer:
+        most = heap.max_buffer // (per_block // 2)
+        if setting != "auto" and "." not in setting:
+            raise ConfigError(
+                f"[engine] kv_cache_memory: a KV pool of {blocks} blocks ({why}) does not fit the device's largest "
+                f"buffer: its K and V arrays are {_size(blocks * (per_block // 2))} each, and the device binds at most "
+                f"{_size(heap.max_buffer)} (at most {most} blocks); lower kv_cache_memory")
+        blocks = _rounded(most)
+        why += f"; capped at {blocks} blocks, as the device binds at most {_size(heap.max_buffer)} as one buffer"
+        if not config.max_model_len:  # the model's positions were only a default: contexts get shorter
+            why += f", which holds contexts of up to {(blocks - 1) * bs} tokens"
+            one_sequence = min(one_sequence, blocks)
     if blocks < one_sequence:
         raise ConfigError(
             f"[engine] kv_cache_memory: a KV pool of {_size(budget)} ({why}) holds {blocks} blocks of "

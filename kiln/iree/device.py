@@ -21,6 +21,7 @@ import weakref
 import numpy as np
 
 from kiln.errors import BackendUnavailable
+from kiln.iree.vulkan_limits import max_storage_buffer_range
 
 ROUTE_DRIVERS = {"vulkan": "vulkan", "iree-cpu": "local-task"}
 ROUTE_TARGETS = {"vulkan": "vulkan-spirv", "iree-cpu": "llvm-cpu"}
@@ -38,14 +39,15 @@ def import_runtime():
 @dataclasses.dataclass(frozen=True)
 class DeviceCapabilities:
     """What a device can do, as its driver reports it. `name`, `vendor_id` and `driver` are for
-    display: route selection never reads them."""
+    display (and `name` finds the device's buffer limit in the Vulkan loader): route selection never
+    reads them."""
 
     route: str
     device_type: str  # "gpu", "cpu" (a CPU, or a software rasterizer), "other"
     dtypes: tuple[str, ...]  # among f32, f16, bf16, i8
     subgroup_size: int
     memory_bytes: int
-    max_buffer_bytes: int
+    max_buffer_bytes: int  # the largest buffer a step may bind (Vulkan: maxStorageBufferRange, where known)
     name: str = ""
     vendor_id: str = ""
     driver: str = ""
@@ -100,7 +102,10 @@ def probe(route: str) -> DeviceCapabilities:
                                + _install_hint(route)) from exc
     if not found:
         raise BackendUnavailable(f"route {route}: no {driver_name} device found; " + _install_hint(route))
-    return parse_device_info(route, driver.dump_device_info(found[0]["device_id"]), _host_memory())
+    capabilities = parse_device_info(route, driver.dump_device_info(found[0]["device_id"]), _host_memory())
+    if route == "vulkan" and (limit := max_storage_buffer_range(capabilities.name)):
+        capabilities = dataclasses.replace(capabilities, max_buffer_bytes=min(capabilities.max_buffer_bytes, limit))
+    return capabilities
 
 
 class IreeDevice:

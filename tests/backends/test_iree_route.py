@@ -18,7 +18,7 @@ from kiln.engine.backends import select_backend  # noqa: E402
 from kiln.engine.client import AsyncEngine  # noqa: E402
 from kiln.engine.config import EngineConfig  # noqa: E402
 from kiln.engine.params import SamplingParams  # noqa: E402
-from kiln.errors import BackendUnavailable  # noqa: E402
+from kiln.errors import BackendUnavailable, ConfigError  # noqa: E402
 from kiln.iree.device import probe  # noqa: E402
 
 # the engine settings of the IREE server and qualify tests too: they share compiled modules
@@ -136,6 +136,28 @@ def test_kv_stays_on_device(iree_engine):
 def test_vulkan_quarantines_prefix_reuse(iree_engine):
     core = iree_engine._core
     assert core.pool.enable_caching == (core.backend.name != "vulkan")
+
+
+@VULKAN
+def test_vulkan_probe_reads_the_largest_buffer_and_the_pool_fits_it(tiny_model):
+    """IREE's device dump has no buffer limits; the probe reads maxStorageBufferRange from the Vulkan
+    loader (lavapipe: 128 MiB, the spec's least), and an auto pool keeps K and V within it."""
+    import dataclasses
+
+    from kiln.engine.kv_pool import DeviceHeap, block_bytes, size_pool
+
+    caps = probe("vulkan")
+    assert 0 < caps.max_buffer_bytes <= caps.memory_bytes
+    if caps.name.startswith("llvmpipe"):
+        assert caps.max_buffer_bytes == 128 << 20
+    cfg = tiny_model.config
+    per_array = block_bytes(cfg, 16, "float32") // 2
+    heap = DeviceHeap(caps.memory_bytes, 0, max_buffer=64 * per_array)  # a small limit for the tiny model
+    config = dataclasses.replace(EngineConfig(**SMALL), num_kv_blocks=0, kv_cache_memory="auto", max_num_seqs=64)
+    pool = size_pool(cfg, config, "float32", max_len=cfg.max_position_embeddings, on_host=True, heap=heap)
+    assert pool.blocks * per_array <= heap.max_buffer and "binds at most" in pool.reason
+    with pytest.raises(ConfigError, match="num_kv_blocks"):  # a count beyond the buffer is refused at start
+        size_pool(cfg, dataclasses.replace(config, num_kv_blocks=65), "float32", max_len=256, on_host=True, heap=heap)
 
 
 def test_marketing_name_changes_nothing(tmp_path):

@@ -9,7 +9,7 @@ from test_engine import SMALL, prompts_of, run
 from kiln.config import resolve_settings
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
-from kiln.engine.kv_pool import BLOCK_ROUNDING, block_bytes, size_pool
+from kiln.engine.kv_pool import BLOCK_ROUNDING, DeviceHeap, block_bytes, size_pool
 from kiln.engine.params import SamplingParams
 from kiln.errors import ConfigError
 
@@ -50,6 +50,23 @@ def test_pool_sizes_from_each_form_of_the_setting(tiny_model):
     # a fraction of the host's available memory, rounded so that starts repeat their step shapes
     share = size(kv_cache_memory="0.001")
     assert share.blocks % BLOCK_ROUNDING == 0 and "available host memory" in share.reason
+
+
+def test_a_vulkan_device_pool_takes_a_share_of_its_heap_after_the_weights(tiny_model):
+    """A Vulkan device reports its heap, not what is free: auto takes half of 0.9 of what the weights
+    leave (the other half for the steps' temporaries), never a host-sized pool that cannot fit."""
+    cfg, config = tiny_model.config, dataclasses.replace(EngineConfig(**SMALL), max_num_seqs=4096)
+    per_block = block_bytes(cfg, 16, "float32")
+    heap = DeviceHeap(memory=1000 * per_block, placed=200 * per_block, max_buffer=1 << 40)
+    auto = size_pool(cfg, config, "float32", max_len=256, on_host=True, heap=heap)
+    assert auto.blocks == 360 - 360 % BLOCK_ROUNDING and auto.blocks * per_block <= 0.45 * heap.free
+    assert "heap" in auto.reason and "weights" in auto.reason
+    share = size_pool(cfg, dataclasses.replace(config, kv_cache_memory="0.5"), "float32", max_len=256, on_host=True,
+                      heap=heap)
+    assert share.blocks == 384 and "heap" in share.reason  # half of what the weights leave, rounded
+    with pytest.raises(ConfigError, match="kv_cache_memory"):  # weights that leave no room for one sequence
+        size_pool(cfg, config, "float32", max_len=256, on_host=True,
+                  heap=DeviceHeap(100 * per_block, 90 * per_block, 1 << 40))
 
 
 def test_a_budget_that_cannot_hold_one_sequence_is_refused_with_the_numbers(tiny_model):
