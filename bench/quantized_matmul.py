@@ -6,8 +6,7 @@
 - int8 x int8: the activations quantized per row as well, `lax.dot_general` of two int8 operands
   with `preferred_element_type=int32`, then both scales.
 
-Then int4 layers with their nibble pairs along the input rows against along the output columns
-(Kiln pairs a weight wider than deep along its outputs), and the LM head held as a quantized model's table (int8 and int4, a chunk of the vocabulary
+Then the LM head held as a quantized model's table (int8 and int4, a chunk of the vocabulary
 dequantized and multiplied at a time) against float32 and against dequantizing it whole.
 
 Weights are 30 layers deep under `lax.scan` (so that, as in a decode step, they do not stay in the
@@ -28,7 +27,6 @@ import numpy as np
 
 from kiln.models.quant import (
     dequantize_rows,
-    pair_along_out,
     quantize_int4,
     quantize_int8,
     quantize_table,
@@ -92,28 +90,7 @@ def main():
             shape = f"{name} {depth}x{n_in}x{n_out}"
             print(f"{shape:>22} | {rows:>4} | {f32:>8.2f} | {weight_only:>11.2f} | {f32 / weight_only:>5.2f}x | "
                   f"{both:>11.2f} | {f32 / both:>5.2f}x")
-    int4_pairings(rng, [int(r) for r in args.rows.split(",")])
     head_as_table(rng, [int(r) for r in args.rows.split(",")])
-
-
-def int4_pairings(rng, row_counts):
-    """int4 layers with their nibbles paired along the input rows against along the output columns
-    (`kiln.models.quant.for_matmul` picks the second for weights wider than deep)."""
-    print("\nint4 layers, ms per call (best of 3); ratio: pairs along in over pairs along out")
-    header = f"{'shape':>22} | {'rows':>4} | {'float32':>8} | {'along in':>8} | {'along out':>9} | {'ratio':>6}"
-    print(f"{header}\n{'-' * len(header)}")
-    for name, (n_in, n_out) in SHAPES.items():
-        if name == "lm_head":
-            continue
-        w = (rng.standard_normal((LAYERS, n_in, n_out)) * 0.02).astype(np.float32)
-        along_in = quantize_int4(w)
-        along_in, along_out = (jax.tree.map(jnp.asarray, q) for q in (along_in, pair_along_out(along_in)))
-        for rows in row_counts:
-            x = jnp.asarray(rng.standard_normal((rows, n_in)), jnp.float32)
-            f32 = best_ms(over_layers(lambda x, wl: x @ wl), x, jnp.asarray(w))
-            by_in, by_out = (best_ms(over_layers(int8_weight_matmul), x, q) for q in (along_in, along_out))
-            shape = f"{name} {LAYERS}x{n_in}x{n_out}"
-            print(f"{shape:>22} | {rows:>4} | {f32:>8.2f} | {by_in:>8.2f} | {by_out:>9.2f} | {by_in / by_out:>5.2f}x")
 
 
 def head_as_table(rng, row_counts):
