@@ -80,12 +80,14 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool, heap: DeviceHe
     `heap`: the pool lives on a device that reports only its heap size."""
     bs = config.block_size
     per_block = block_bytes(cfg, bs, kv_dtype)
+    # the most blocks whose K (and V) array fits the largest buffer the device binds
+    most = heap.max_buffer // (per_block // 2) if heap is not None else None
     if config.num_kv_blocks > 0:
-        if heap is not None and config.num_kv_blocks * (per_block // 2) > heap.max_buffer:
+        if most is not None and config.num_kv_blocks > most:
             raise ConfigError(
                 f"[engine] num_kv_blocks: {config.num_kv_blocks} blocks make K and V arrays of "
                 f"{_size(config.num_kv_blocks * (per_block // 2))} each, and the device binds at most "
-                f"{_size(heap.max_buffer)} as one buffer ({heap.max_buffer // (per_block // 2)} blocks)")
+                f"{_size(heap.max_buffer)} as one buffer ({most} blocks)")
         return KVPoolSize(config.num_kv_blocks, bs, per_block, "[engine] num_kv_blocks")
     one_sequence = -(-max_len // bs) + 1
     setting = config.kv_cache_memory
@@ -115,8 +117,7 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool, heap: DeviceHe
         budget = int(setting)
         blocks = budget // per_block
         why = f"[engine] kv_cache_memory = {_size(budget)}"
-    if heap is not None and blocks * (per_block // 2) > heap.max_buffer:
-        most = heap.max_buffer // (per_block // 2)
+    if most is not None and blocks > most:
         if setting != "auto" and "." not in setting:
             raise ConfigError(
                 f"[engine] kv_cache_memory: a KV pool of {blocks} blocks ({why}) does not fit the device's largest "

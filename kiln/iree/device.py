@@ -102,17 +102,23 @@ def probe(route: str) -> DeviceCapabilities:
                                + _install_hint(route)) from exc
     if not found:
         raise BackendUnavailable(f"route {route}: no {driver_name} device found; " + _install_hint(route))
-    capabilities = parse_device_info(route, driver.dump_device_info(found[0]["device_id"]), _host_memory())
-    if route == "vulkan" and (limit := max_storage_buffer_range(capabilities.name)):
-        capabilities = dataclasses.replace(capabilities, max_buffer_bytes=min(capabilities.max_buffer_bytes, limit))
-    return capabilities
+    return parse_device_info(route, driver.dump_device_info(found[0]["device_id"]), _host_memory())
+
+
+def with_buffer_limit(capabilities: DeviceCapabilities) -> DeviceCapabilities:
+    """A Vulkan device's capabilities with its maxStorageBufferRange, which IREE's dump leaves out,
+    read from the Vulkan loader. Read where the route opens, not in `probe`: an auto start on a CPU
+    host probes Vulkan only to turn it down."""
+    if capabilities.route != "vulkan" or not (limit := max_storage_buffer_range(capabilities.name)):
+        return capabilities
+    return dataclasses.replace(capabilities, max_buffer_bytes=min(capabilities.max_buffer_bytes, limit))
 
 
 class IreeDevice:
     """One opened IREE device with its runtime configuration."""
 
     def __init__(self, route: str):
-        self.capabilities = probe(route)
+        self.capabilities = with_buffer_limit(probe(route))
         self.rt = import_runtime()
         self.route = route
         self.driver_name = ROUTE_DRIVERS[route]

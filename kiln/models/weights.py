@@ -163,8 +163,9 @@ def build_params(
 
     read(name) returns the HF tensor; source(name) names its file for errors. Every expected
     tensor must be present with the expected shape; extra tensors (e.g. rotary caches) are ignored.
-    Params named in `supplied` (a GGUF file's layers and tables as stored) come from the caller:
-    their tensors are neither read nor required, and the result leaves them out.
+    Params named in `supplied` (a GGUF file's projections, embedding and head as stored; not
+    experts) come from the caller: their tensors are neither read nor required, and the result
+    leaves them out.
     """
     all_shapes, suffixes = expected_shapes(cfg), layer_tensors(cfg)
     shapes = {n: shape for n, shape in all_shapes.items() if n not in supplied}
@@ -181,8 +182,6 @@ def build_params(
             expert = _EXPERT.match(suffix) if cfg.num_experts else None
             if expert:
                 key, e = EXPERT_TENSORS[expert.group(2)], int(expert.group(1))
-                if key not in layers:
-                    continue
                 if idx >= cfg.num_layers or e >= cfg.num_experts:
                     raise ModelLoadError(f"expert {e} of layer {idx} is past the config's {cfg.num_experts} experts "
                                          f"and {cfg.num_layers} layers", file=source(name), tensor=name)

@@ -19,7 +19,7 @@ from kiln.engine.client import AsyncEngine  # noqa: E402
 from kiln.engine.config import EngineConfig  # noqa: E402
 from kiln.engine.params import SamplingParams  # noqa: E402
 from kiln.errors import BackendUnavailable, ConfigError  # noqa: E402
-from kiln.iree.device import probe  # noqa: E402
+from kiln.iree.device import probe, with_buffer_limit  # noqa: E402
 
 # the engine settings of the IREE server and qualify tests too: they share compiled modules
 SMALL = dict(num_kv_blocks=32, block_size=16, decode_row_buckets=(1, 4), prefill_token_buckets=(32,),
@@ -140,13 +140,13 @@ def test_vulkan_quarantines_prefix_reuse(iree_engine):
 
 @VULKAN
 def test_vulkan_probe_reads_the_largest_buffer_and_the_pool_fits_it(tiny_model):
-    """IREE's device dump has no buffer limits; the probe reads maxStorageBufferRange from the Vulkan
-    loader (lavapipe: 128 MiB, the spec's least), and an auto pool keeps K and V within it."""
+    """IREE's device dump has no buffer limits; an opened route reads maxStorageBufferRange from the
+    Vulkan loader (lavapipe: 128 MiB, the spec's least), and an auto pool keeps K and V within it."""
     import dataclasses
 
     from kiln.engine.kv_pool import DeviceHeap, block_bytes, size_pool
 
-    caps = probe("vulkan")
+    caps = with_buffer_limit(probe("vulkan"))  # as the route holds them once opened
     assert 0 < caps.max_buffer_bytes <= caps.memory_bytes
     if caps.name.startswith("llvmpipe"):
         assert caps.max_buffer_bytes == 128 << 20
