@@ -28,6 +28,7 @@ from kiln.models.quant import (
     Int4Weight,
     Int8Table,
     Int8Weight,
+    compact_scales,
     int4_from_levels,
     quantize_int8,
     table_from_weight,
@@ -387,7 +388,7 @@ class GGUFModel:
             kinds = {t.tensor_type for t in tensors}
             if kinds <= set(types) or (quantization == "int4" and kinds <= set(_STORED_AS["int8"])):
                 layers = [self._stored(t, gguf_suffix) for t in tensors]
-                out[name] = type(layers[0])(*(np.stack(parts) for parts in zip(*layers, strict=True)))
+                out[name] = compact_scales(type(layers[0])(*(np.stack(parts) for parts in zip(*layers, strict=True))))
             elif quantization == "int4" and not kinds & _FLOAT_TYPES:
                 out[name] = quantize_int8(np.stack([self.read(f"blk.{i}.{gguf_suffix}").T for i in
                                                     range(self.config.num_layers)]))
@@ -429,7 +430,9 @@ class GGUFModel:
             heads = self.config.num_heads if gguf_suffix == "attn_q.weight" else self.config.num_kv_heads
             parts = [unpermute_qk(a, heads) for a in parts]
         parts = [np.ascontiguousarray(a.T) for a in parts]
-        return Int8Weight(*parts) if t.tensor_type == GGMLQuantizationType.Q8_0 else int4_from_levels(*parts)
+        if t.tensor_type == GGMLQuantizationType.Q8_0:
+            return compact_scales(Int8Weight(*parts))
+        return int4_from_levels(*parts)
 
     def load_params(self, dtype, progress=None) -> dict:
         names = self.hf_names()

@@ -74,7 +74,7 @@ def auto_quantization(path: str | Path | None) -> tuple[str, str]:
 
 # beside a converted GGUF file: its layers' own format (auto's answer), and the layers it stores in
 # a quantized format as Kiln's arrays, so that later loads never parse the file's metadata again
-STORED_VERSION = 2  # of what is kept: 2 added the embedding and head, Q4_K, and quantized mixes
+STORED_VERSION = 3  # of what is kept: 2 added the embedding and head, Q4_K, and quantized mixes; 3 float16 scales
 STORED_FORMAT = f"kiln_stored_format.{STORED_VERSION}.json"
 
 

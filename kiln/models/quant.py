@@ -1,7 +1,9 @@
 """Weight-only quantization: the layers' linear weights held as int8 or int4 in groups of 32 input
-rows, each group with float32 scales per output channel (and, for int4, offsets), dequantized inside
-the compiled step. GGUF's Q8_0, Q4_0, Q4_1 and Q4_K blocks are exactly these groups, so a GGUF file's
-layers load as stored (`gguf_loader.GGUFModel.stored_layers`).
+rows, each group with a scale per output channel (and, for int4, an offset), dequantized inside
+the compiled step. Scales and offsets are float16, GGUF's own width for them, wherever that holds
+them exactly (`compact`): in float32 they were a third of an int4 weight's bytes. GGUF's Q8_0,
+Q4_0, Q4_1 and Q4_K blocks are exactly these groups, so a GGUF file's layers load as stored
+(`gguf_loader.GGUFModel.stored_layers`).
 
 A quantized weight is a pytree (`Int8Weight`, `Int4Weight`), so it stacks on the layer axis, slices
 per layer and passes through `lax.scan` like the float array it replaces; `decoder.matmul`
@@ -44,7 +46,7 @@ class Int8Weight(NamedTuple):
     group: one scale per output channel)."""
 
     q: jax.Array  # int8 [..., in, out]
-    scale: jax.Array  # float32 [..., in / group, out]
+    scale: jax.Array  # float16 (float32, `compact`) [..., in / group, out]
 
 
 def quantize_int8(w: np.ndarray, group: int = GROUP) -> Int8Weight:
@@ -55,9 +57,9 @@ def quantize_int8(w: np.ndarray, group: int = GROUP) -> Int8Weight:
     group = group if n_in % group == 0 else n_in
     g = w.reshape(*lead, n_in // group, group, n_out)
     scale = np.abs(g).max(axis=-2) / 127.0
-    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)  # an all-zero group stays zero
+    scale = _half_rounded(np.where(scale == 0, 1.0, scale).astype(np.float32))  # an all-zero group stays zero
     q = np.clip(np.rint(g / scale[..., None, :]), -127, 127).astype(np.int8)
-    return Int8Weight(q.reshape(w.shape), scale)
+    return Int8Weight(q.reshape(w.shape), compact(scale))
 
 
 class Int4Weight(NamedTuple):
@@ -65,8 +67,8 @@ class Int4Weight(NamedTuple):
     and output channel; two q per byte along `in` (row 2j in the low nibble, 2j + 1 in the high)."""
 
     packed: jax.Array  # uint8 [..., in / 2, out]
-    scale: jax.Array  # float32 [..., in / group, out]
-    offset: jax.Array  # float32 [..., in / group, out]
+    scale: jax.Array  # float16 (float32, `compact`) [..., in / group, out]
+    offset: jax.Array  # float16 (float32, `compact`) [..., in / group, out]
 
 
 def quantize_int4(w: np.ndarray, group: int = GROUP) -> Int4Weight:
@@ -75,14 +77,38 @@ def quantize_int4(w: np.ndarray, group: int = GROUP) -> Int4Weight:
     *lead, n_in, n_out = w.shape
     g = w.reshape(*lead, n_in // group, group, n_out)
     lo, hi = g.min(axis=-2), g.max(axis=-2)
-    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+    scale = _half_rounded(np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32))
+    lo = _half_rounded(lo.astype(np.float32))
     q = np.clip(np.rint((g - lo[..., None, :]) / scale[..., None, :]), 0, 15).astype(np.uint8)
-    return int4_from_levels(q.reshape(w.shape), scale, lo.astype(np.float32))
+    return int4_from_levels(q.reshape(w.shape), scale, lo)
 
 
 def int4_from_levels(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> Int4Weight:
     """Packs levels q [..., in, out] (0..15) with their group scales and offsets."""
-    return Int4Weight(q[..., 0::2, :] | (q[..., 1::2, :] << 4), scale, offset)
+    return Int4Weight(q[..., 0::2, :] | (q[..., 1::2, :] << 4), compact(scale), compact(offset))
+
+
+def compact(a: np.ndarray) -> np.ndarray:
+    """Scales or offsets as float16 where every value is exactly a float16 (GGUF's Q8_0/Q4_0/Q4_1
+    blocks, and what `quantize_int8`/`quantize_int4` make), else as float32 (Q4_K's products of a
+    float16 and a 6-bit factor). They dequantize in float32 either way."""
+    a = np.asarray(a, np.float32)
+    half = a.astype(np.float16)
+    return half if np.array_equal(half.astype(np.float32), a) else a
+
+
+def compact_scales(w: Int8Weight | Int4Weight) -> Int8Weight | Int4Weight:
+    """w with its scales (and offsets) `compact`."""
+    return type(w)(w[0], *(compact(a) for a in w[1:]))
+
+
+def _half_rounded(a: np.ndarray) -> np.ndarray:
+    """float32 `a` rounded to the nearest float16 values, so that levels are computed against the
+    scale (and offset) as stored; `a` itself where float16 would overflow or flush a value to 0."""
+    half = a.astype(np.float16)
+    if not np.all(np.isfinite(half)) or np.any((half == 0) & (a != 0)):
+        return a
+    return half.astype(np.float32)
 
 
 def _int4_levels(packed: np.ndarray) -> np.ndarray:
@@ -95,9 +121,9 @@ def _grouped(q, scale, offset=None):
     """float [..., in, out] of levels q (already float) by their groups' scales (and offsets)."""
     *lead, n_in, n_out = q.shape
     groups = scale.shape[-2]
-    q = q.reshape(*lead, groups, n_in // groups, n_out) * scale[..., None, :]
+    q = q.reshape(*lead, groups, n_in // groups, n_out) * scale[..., None, :].astype(q.dtype)
     if offset is not None:
-        q = q + offset[..., None, :]
+        q = q + offset[..., None, :].astype(q.dtype)
     return q.reshape(*lead, n_in, n_out)
 
 
@@ -119,7 +145,7 @@ def matmul(x: jax.Array, w: Int8Weight | Int4Weight) -> jax.Array:
                      (w.packed & 15, w.packed >> 4))
         return _dot(x[:, 0::2], even) + _dot(x[:, 1::2], odd)
     if w.scale.shape[-2] == 1:
-        return _dot(x, w.q.astype(jnp.float32)) * w.scale[0]
+        return _dot(x, w.q.astype(jnp.float32)) * w.scale[0].astype(jnp.float32)
     return _dot(x, _grouped(w.q.astype(jnp.float32), w.scale))
 
 
@@ -163,7 +189,7 @@ class Int8Table(NamedTuple):
     Rows are padded with zeros to whole chunks of the head's loop (`table_chunks`)."""
 
     q: jax.Array  # int8 [rows, cols]
-    scale: jax.Array  # float32 [rows, cols / group]
+    scale: jax.Array  # float16 (float32, `compact`) [rows, cols / group]
 
 
 class Int4Table(NamedTuple):
@@ -171,8 +197,8 @@ class Int4Table(NamedTuple):
     2j + 1 (high), so that the head multiplies the even and the odd columns apart (`Int4Weight`)."""
 
     packed: jax.Array  # uint8 [rows, cols / 2]
-    scale: jax.Array  # float32 [rows, cols / group]
-    offset: jax.Array  # float32 [rows, cols / group]
+    scale: jax.Array  # float16 (float32, `compact`) [rows, cols / group]
+    offset: jax.Array  # float16 (float32, `compact`) [rows, cols / group]
 
 
 def is_table(w) -> bool:
@@ -216,11 +242,12 @@ def dequantize_rows(t: Int8Table | Int4Table, xp=jnp):
         n, half = t.packed.shape
         levels = xp.stack([t.packed & 15, t.packed >> 4], axis=-1).reshape(n, 2 * half).astype(xp.float32)
         groups = t.scale.shape[-1]
-        g = levels.reshape(n, groups, -1) * t.scale[..., None] + t.offset[..., None]
+        scale, offset = (a[..., None].astype(xp.float32) for a in (t.scale, t.offset))
+        g = levels.reshape(n, groups, -1) * scale + offset
         return g.reshape(n, 2 * half)
     n, cols = t.q.shape
     groups = t.scale.shape[-1]
-    return (t.q.reshape(n, groups, -1).astype(xp.float32) * t.scale[..., None]).reshape(n, cols)
+    return (t.q.reshape(n, groups, -1).astype(xp.float32) * t.scale[..., None].astype(xp.float32)).reshape(n, cols)
 
 
 def dequantize_table(t: Int8Table | Int4Table) -> np.ndarray:
@@ -253,7 +280,8 @@ def table_logits(x: jax.Array, t: Int8Table | Int4Table) -> jax.Array:
 
             def half(levels):
                 g = levels.reshape(per_chunk, groups, -1).astype(jnp.float32)
-                return (g * part.scale[..., None] + part.offset[..., None]).reshape(per_chunk, -1)
+                scale, offset = (a[..., None].astype(jnp.float32) for a in (part.scale, part.offset))
+                return (g * scale + offset).reshape(per_chunk, -1)
 
             return _rows_dot(even, half(part.packed & 15)) + _rows_dot(odd, half(part.packed >> 4))
     else:

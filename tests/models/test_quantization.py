@@ -72,6 +72,10 @@ def test_int8_round_trip_is_within_half_a_step_per_group():
     assert np.all(err <= np.repeat(q.scale, 32, axis=-2) / 2 + 1e-6)
     assert np.all(dequantize(q)[..., 5] == 0.0)
     assert np.all(q.scale[:, 1, 2] < 40.0 / 127)
+    assert q.scale.dtype == np.float16  # GGUF's width: levels are computed against the scale as stored
+    tiny = quantize_int8(w * 1e-8)  # float16 would flush these scales to zero: they stay float32
+    assert tiny.scale.dtype == np.float32
+    assert np.all(np.abs(dequantize(tiny) - w * 1e-8) <= np.repeat(tiny.scale, 32, axis=-2) * 0.5001)
     per_channel = quantize_int8(w[:, :40], group=32)  # rows that groups of 32 do not divide: one group
     assert per_channel.scale.shape == (3, 1, 24)
 
@@ -83,6 +87,7 @@ def test_int4_round_trip_is_within_half_a_step_per_group():
     q = quantize_int4(w)
     assert q.packed.dtype == np.uint8 and q.packed.shape == (2, 32, 24)
     assert q.scale.shape == q.offset.shape == (2, 2, 24)
+    assert q.scale.dtype == q.offset.dtype == np.float16
     err = np.abs(dequantize(q) - w)
     assert np.all(err <= np.repeat(q.scale, 32, axis=-2) / 2 + 1e-6)
     assert np.all(dequantize(q)[..., 3] == 0.25)
@@ -132,6 +137,7 @@ def test_gguf_blocks_load_as_stored(tmp_path, kiln_cache, qtype, quantization):
     ref = load_model(path, show_progress=False, layer_loop="scan")
     for name, w in stored.items():
         assert isinstance(w, WEIGHT[quantization])
+        assert all(a.dtype == np.float16 for a in w[1:])  # the file's float16 scales (and offsets), as stored
         np.testing.assert_allclose(dequantize(w), np.asarray(ref.params["layers"][name]), rtol=0, atol=1e-6)
     loaded = load_model(path, show_progress=False, quantization=quantization)
     for name, w in stored.items():
@@ -224,6 +230,7 @@ def test_q4_k_super_blocks_load_as_int4_groups(tmp_path, kiln_cache):
     assert sorted(stored) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     for name, w in stored.items():
         assert isinstance(w, Int4Weight)
+        assert w.scale.dtype == np.float32  # a float16 times a 6-bit factor: not a float16 in general
         np.testing.assert_allclose(dequantize(w), np.asarray(ref.params["layers"][name]), rtol=0, atol=1e-6)
     table = reader.stored_tables()["embed"]
     assert isinstance(table, Int4Table)
