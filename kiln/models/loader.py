@@ -29,7 +29,7 @@ from kiln.errors import ConfigError, ModelLoadError
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_loader import GGUFModel
 from kiln.models.hf_loader import load_hf_dir
-from kiln.models.quant import Int4Table, Int4Weight, Int8Table, Int8Weight, quantize_params
+from kiln.models.quant import Int4Table, Int4Weight, Int8Table, Int8Weight, for_matmul, quantize_params
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.models.weights import to_hf_tensors
 
@@ -74,7 +74,8 @@ def auto_quantization(path: str | Path | None) -> tuple[str, str]:
 
 # beside a converted GGUF file: its layers' own format (auto's answer), and the layers it stores in
 # a quantized format as Kiln's arrays, so that later loads never parse the file's metadata again
-STORED_VERSION = 3  # of what is kept: 2 added the embedding and head, Q4_K, and quantized mixes; 3 float16 scales
+STORED_VERSION = 3  # of what is kept: 2 added the embedding and head, Q4_K, and quantized mixes; 3 float16
+# scales, and int4 layers in the layout they multiply in (quant.for_matmul)
 STORED_FORMAT = f"kiln_stored_format.{STORED_VERSION}.json"
 
 
@@ -103,7 +104,9 @@ def gguf_stored_layers(gguf_path: Path, model_dir: Path, quantization: str) -> t
         with np.load(stored) as arrays:
             return quantization, reason, _unflatten(arrays)
     gguf = gguf or GGUFModel(gguf_path)
-    layers = {**gguf.stored_layers(quantization), **gguf.stored_tables()}
+    layers = {name: for_matmul(w) if isinstance(w, Int4Weight) else w  # repacked once, kept repacked
+              for name, w in gguf.stored_layers(quantization).items()}
+    layers.update(gguf.stored_tables())
     buffer = io.BytesIO()
     np.savez(buffer, **{f"{name}.{type(w).__name__}.{field}": part for name, w in layers.items()
                         for field, part in w._asdict().items()})

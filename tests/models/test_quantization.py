@@ -28,6 +28,7 @@ from kiln.models.quant import (
     Int8Weight,
     dequantize,
     dequantize_table,
+    for_matmul,
     quantize_int4,
     quantize_int8,
     quantize_params,
@@ -93,6 +94,27 @@ def test_int4_round_trip_is_within_half_a_step_per_group():
     assert np.all(dequantize(q)[..., 3] == 0.25)
 
 
+def test_int4_pairs_its_nibbles_along_the_longer_side_and_multiplies_the_same():
+    """for_matmul repacks a weight wider than it is deep (pairs along its output columns); deeper ones,
+    and weights already repacked, stay as they are. Dequantized and multiplied, both layouts agree."""
+    rng = np.random.default_rng(1)
+    wide, deep = (quantize_int4(rng.standard_normal(shape).astype(np.float32)) for shape in ((3, 64, 96), (3, 96, 64)))
+    repacked = for_matmul(wide)
+    assert repacked.packed.shape == (3, 64, 48) and repacked.scale.shape == wide.scale.shape
+    assert for_matmul(repacked) is repacked and for_matmul(deep) is deep
+    np.testing.assert_array_equal(dequantize(repacked), dequantize(wide))
+    x = jnp.asarray(rng.standard_normal((5, 64)).astype(np.float32))
+    for layer in range(3):
+        one, other = (jax.tree.map(lambda a, i=layer: jnp.asarray(a[i]), w) for w in (wide, repacked))
+        np.testing.assert_allclose(quant_matmul(x, other), quant_matmul(x, one), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(quant_matmul(x, other), x @ dequantize(one), rtol=1e-5, atol=1e-5)
+    params = {"layers": {"up_proj": rng.standard_normal((2, 64, 96)).astype(np.float32),
+                         "down_proj": rng.standard_normal((2, 96, 64)).astype(np.float32)},
+              "embed": rng.standard_normal((8, 64)).astype(np.float32)}
+    held = quantize_params(params, "int4")["layers"]  # what a model loads with
+    assert held["up_proj"].packed.shape == (2, 64, 48) and held["down_proj"].packed.shape == (2, 48, 64)
+
+
 @pytest.mark.parametrize("rows", [260, 2 * HEAD_CHUNK + 3])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_table_looks_rows_up_and_multiplies_them_as_its_float_copy(kind, rows):
@@ -140,8 +162,11 @@ def test_gguf_blocks_load_as_stored(tmp_path, kiln_cache, qtype, quantization):
         assert all(a.dtype == np.float16 for a in w[1:])  # the file's float16 scales (and offsets), as stored
         np.testing.assert_allclose(dequantize(w), np.asarray(ref.params["layers"][name]), rtol=0, atol=1e-6)
     loaded = load_model(path, show_progress=False, quantization=quantization)
-    for name, w in stored.items():
-        assert all(np.array_equal(np.asarray(a), b) for a, b in zip(loaded.params["layers"][name], w, strict=True))
+    for name, w in stored.items():  # int4: the same levels, paired for the multiply (for_matmul)
+        held = loaded.params["layers"][name]
+        want = for_matmul(w) if isinstance(w, Int4Weight) else w
+        assert all(np.array_equal(np.asarray(a), b) for a, b in zip(held, want, strict=True))
+        np.testing.assert_array_equal(dequantize(held), dequantize(w))
     # the embedding (and an untied head) as stored, whichever format the layers are asked in
     tables = GGUFModel(path).stored_tables()
     assert sorted(tables) == sorted(n for n in ("embed", "lm_head") if n in ref.params)
@@ -323,6 +348,10 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
     first = load_model(path, show_progress=False, quantization="auto")
     converted = kiln_cache / "converted" / file_digest(path)[:32]
     assert {p.name for p in converted.glob("kiln_stored*")} == {STORED_FORMAT, f"kiln_stored_int4.{STORED_VERSION}.npz"}
+    with np.load(converted / f"kiln_stored_int4.{STORED_VERSION}.npz") as kept:  # kept in for_matmul's layout
+        for name, along_out in (("gate_proj", True), ("down_proj", False)):
+            packed, scale = kept[f"{name}.Int4Weight.packed"], kept[f"{name}.Int4Weight.scale"]
+            assert (packed.shape[-1] != scale.shape[-1]) == along_out
     again = load_model(path, show_progress=False, quantization="auto")
     assert (again.quantization, again.quantization_source) == (first.quantization, first.quantization_source)
     for name in ("q_proj", "down_proj"):
