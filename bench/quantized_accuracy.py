@@ -3,9 +3,12 @@
 For each format, the same chat prompts (bench/common.py) decode `--new-tokens` greedily; reported:
 the prompts whose tokens equal float32's, the share of tokens before the first difference, and, on
 float32's own continuation (teacher-forced), the top-1 agreement and the logprob error of the
-tokens float32 picked (mean and max).
+tokens float32 picked (mean and max). Each format runs in each of `--dtypes` (`[model] dtype`: a
+bfloat16 model's quantized multiplies of 8 rows or more take bfloat16 operands, see
+kiln.models.quant.product_dtype: its prefill and the teacher-forced pass; one-row decode stays float32).
 
-    python bench/quantized_accuracy.py [--quantization int8,int4] [--prompts 8] [--new-tokens 32]
+    python bench/quantized_accuracy.py [--quantization int8,int4] [--dtypes float32,bfloat16]
+                                       [--prompts 8] [--new-tokens 32]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def logprobs(model, ids: list[int]) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantization", default="int8,int4")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=32)
     args = ap.parse_args()
@@ -43,10 +47,10 @@ def main() -> None:
     want = [greedy_generate(ref.params, ref.config, [p], args.new_tokens)[0] for p in prompts]
     want_lp = [logprobs(ref, p + w) for p, w in zip(prompts, want, strict=True)]
     print(f"{ref.model_id}: {args.prompts} chat prompts, {args.new_tokens} greedy tokens each, against float32")
-    print(f"{'weights':>7} | {'same tokens':>11} | {'tokens before a difference':>26} | {'top-1 agreement':>15} | "
+    print(f"{'weights':>16} | {'same tokens':>11} | {'tokens before a difference':>26} | {'top-1 agreement':>15} | "
           f"{'logprob error mean':>18} | {'max':>6}")
-    for q in args.quantization.split(","):
-        model = load_model(show_progress=False, layer_loop="scan", quantization=q)
+    for q, dtype in [(q, d) for q in args.quantization.split(",") for d in args.dtypes.split(",")]:
+        model = load_model(show_progress=False, layer_loop="scan", quantization=q, dtype=dtype)
         same = prefix = 0
         agree, errors = [], []
         for p, w, lp in zip(prompts, want, want_lp, strict=True):
@@ -58,7 +62,8 @@ def main() -> None:
             agree.append(np.mean(glp[span].argmax(-1) == lp[span].argmax(-1)))
             errors.append(np.abs(glp[span][np.arange(len(w)), w] - lp[span][np.arange(len(w)), w]))
         err = np.concatenate(errors)
-        print(f"{q:>7} | {same:>5} of {len(prompts):<3} | {prefix / (len(prompts) * args.new_tokens):>25.0%} | "
+        before = prefix / (len(prompts) * args.new_tokens)
+        print(f"{q + ', ' + dtype:>16} | {same:>5} of {len(prompts):<3} | {before:>25.0%} | "
               f"{np.mean(agree):>14.1%} | {err.mean():>18.3f} | {err.max():>6.3f}")
 
 

@@ -38,6 +38,7 @@ import time
 
 import httpx
 import jax
+import jax.numpy as jnp
 from common import (
     bare_step,
     chat_prompts,
@@ -199,7 +200,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="auto",
-                    help="Kiln's weights and KV (transformers: float32 on a CPU, the same dtype on accelerators)")
+                    help="Kiln's weights and KV; transformers runs in the same dtype (auto: float32 on a CPU)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="skip the cold start (an empty executable cache)")
     ap.add_argument("--server-log-level", default="warning", help="info shows the server's startup and steps")
@@ -279,7 +280,7 @@ def main():
     if not args.skip_hf:
         import torch
 
-        hf = load_transformers("float32" if jax.default_backend() == "cpu" else model.dtype)
+        hf = load_transformers(jnp.dtype(model.dtype).name)
         print(f"transformers on torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
         for c in levels:
             hf_tps[c] = c * new / timed({"hf": hf_generate(hf, [render(q) for q in questions(1, c)], new)},

@@ -108,6 +108,11 @@ def float_dtype(params: Params):
     return params["final_norm"].dtype
 
 
+def layer_dtype(layer: dict):
+    """The model's float type, from one layer's weights (its attention norm's)."""
+    return layer["attn_norm"].dtype
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, cfg: ModelConfig) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.rms_norm_eps)
@@ -143,18 +148,19 @@ def _as_operand(x: jax.Array, w: jax.Array) -> jax.Array:
     return x.astype(w.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight | quant.Int4Weight) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight | quant.Int4Weight, dtype=jnp.float32) -> jax.Array:
     """x @ w in w's dtype with float32 accumulation and result: activations stay float32 and a
     bfloat16 weight is read as is (XLA:CPU multiplies bfloat16 operands into float32 fast, while
-    mixed or all-bfloat16 products take slow paths). A quantized weight dequantizes in the step."""
+    mixed or all-bfloat16 products take slow paths). A quantized weight dequantizes in the step and
+    multiplies in the model's float type `dtype` where that pays (`quant.product_dtype`)."""
     if quant.is_quantized(w):
-        return quant.matmul(x, w)
+        return quant.matmul(x, w, dtype)
     return jnp.matmul(_as_operand(x, w), w, preferred_element_type=jnp.float32)[: x.shape[0]]
 
 
 def project(x, layer, lora_layer, name, token_weight):
     """x @ layer[name], plus the LoRA delta of the adapter slots (see `lora.lora_delta`)."""
-    out = matmul(x, layer[name])
+    out = matmul(x, layer[name], layer_dtype(layer))
     if lora_layer is not None and name in lora_layer:
         out = out + lora_delta(x, lora_layer[name], token_weight)
     return out
@@ -475,7 +481,8 @@ def logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
     head = params.get("lm_head")
     table = params["embed"] if head is None else head
     if quant.is_table(table):  # rows padded to whole chunks of its loop
-        return softcap(quant.table_logits(hidden, table)[:, : cfg.vocab_size], cfg.final_logit_softcapping)
+        return softcap(quant.table_logits(hidden, table, float_dtype(params))[:, : cfg.vocab_size],
+                       cfg.final_logit_softcapping)
     if head is not None:
         return softcap(matmul(hidden, head), cfg.final_logit_softcapping)
     embed = params["embed"]

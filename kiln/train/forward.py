@@ -22,6 +22,7 @@ from kiln.models.decoder import (
     decoder_layer,
     embed_tokens,
     experts_mlp,
+    layer_dtype,
     logits,
     matmul,
     rms_norm,
@@ -113,7 +114,7 @@ def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerCo
     lora_g1 = None if lora_layer is None else {m: {k: w[None] for k, w in p.items()} for m, p in lora_layer.items()}
 
     def proj(x, name):
-        out = matmul(x, layer[name]) if base is None else base(x, layer[name], name)
+        out = matmul(x, layer[name], layer_dtype(layer)) if base is None else base(x, layer[name], name)
         if lora_g1 is not None and name in lora_g1:
             out = out + lora_delta(x, lora_g1[name], ctx.token_weight)
         return out

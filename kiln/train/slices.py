@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import matmul, rms_norm
+from kiln.models.decoder import layer_dtype, matmul, rms_norm
 from kiln.train.forward import embed, layer_context, train_layer
 
 log = logging.getLogger("kiln.train")
@@ -228,7 +228,7 @@ class SlicedStep:
             saved = {}
 
             def base(x, w, name):
-                out = matmul(x, w)
+                out = matmul(x, w, layer_dtype(xs[0]))
                 if not self.remat:
                     saved[name] = out
                 return out

@@ -22,6 +22,7 @@ from kiln.models.gguf_loader import GGUFModel
 from kiln.models.loader import STORED_FORMAT, STORED_VERSION, auto_quantization, file_digest, layer_param, load_model
 from kiln.models.quant import (
     HEAD_CHUNK,
+    MIN_ROWS_16BIT,
     Int4Table,
     Int4Weight,
     Int8Table,
@@ -115,6 +116,44 @@ def test_int4_pairs_its_nibbles_along_the_longer_side_and_multiplies_the_same():
     assert held["up_proj"].packed.shape == (2, 64, 48) and held["down_proj"].packed.shape == (2, 48, 64)
 
 
+def _rounded(a, dtype):
+    return np.asarray(jnp.asarray(a).astype(dtype).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_16_bit_models_quantized_multiplies_take_its_type_from_eight_rows(dtype):
+    """A 16-bit model's quantized weight multiplies `MIN_ROWS_16BIT` rows or more with both operands
+    rounded to its type (sums in float32): exactly the rounded dequantized weight's product (int8 with
+    one scale per channel: the levels', scaled after). Fewer rows, and every float32 model, multiply in
+    float32."""
+    rng = np.random.default_rng(4)
+    weights = {"int8 groups": quantize_int8(rng.standard_normal((64, 48)).astype(np.float32)),
+               "int8 per channel": quantize_int8(rng.standard_normal((40, 48)).astype(np.float32)),
+               "int4 deep": quantize_int4(rng.standard_normal((96, 64)).astype(np.float32)),
+               "int4 wide": for_matmul(quantize_int4(rng.standard_normal((64, 96)).astype(np.float32)))}
+    for name, w in weights.items():
+        full = dequantize(w)
+        w = jax.tree.map(jnp.asarray, w)
+        for rows in (MIN_ROWS_16BIT - 1, MIN_ROWS_16BIT, 32):
+            x = rng.standard_normal((rows, full.shape[0])).astype(np.float32)
+            got = np.asarray(jax.jit(quant_matmul, static_argnums=2)(x, w, dtype))
+            sixteen = rows >= MIN_ROWS_16BIT
+            want = _rounded(x, dtype) @ _rounded(full, dtype) if sixteen else x @ full
+            if sixteen and name == "int8 per channel":  # its one scale multiplies the product: levels are exact
+                want = (_rounded(x, dtype) @ np.asarray(w.q, np.float32)) * np.asarray(w.scale[0], np.float32)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=f"{name}, {rows} rows")
+            if sixteen:  # really rounded: float32 products differ
+                assert np.abs(got - x @ full).max() > 1e-3, name
+            np.testing.assert_allclose(np.asarray(quant_matmul(x, w)), x @ full, rtol=1e-5, atol=1e-4)
+    table = table_from_weight(quantize_int4(rng.standard_normal((64, 300)).astype(np.float32)))
+    full = dequantize_table(table)
+    for rows in (MIN_ROWS_16BIT - 1, MIN_ROWS_16BIT):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        want = _rounded(x, dtype) @ _rounded(full, dtype).T if rows >= MIN_ROWS_16BIT else x @ full.T
+        np.testing.assert_allclose(np.asarray(jax.jit(table_logits, static_argnums=2)(x, table, dtype)), want,
+                                   rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("rows", [260, 2 * HEAD_CHUNK + 3])
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_table_looks_rows_up_and_multiplies_them_as_its_float_copy(kind, rows):
@@ -197,6 +236,18 @@ def test_quantized_logits_stay_near_float32_and_greedy_agrees(model_file, kiln_c
         assert np.all(top2[~same, 1] - top2[~same, 0] < 2 * LOGPROB_BOUND[quantization])
     assert worst < LOGPROB_BOUND[quantization], worst
     assert np.mean(agree) >= 0.85, agree  # these tiny random models' logits are nearly flat
+
+
+def test_a_bfloat16_models_quantized_logits_stay_near_its_float32_ones(model_file, kiln_cache):
+    """`[model] dtype = bfloat16` with int4 layers (its prefill multiplies in bfloat16, above): its
+    logprobs stay near the float32 int4 model's, and so do its greedy picks (measured: 0.023 at most)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 260, 24).tolist() for _ in range(4)]
+    models = [load_model(model_file, show_progress=False, quantization="int4", dtype=d)
+              for d in ("float32", "bfloat16")]
+    want, got = (np.stack([logprobs(model, ids) for ids in prompts]) for model in models)
+    assert 0 < np.abs(got - want).max() < 0.1
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
 
 
 def test_unknown_quantization_is_refused(model_file):
