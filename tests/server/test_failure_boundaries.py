@@ -154,21 +154,28 @@ def lossy_server(tiny_model, kiln_cache):
 def test_device_loss_ends_in_flight_requests_and_is_permanent(lossy_server):
     url = lossy_server.url
     assert httpx.get(url + "/health").json()["backend_runtime"]["healthy"] is True
-    # A: a non-streamed request, running before the loss (it needs 200 steps, the device lasts 150)
+    a_body, b_body = _chat("first", **LONG), {"model": MODEL, "prompt": "second", "stream": True, **LONG}
+    prompt_tokens = sum(httpx.post(url + "/tokenize", json={"model": MODEL, **body}).json()["count"]
+                        for body in ({"messages": a_body["messages"]}, {"prompt": b_body["prompt"]}))
+    prompt_tokens_before = _metric(url, "kiln:prompt_tokens_total")
+    # B, a stream, starts first; once it has produced a token, A (non-streamed) joins its batch. Each
+    # needs 200 steps and the device lasts 150, so both are in flight when it goes. (Watching /metrics
+    # for A to run would cost tens of a tiny model's steps, and B could then arrive after the loss.)
     plain: dict = {}
-    thread = threading.Thread(target=lambda: plain.update(
-        r=httpx.post(url + "/v1/chat/completions", json=_chat("first", **LONG), timeout=120)))
-    thread.start()
-    deadline = time.monotonic() + 60
-    while _metric(url, "kiln:num_requests_running") < 1:
-        assert time.monotonic() < deadline and thread.is_alive(), "request A never ran"
-        time.sleep(0.005)
-    # B: a stream that has produced tokens when the device goes
-    with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                      json={"model": MODEL, "prompt": "second", "stream": True, **LONG}) as r:
+    a = threading.Thread(target=lambda: plain.update(r=httpx.post(url + "/v1/chat/completions", json=a_body,
+                                                                  timeout=120)))
+    events: list = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json=b_body) as r:
         assert r.status_code == 200
-        events = _sse(r)
-    thread.join(120)
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+                if a.ident is None and isinstance(events[-1], dict) and events[-1].get("choices"):
+                    a.start()
+    assert a.ident is not None, events
+    a.join(120)
+    # A was prefilled before the loss: both prompts were processed
+    assert _metric(url, "kiln:prompt_tokens_total") - prompt_tokens_before == prompt_tokens
 
     assert any(e["choices"] and e["choices"][0]["text"] for e in events if isinstance(e, dict) and "choices" in e)
     assert events[-1] == "[DONE]"
