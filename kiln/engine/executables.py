@@ -39,8 +39,8 @@ def _count_jax_cache_hits(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_jax_cache_hits)
 
 # the sources whose code becomes a step executable
-_SOURCES = ("models/decoder.py", "models/lora.py", "models/quant.py", "models/rope.py", "engine/sampling.py",
-            "engine/steps.py")
+_SOURCES = ("models/config.py", "models/decoder.py", "models/lora.py", "models/quant.py", "models/rope.py",
+            "engine/sampling.py", "engine/steps.py")
 
 
 @functools.cache

@@ -84,6 +84,12 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def projection_widths(self) -> dict[str, int]:
+        """Output columns of the projections a fused weight holds side by side (`quant.FUSED`)."""
+        q, kv, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        return {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": i, "up_proj": i}
+
+    @property
     def attention_scale(self) -> float:
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 

@@ -158,12 +158,16 @@ def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight | quant.Int4Weight, dty
     return jnp.matmul(_as_operand(x, w), w, preferred_element_type=jnp.float32)[: x.shape[0]]
 
 
-def project(x, layer, lora_layer, name, token_weight):
-    """x @ layer[name], plus the LoRA delta of the adapter slots (see `lora.lora_delta`)."""
-    out = matmul(x, layer[name], layer_dtype(layer))
-    if lora_layer is not None and name in lora_layer:
-        out = out + lora_delta(x, lora_layer[name], token_weight)
-    return out
+def projected(x, layer: dict, base: Callable, delta: Callable, names: tuple[str, ...], widths: dict) -> list:
+    """x by the layer's projections `names`, each plus its LoRA delta: base(x, name) is the frozen
+    product x @ layer[name], delta(x, name) the delta or None. A group the layer holds as one weight
+    (`quant.FUSED`) multiplies once, its product split into the members' `widths`."""
+    fused = next((f for f, members in quant.FUSED.items() if members == names and f in layer), None)
+    if fused is None:
+        outs = [base(x, name) for name in names]
+    else:
+        outs = jnp.split(base(x, fused), np.cumsum([widths[name] for name in names[:-1]]).tolist(), axis=-1)
+    return [out if (d := delta(x, name)) is None else out + d for out, name in zip(outs, names, strict=True)]
 
 
 def _rows(pool: jax.Array) -> jax.Array:
@@ -263,11 +267,12 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     return jnp.zeros((T + 1, KH * G, D), q.dtype).at[scatter].set(out.astype(q.dtype))[:T]
 
 
-def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Callable, cfg: ModelConfig,
-                  experts: Callable | None = None):
+def decoder_layer(h: jax.Array, layer: dict, base: Callable, delta: Callable, tables, attend: Callable,
+                  cfg: ModelConfig, experts: Callable | None = None):
     """One pre-norm transformer layer over the float32 residual stream h [T, hidden].
 
-    proj(x, name) applies the layer's projection `name` (with any LoRA); `tables` its RoPE tables
+    base(x, name) multiplies by the layer's projection `name` (or a fused group's, see `projected`),
+    delta(x, name) is its LoRA delta (None without one); `tables` its RoPE tables
     (see `layer_rope`); attend(q, k, v, sliding), given roped q [T, H, D] and k, v [T, KH, D] and
     the layer's sliding flag (None where layers do not differ), returns (attention output
     [T, H, D], aux). Serving attends through the paged KV pool (aux: the updated pool), training
@@ -275,9 +280,13 @@ def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Cal
     wraps it to observe the router). Returns (h, aux)."""
     T = h.shape[0]
     H, KH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def proj(x, *names):
+        return projected(x, layer, base, delta, names, cfg.projection_widths)
+
     with jax.named_scope("qkv"):
         x = rms_norm(h, layer["attn_norm"], cfg)
-        q, k, v = proj(x, "q_proj"), proj(x, "k_proj"), proj(x, "v_proj")
+        q, k, v = proj(x, "q_proj", "k_proj", "v_proj")
         if cfg.attention_bias:
             q, k, v = q + layer["q_bias"], k + layer["k_bias"], v + layer["v_bias"]
         q, k, v = q.reshape(T, H, D), k.reshape(T, KH, D), v.reshape(T, KH, D)
@@ -288,7 +297,7 @@ def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Cal
         q, k = rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)
     attn, aux = attend(q, k, v, layer.get("sliding"))
     with jax.named_scope("o_proj"):
-        out = proj(attn.astype(h.dtype).reshape(T, H * D), "o_proj")
+        (out,) = proj(attn.astype(h.dtype).reshape(T, H * D), "o_proj")
         if cfg.o_bias:
             out = out + layer["o_bias"]
         h = h + (rms_norm(out, layer["post_attn_norm"], cfg) if cfg.sandwich_norms else out)
@@ -297,7 +306,8 @@ def decoder_layer(h: jax.Array, layer: dict, proj: Callable, tables, attend: Cal
         if cfg.num_experts:
             out = (experts or experts_mlp)(x, layer, cfg)
         else:
-            out = proj(_activation(proj(x, "gate_proj"), cfg) * proj(x, "up_proj"), "down_proj")
+            gate, up = proj(x, "gate_proj", "up_proj")
+            (out,) = proj(_activation(gate, cfg) * up, "down_proj")
         h = h + (rms_norm(out, layer["post_mlp_norm"], cfg) if cfg.sandwich_norms else out)
     return h, aux
 
@@ -457,9 +467,15 @@ def forward_hidden(
                 return _attention(q, k_pool, v_pool, idx, inputs, cfg, kv_dtype, dynamic_context,
                                   sliding, layer.get("sinks")), (k_pool, v_pool)
 
-        proj = lambda x, name: project(x, layer, lora_layer, name, token_weight)  # noqa: E731
+        def base(x, name):
+            return matmul(x, layer[name], layer_dtype(layer))
+
+        def delta(x, name):  # the adapter slots' (see `lora.lora_delta`)
+            return None if lora_layer is None or name not in lora_layer else lora_delta(x, lora_layer[name],
+                                                                                         token_weight)
+
         experts = functools.partial(experts_mlp, loops=loops, lora=lora_layer, token_weight=token_weight)
-        h, (k_all, v_all) = decoder_layer(h, layer, proj, tables, paged_attention, cfg, experts)
+        h, (k_all, v_all) = decoder_layer(h, layer, base, delta, tables, paged_attention, cfg, experts)
         return (h, k_all, v_all, idx + 1), None
 
     layers = params["layers"]

@@ -29,7 +29,7 @@ from kiln.errors import ConfigError, ModelLoadError
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_loader import GGUFModel
 from kiln.models.hf_loader import load_hf_dir
-from kiln.models.quant import Int4Table, Int4Weight, Int8Table, Int8Weight, for_matmul, quantize_params
+from kiln.models.quant import FUSED, Int4Table, Int4Weight, Int8Table, Int8Weight, for_matmul, quantize_params, unfused
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.models.weights import to_hf_tensors
 
@@ -226,10 +226,15 @@ def unstack_layers(params: dict) -> dict:
     return {**params, "layers": [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]}
 
 
-def layer_param(params: dict, name: str, index: int):
-    """One layer's weight, whichever way the layers are held."""
-    layers = params["layers"]
-    return layers[index][name] if isinstance(layers, (list, tuple)) else jax.tree.map(lambda a: a[index], layers[name])
+def layer_param(model: LoadedModel, name: str, index: int):
+    """One layer's weight, whichever way the layers are held; a projection held fused with others
+    (`quant.fuse_projections`) as it would be held apart."""
+    layers = model.params["layers"]
+    layer = layers[index] if isinstance(layers, (list, tuple)) else jax.tree.map(lambda a: a[index], layers)
+    if name in layer:
+        return layer[name]
+    fused, members = next((f, m) for f, m in FUSED.items() if name in m and f in layer)
+    return unfused(layer[fused], tuple(model.config.projection_widths[m] for m in members), members.index(name))
 
 
 def load_model(

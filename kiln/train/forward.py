@@ -113,11 +113,11 @@ def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerCo
     (h, the layer's `router_statistics`)."""
     lora_g1 = None if lora_layer is None else {m: {k: w[None] for k, w in p.items()} for m, p in lora_layer.items()}
 
-    def proj(x, name):
-        out = matmul(x, layer[name], layer_dtype(layer)) if base is None else base(x, layer[name], name)
-        if lora_g1 is not None and name in lora_g1:
-            out = out + lora_delta(x, lora_g1[name], ctx.token_weight)
-        return out
+    def frozen(x, name):
+        return matmul(x, layer[name], layer_dtype(layer)) if base is None else base(x, layer[name], name)
+
+    def delta(x, name):
+        return None if lora_g1 is None or name not in lora_g1 else lora_delta(x, lora_g1[name], ctx.token_weight)
 
     def attend(q, k, v, sliding):
         visible = ctx.visible if sliding is None else jnp.where(sliding, ctx.windowed, ctx.visible)
@@ -131,7 +131,7 @@ def train_layer(h: jax.Array, layer: dict, lora_layer: dict | None, ctx: LayerCo
             seen.append(router_statistics(x, layer, ctx.valid, cfg))
         return experts_mlp(x, layer, cfg, lora=lora_g1, token_weight=ctx.token_weight)
 
-    h = decoder_layer(h, layer, proj, ctx.tables, attend, cfg, experts)[0]
+    h = decoder_layer(h, layer, frozen, delta, ctx.tables, attend, cfg, experts)[0]
     return (h, seen[0]) if router_stats else h
 
 

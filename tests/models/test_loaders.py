@@ -101,7 +101,7 @@ def test_quantized_gguf_dequantizes_and_unpermutes(hf_model, tmp_path, kiln_cach
     w = hf_model.model.layers[1].self_attn.q_proj.weight.detach().numpy()
     q8_0 = gguf.GGMLQuantizationType.Q8_0
     expected = gguf.quants.dequantize(gguf.quants.quantize(w, q8_0), q8_0)
-    np.testing.assert_array_equal(np.asarray(layer_param(model.params, "q_proj", 1)), expected.T)
+    np.testing.assert_array_equal(np.asarray(layer_param(model, "q_proj", 1)), expected.T)
     assert np.abs(expected - w).max() > 0  # really quantized
 
 
@@ -177,8 +177,8 @@ def test_a_gpt_oss_gguf_with_gate_and_up_fused_loads_as_one_with_them_apart(tmp_
     fused = load_model(write_gguf(hf, tmp_path / "fused.gguf", fuse_gate_up=True), show_progress=False)
     assert fused.weights_digest != apart.weights_digest  # two files, each read
     for name in ("experts_gate", "experts_up", "experts_gate_bias", "experts_up_bias"):
-        np.testing.assert_array_equal(np.asarray(layer_param(fused.params, name, 1)),
-                                      np.asarray(layer_param(apart.params, name, 1)))
+        np.testing.assert_array_equal(np.asarray(layer_param(fused, name, 1)),
+                                      np.asarray(layer_param(apart, name, 1)))
 
 
 def test_a_gguf_with_shared_experts_is_refused_by_name(tmp_path, kiln_cache):
@@ -200,9 +200,9 @@ def test_a_quantized_gguf_of_a_new_family_holds_its_layers_as_stored(variant, tm
     path = write_gguf(hf, tmp_path / "q8.gguf", quant=gguf.GGMLQuantizationType.Q8_0)
     model = load_model(path, show_progress=False, quantization="auto")
     assert model.quantization == "int8"
-    assert isinstance(layer_param(model.params, "q_proj", 0), Int8Weight)
+    assert isinstance(layer_param(model, "q_proj", 0), Int8Weight)
     dense = variant in ("phi3", "gemma3")
-    assert isinstance(layer_param(model.params, "down_proj" if dense else "o_proj", 1), Int8Weight)
+    assert isinstance(layer_param(model, "down_proj" if dense else "o_proj", 1), Int8Weight)
     dequantized = load_model(path, show_progress=False)
     np.testing.assert_allclose(logits_of(model.config, model.params),
                                logits_of(dequantized.config, dequantized.params), atol=1e-5, rtol=0)

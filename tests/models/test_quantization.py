@@ -21,6 +21,7 @@ from kiln.models.generate import greedy_generate
 from kiln.models.gguf_loader import GGUFModel
 from kiln.models.loader import STORED_FORMAT, STORED_VERSION, auto_quantization, file_digest, layer_param, load_model
 from kiln.models.quant import (
+    FUSED,
     HEAD_CHUNK,
     MIN_ROWS_16BIT,
     Int4Table,
@@ -37,6 +38,7 @@ from kiln.models.quant import (
     table_from_weight,
     table_logits,
     table_rows,
+    unfused,
 )
 from kiln.models.quant import matmul as quant_matmul
 from kiln.xla_flags import CPU_SCHEDULER_FLAG, add_process_flags
@@ -114,6 +116,69 @@ def test_int4_pairs_its_nibbles_along_the_longer_side_and_multiplies_the_same():
               "embed": rng.standard_normal((8, 64)).astype(np.float32)}
     held = quantize_params(params, "int4")["layers"]  # what a model loads with
     assert held["up_proj"].packed.shape == (2, 64, 48) and held["down_proj"].packed.shape == (2, 48, 64)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_projections_of_one_input_are_held_fused_and_multiply_as_apart(quantization):
+    """q/k/v and gate/up, quantized alike, are one weight: `unfused` gives each member back exactly as
+    it is held apart, and the fused product, split, is each member's product. Members in different
+    formats stay apart."""
+    rng = np.random.default_rng(2)
+    shapes = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "o_proj": 64, "gate_proj": 96, "up_proj": 96}
+    params = {"layers": {name: rng.standard_normal((2, 64, out)).astype(np.float32) for name, out in shapes.items()},
+              "embed": rng.standard_normal((8, 64)).astype(np.float32)}
+    held = quantize_params(params, quantization)["layers"]
+    assert sorted(held) == ["gate_up_proj", "o_proj", "qkv_proj"]
+    quantize = quantize_int4 if quantization == "int4" else quantize_int8
+    x = jnp.asarray(rng.standard_normal((9, 64)).astype(np.float32))
+    for fused, members in FUSED.items():
+        widths = tuple(shapes[m] for m in members)
+        for i, name in enumerate(members):
+            apart = quantize(params["layers"][name])
+            apart = for_matmul(apart) if quantization == "int4" else apart
+            member = unfused(held[fused], widths, i)
+            assert all(np.array_equal(a, b) for a, b in zip(member, apart, strict=True))
+            for layer in range(2):
+                got = quant_matmul(x, jax.tree.map(lambda a, j=layer: jnp.asarray(a[j]), held[fused]))
+                lo = sum(widths[:i])
+                want = quant_matmul(x, jax.tree.map(lambda a, j=layer: jnp.asarray(a[j]), apart))
+                np.testing.assert_allclose(got[:, lo:lo + widths[i]], want, rtol=1e-5, atol=1e-5)
+    mixed = {**params["layers"], "v_proj": quantize_int8(params["layers"]["v_proj"])}  # as a Q4_K_M file's
+    kept = quantize_params({**params, "layers": mixed}, "int4")["layers"]
+    assert sorted(kept) == ["gate_up_proj", "k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+def test_fused_projections_take_each_members_adapter_and_bias(kiln_cache, tmp_path):
+    """A quantized model with attention biases: rows with an adapter on some members of the fused
+    groups give the logits of the same weights held apart."""
+    from tiny_models import save_hf_model
+
+    from kiln.models.hf_loader import load_hf_dir
+    from kiln.models.lora import empty_lora_state, module_shapes, set_slot
+
+    cfg, params, _ = load_hf_dir(save_hf_model(make_hf_model("qwen2"), tmp_path), np.float32, show_progress=False)
+    fused = quantize_params(params, "int4")
+    layers = {name: w for name, w in fused["layers"].items() if name not in FUSED}
+    for name, members in FUSED.items():
+        widths = tuple(cfg.projection_widths[m] for m in members)
+        layers.update({m: unfused(fused["layers"][name], widths, i) for i, m in enumerate(members)})
+    apart = {**fused, "layers": layers}
+    rng = np.random.RandomState(3)
+    shapes = module_shapes(cfg)
+    adapter = {m: {"a": (0.3 * rng.randn(cfg.num_layers, shapes[m][0], 4)).astype(np.float32),
+                   "b": (0.3 * rng.randn(cfg.num_layers, 4, shapes[m][1])).astype(np.float32)}
+               for m in ("k_proj", "up_proj", "o_proj")}
+    state = set_slot(empty_lora_state(cfg, n_slots=2, rank=4), 1, adapter, 2.0)
+    ids = list(rng.randint(3, cfg.vocab_size, size=12))
+    rows = [RowWork(ids, 0, [1], 1), RowWork(ids, 0, [3], 0)]
+
+    def run(p):
+        kv = init_kv_cache(cfg, num_blocks=8, block_size=16)
+        return np.asarray(jit_forward(p, kv, build_step_inputs(rows, 16), cfg, state)[0])
+
+    got, want = run(fused), run(apart)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    assert np.abs(got[:12] - got[12:]).max() > 1e-2  # the adapter matters
 
 
 def _rounded(a, dtype):
@@ -202,10 +267,11 @@ def test_gguf_blocks_load_as_stored(tmp_path, kiln_cache, qtype, quantization):
         np.testing.assert_allclose(dequantize(w), np.asarray(ref.params["layers"][name]), rtol=0, atol=1e-6)
     loaded = load_model(path, show_progress=False, quantization=quantization)
     for name, w in stored.items():  # int4: the same levels, paired for the multiply (for_matmul)
-        held = loaded.params["layers"][name]
-        want = for_matmul(w) if isinstance(w, Int4Weight) else w
-        assert all(np.array_equal(np.asarray(a), b) for a, b in zip(held, want, strict=True))
-        np.testing.assert_array_equal(dequantize(held), dequantize(w))
+        for i in range(ref.config.num_layers):
+            held, w_i = layer_param(loaded, name, i), type(w)(*(a[i] for a in w))
+            want = for_matmul(w_i) if isinstance(w, Int4Weight) else w_i
+            assert all(np.array_equal(np.asarray(a), b) for a, b in zip(held, want, strict=True))
+            np.testing.assert_array_equal(dequantize(held), dequantize(w_i))
     # the embedding (and an untied head) as stored, whichever format the layers are asked in
     tables = GGUFModel(path).stored_tables()
     assert sorted(tables) == sorted(n for n in ("embed", "lm_head") if n in ref.params)
@@ -221,7 +287,7 @@ def test_gguf_blocks_load_as_stored(tmp_path, kiln_cache, qtype, quantization):
 def test_quantized_logits_stay_near_float32_and_greedy_agrees(model_file, kiln_cache, layer_loop, quantization):
     ref = load_model(model_file, show_progress=False, layer_loop=layer_loop)
     qm = load_model(model_file, show_progress=False, layer_loop=layer_loop, quantization=quantization)
-    assert qm.quantization == quantization and isinstance(layer_param(qm.params, "q_proj", 1), WEIGHT[quantization])
+    assert qm.quantization == quantization and isinstance(layer_param(qm, "q_proj", 1), WEIGHT[quantization])
     # the embedding and an untied head are int8 tables for either format (the head moves logits most)
     assert all(isinstance(qm.params[name], Int8Table) for name in ("embed", "lm_head") if name in ref.params)
     rng = np.random.default_rng(1)
@@ -332,7 +398,7 @@ def test_a_q4_k_m_like_mix_holds_its_4_bit_projections_as_int4_and_the_rest_as_i
         "int4", "auto: the GGUF file's layers are Q4_K, Q8_0; projections with more bits held as int8")
     ref = load_model(path, show_progress=False, layer_loop="scan")
     auto = load_model(path, show_progress=False, quantization="auto")
-    kinds = {name: type(w).__name__ for name, w in auto.params["layers"].items() if name in WEIGHT_NAMES}
+    kinds = {name: type(layer_param(auto, name, 0)).__name__ for name in WEIGHT_NAMES}
     assert kinds == {**dict.fromkeys(WEIGHT_NAMES, "Int4Weight"), "v_proj": "Int8Weight", "down_proj": "Int8Weight"}
     np.testing.assert_allclose(dequantize(auto.params["layers"]["v_proj"]), np.asarray(ref.params["layers"]["v_proj"]),
                                rtol=0, atol=1e-6)  # Q8_0 as stored
@@ -406,10 +472,9 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
     again = load_model(path, show_progress=False, quantization="auto")
     assert (again.quantization, again.quantization_source) == (first.quantization, first.quantization_source)
     for name in ("q_proj", "down_proj"):
-        assert isinstance(layer_param(again.params, name, 0), Int4Weight)
-        for a, b in zip(jax.tree.leaves(first.params["layers"][name]), jax.tree.leaves(again.params["layers"][name]),
-                        strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert isinstance(layer_param(again, name, 0), Int4Weight)
+    for a, b in zip(jax.tree.leaves(first.params["layers"]), jax.tree.leaves(again.params["layers"]), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert isinstance(again.params["embed"], Int4Table)  # the file's Q4_1 embedding, kept too
     for a, b in zip(first.params["embed"], again.params["embed"], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -51,10 +51,13 @@ def no_turns(what):
     return contextlib.nullcontext()
 
 
-@pytest.fixture(scope="module", params=["unrolled", "scan", "gemma3", "qwen3-moe", "gpt-oss"])
+@pytest.fixture(scope="module", params=["unrolled", "scan", "int4", "gemma3", "qwen3-moe", "gpt-oss"])
 def model(request, tiny_model, kiln_cache, tmp_path_factory):
-    """The tiny llama with its layers as a list and stacked (scanned); a tiny Gemma 3 (windowed and
-    global layers, sandwich norms), a tiny Qwen3-MoE and a tiny gpt-oss (sinks, biases)."""
+    """The tiny llama with its layers as a list and stacked (scanned), and in int4 (q/k/v and gate/up
+    held fused); a tiny Gemma 3 (windowed and global layers, sandwich norms), a tiny Qwen3-MoE and a
+    tiny gpt-oss (sinks, biases)."""
+    if request.param == "int4":
+        return load_model(tiny_model.source, show_progress=False, quantization="int4")
     if request.param in ("gemma3", "qwen3-moe", "gpt-oss"):
         from tiny_models import served_hf_dir
 
