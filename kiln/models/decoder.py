@@ -152,7 +152,7 @@ def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight | quant.Int4Weight, dty
     """x @ w in w's dtype with float32 accumulation and result: activations stay float32 and a
     bfloat16 weight is read as is (XLA:CPU multiplies bfloat16 operands into float32 fast, while
     mixed or all-bfloat16 products take slow paths). A quantized weight dequantizes in the step and
-    multiplies in the model's float type `dtype` where that pays (`quant.product_dtype`)."""
+    multiplies in `dtype`: the model's float type in training, serving's `quant.product_dtype`."""
     if quant.is_quantized(w):
         return quant.matmul(x, w, dtype)
     return jnp.matmul(_as_operand(x, w), w, preferred_element_type=jnp.float32)[: x.shape[0]]
@@ -468,7 +468,7 @@ def forward_hidden(
                                   sliding, layer.get("sinks")), (k_pool, v_pool)
 
         def base(x, name):
-            return matmul(x, layer[name], layer_dtype(layer))
+            return matmul(x, layer[name], quant.product_dtype(x.shape[0], layer_dtype(layer)))
 
         def delta(x, name):  # the adapter slots' (see `lora.lora_delta`)
             return None if lora_layer is None or name not in lora_layer else lora_delta(x, lora_layer[name],
@@ -492,13 +492,14 @@ def forward_hidden(
     return rms_norm(h, params["final_norm"], cfg), KVCache(k_all, v_all)
 
 
-def logits(params: Params, hidden: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Vocabulary logits in float32 for hidden states [T, hidden] (soft-capped where configured)."""
+def logits(params: Params, hidden: jax.Array, cfg: ModelConfig, training: bool = False) -> jax.Array:
+    """Vocabulary logits in float32 for hidden states [T, hidden] (soft-capped where configured). A
+    quantized head multiplies in serving's `quant.product_dtype`, or in `training` the model's type."""
     head = params.get("lm_head")
     table = params["embed"] if head is None else head
     if quant.is_table(table):  # rows padded to whole chunks of its loop
-        return softcap(quant.table_logits(hidden, table, float_dtype(params))[:, : cfg.vocab_size],
-                       cfg.final_logit_softcapping)
+        dtype = float_dtype(params) if training else quant.product_dtype(hidden.shape[0], float_dtype(params))
+        return softcap(quant.table_logits(hidden, table, dtype)[:, : cfg.vocab_size], cfg.final_logit_softcapping)
     if head is not None:
         return softcap(matmul(hidden, head), cfg.final_logit_softcapping)
     embed = params["embed"]

@@ -171,22 +171,23 @@ def dequantize(w: Int8Weight | Int4Weight) -> np.ndarray:
 
 
 def product_dtype(rows: int, dtype=jnp.float32):
-    """The operands' type of a quantized multiply of `rows` rows for a model of float type `dtype`:
-    float32, or the model's 16-bit type from MIN_ROWS_16BIT rows (sums stay float32). A weight
-    dequantizes in the step whatever the rows, and for a few rows that dominates the step: writing
-    bfloat16 copies made a one-row step 0.8x slower on XLA:CPU, where from 8 rows the multiplies
-    dominate (a 32-row step of the default model 1.15-1.2x faster on a CPU with AVX512-BF16)."""
+    """Serving's operand type for a quantized multiply of `rows` rows in a model of float type
+    `dtype`: float32, or the model's 16-bit type from MIN_ROWS_16BIT rows (sums stay float32). A
+    weight dequantizes in the step whatever the rows, and for a few rows that dominates the step:
+    writing bfloat16 copies made a one-row step 0.8x slower on XLA:CPU, where from 8 rows the
+    multiplies dominate (a 32-row step of the default model 1.15-1.2x faster on a CPU with
+    AVX512-BF16). Training multiplies in the model's type whatever the rows, so that a step cut into
+    slices computes what the whole step does."""
     return dtype if rows >= MIN_ROWS_16BIT and jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
 def matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype=jnp.float32) -> jax.Array:
     """x [T, in] @ w with float32 sums and result, the weight dequantized inside the step (an
-    elementwise op XLA fuses) in float32, then cast to the products' type (`product_dtype` of the
-    model's float type `dtype`).
+    elementwise op XLA fuses) in float32, then cast to the operands' type `dtype` (serving's is
+    `product_dtype`).
     int8 with one group applies its scale to the product (one multiply per output, not per weight);
     int4 dequantizes each nibble's half of the weight and multiplies it apart (`for_matmul`): by the
     matching (even or odd) columns of x, or into its half of the output columns."""
-    dtype = product_dtype(x.shape[0], dtype)
     x = x.astype(dtype)
     if isinstance(w, Int4Weight) and _paired_along_out(w):
         half = w.packed.shape[-1]
@@ -355,14 +356,13 @@ def table_rows(t: Int8Table | Int4Table, ids: jax.Array) -> jax.Array:
 
 
 def table_logits(x: jax.Array, t: Int8Table | Int4Table, dtype=jnp.float32) -> jax.Array:
-    """x [T, cols] against every row of the table: float32 [T, rows] (padding included), in the
-    products' type of the model's float type `dtype` (`product_dtype`).
+    """x [T, cols] against every row of the table: float32 [T, rows] (padding included), the
+    operands in `dtype` (as `matmul`).
 
     A loop over chunks of rows, each dequantized and multiplied in turn: a whole vocabulary's float
     copy would be a temporary as large as the float32 head, written and read back at every step
     (on XLA:CPU 3.5x slower than the float head for 32 rows). Each chunk is rematerialized under
     differentiation, so training keeps no float copy of the head either."""
-    dtype = product_dtype(x.shape[0], dtype)
     x = x.astype(dtype)
     rows = t[0].shape[0]
     chunks, per_chunk = table_chunks(rows)

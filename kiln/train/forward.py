@@ -189,4 +189,4 @@ def forward_logits(params: dict, lora: dict | None, tokens: jax.Array, valid: ja
     """float32 logits [B, S, vocab]."""
     B, S = tokens.shape
     hidden = forward_hidden(params, lora, tokens, valid, cfg, scale, remat)
-    return logits(params, hidden, cfg).reshape(B, S, -1)
+    return logits(params, hidden, cfg, training=True).reshape(B, S, -1)

@@ -196,7 +196,7 @@ def rollout_batches(rollouts: Sequence[Rollout], advantages: np.ndarray, config:
 def completion_logits(params, lora, batch: RolloutBatch, cfg: ModelConfig, scale: float) -> jax.Array:
     """Raw logits [K, vocab] at the completion positions (the LM head runs nowhere else)."""
     hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale)
-    return lm_logits(params, hidden[batch.loss_index], cfg)
+    return lm_logits(params, hidden[batch.loss_index], cfg, training=True)
 
 
 def completion_logprobs(params, lora, batch: RolloutBatch, cfg: ModelConfig, scale: float,
@@ -219,7 +219,7 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
     def head_loss(params, hidden, batch: RolloutBatch, norm=1.0, teacher_logits=None):
         """The loss terms of completion tokens given their final hidden states, as sums (the loss
         weights already span the whole generation batch, so any split of the tokens adds up)."""
-        raw = lm_logits(params, hidden, cfg)
+        raw = lm_logits(params, hidden, cfg, training=True)
         logits = raw / temperature
         logprobs = losses.token_logprobs(logits, batch.loss_targets)
         if config.num_iterations > 1:

@@ -83,13 +83,13 @@ def trained_logits(params, lora, batch: Batch, cfg: ModelConfig, scale: float, r
     """Logits [K, vocab] at the batch's trained positions only: the LM head (a fifth of a small
     model's FLOPs) never runs for prompt and padding tokens."""
     hidden = forward_hidden(params, lora, batch.tokens, batch.valid, cfg, scale, remat)
-    return logits(params, hidden[batch.loss_index], cfg)
+    return logits(params, hidden[batch.loss_index], cfg, training=True)
 
 
 def head_loss(params, hidden: jax.Array, batch: Batch, norm, cfg: ModelConfig) -> tuple[jax.Array, dict]:
     """The cross-entropy and accuracy of trained positions given their final hidden states, as sums
     scaled by `norm` (1 / the batch's trained tokens): the mean over the batch, in parts that add."""
-    out = logits(params, hidden, cfg)
+    out = logits(params, hidden, cfg, training=True)
     nll = -losses.token_logprobs(out, batch.loss_targets)
     correct = (jnp.argmax(out, axis=-1) == batch.loss_targets).astype(jnp.float32)
     return jnp.sum(nll * batch.loss_mask) * norm, {"accuracy": jnp.sum(correct * batch.loss_mask) * norm}

@@ -84,19 +84,20 @@ class Turns:
         return ownership if isinstance(ownership, Turns) else cls(ownership, **kwargs)
 
 
-@jax.custom_vjp
-def _replay(x, w, saved):
-    """x @ w as `saved` (computed by the forward slice), with x @ w's gradient for x."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _replay(x, w, saved, dtype):
+    """x @ w as `saved` (computed by the forward slice), with x @ w's gradient for x (the product
+    in `dtype`, as the forward slice multiplied)."""
     return saved
 
 
-def _replay_fwd(x, w, saved):
+def _replay_fwd(x, w, saved, dtype):
     return saved, (x, w)
 
 
-def _replay_bwd(residuals, dy):
+def _replay_bwd(dtype, residuals, dy):
     x, w = residuals
-    dx = jax.vjp(lambda x: matmul(x, w), x)[1](dy)[0]
+    dx = jax.vjp(lambda x: matmul(x, w, dtype), x)[1](dy)[0]
     return dx, jax.tree.map(jnp.zeros_like, w), jnp.zeros_like(dy)
 
 
@@ -245,7 +246,7 @@ class SlicedStep:
 
         def body(h, xs):
             layer, lora_layer, i = xs
-            replay = None if self.remat else lambda x, w, name: _replay(x, w, saved[name][i])  # noqa: E731
+            replay = None if self.remat else lambda x, w, name: _replay(x, w, saved[name][i], layer_dtype(layer))  # noqa: E731
             return train_layer(h, layer, lora_layer, ctx, self.cfg, replay), None
 
         def f(h, lora_g):

@@ -31,6 +31,7 @@ from kiln.models.quant import (
     dequantize,
     dequantize_table,
     for_matmul,
+    product_dtype,
     quantize_int4,
     quantize_int8,
     quantize_params,
@@ -187,10 +188,10 @@ def _rounded(a, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_a_16_bit_models_quantized_multiplies_take_its_type_from_eight_rows(dtype):
-    """A 16-bit model's quantized weight multiplies `MIN_ROWS_16BIT` rows or more with both operands
-    rounded to its type (sums in float32): exactly the rounded dequantized weight's product (int8 with
-    one scale per channel: the levels', scaled after). Fewer rows, and every float32 model, multiply in
-    float32."""
+    """Serving a 16-bit model, a quantized weight multiplies `MIN_ROWS_16BIT` rows or more with both
+    operands rounded to its type (sums in float32): exactly the rounded dequantized weight's product
+    (int8 with one scale per channel: the levels', scaled after). Fewer rows, and every float32 model,
+    multiply in float32 (`product_dtype`)."""
     rng = np.random.default_rng(4)
     weights = {"int8 groups": quantize_int8(rng.standard_normal((64, 48)).astype(np.float32)),
                "int8 per channel": quantize_int8(rng.standard_normal((40, 48)).astype(np.float32)),
@@ -201,7 +202,7 @@ def test_a_16_bit_models_quantized_multiplies_take_its_type_from_eight_rows(dtyp
         w = jax.tree.map(jnp.asarray, w)
         for rows in (MIN_ROWS_16BIT - 1, MIN_ROWS_16BIT, 32):
             x = rng.standard_normal((rows, full.shape[0])).astype(np.float32)
-            got = np.asarray(jax.jit(quant_matmul, static_argnums=2)(x, w, dtype))
+            got = np.asarray(jax.jit(quant_matmul, static_argnums=2)(x, w, product_dtype(rows, dtype)))
             sixteen = rows >= MIN_ROWS_16BIT
             want = _rounded(x, dtype) @ _rounded(full, dtype) if sixteen else x @ full
             if sixteen and name == "int8 per channel":  # its one scale multiplies the product: levels are exact
@@ -215,8 +216,9 @@ def test_a_16_bit_models_quantized_multiplies_take_its_type_from_eight_rows(dtyp
     for rows in (MIN_ROWS_16BIT - 1, MIN_ROWS_16BIT):
         x = rng.standard_normal((rows, 64)).astype(np.float32)
         want = _rounded(x, dtype) @ _rounded(full, dtype).T if rows >= MIN_ROWS_16BIT else x @ full.T
-        np.testing.assert_allclose(np.asarray(jax.jit(table_logits, static_argnums=2)(x, table, dtype)), want,
-                                   rtol=1e-5, atol=1e-4)
+        got = jax.jit(table_logits, static_argnums=2)(x, table, product_dtype(rows, dtype))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+    assert product_dtype(MIN_ROWS_16BIT, jnp.float32) == jnp.float32
 
 
 @pytest.mark.parametrize("rows", [260, 2 * HEAD_CHUNK + 3])
