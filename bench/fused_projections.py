@@ -2,7 +2,7 @@
 them, kiln.models.quant.fuse_projections) against the same weights held apart, in one process.
 
 The default model (its GGUF's own int4 layers, `quantization = auto`) is loaded once; the apart
-copy is its fused weights split back into their members (`quant.unfused`), so both multiply the
+copy is its fused weights split back into their members (`quant.unfuse_projections`), so both multiply the
 same levels. Each step is the bare decode step (forward and sampler executables, inputs built once)
 of `rows` requests at about 200 tokens of context, timed round-robin; the median of the repeats.
 
@@ -15,21 +15,15 @@ import argparse
 import dataclasses
 
 import jax
-import numpy as np
 from common import bare_step, decoding_core, timed
 
 from kiln.models.loader import load_model
-from kiln.models.quant import FUSED, unfused
+from kiln.models.quant import unfuse_projections
 
 
 def held_apart(model):
     """The model with each fused weight split back into its members."""
-    layers = jax.tree.map(np.asarray, model.params["layers"])
-    apart = {name: w for name, w in layers.items() if name not in FUSED}
-    for name, members in FUSED.items():
-        if name in layers:
-            widths = tuple(model.config.projection_widths[m] for m in members)
-            apart.update({m: unfused(layers[name], widths, i) for i, m in enumerate(members)})
+    apart = unfuse_projections(model.params["layers"], model.config.projection_widths)
     return dataclasses.replace(model, params=jax.device_put({**model.params, "layers": apart}))
 
 

@@ -29,7 +29,15 @@ from kiln.errors import ConfigError, ModelLoadError
 from kiln.models.config import ModelConfig
 from kiln.models.gguf_loader import GGUFModel
 from kiln.models.hf_loader import load_hf_dir
-from kiln.models.quant import FUSED, Int4Table, Int4Weight, Int8Table, Int8Weight, for_matmul, quantize_params, unfused
+from kiln.models.quant import (
+    Int4Table,
+    Int4Weight,
+    Int8Table,
+    Int8Weight,
+    for_matmul,
+    quantize_params,
+    unfuse_projections,
+)
 from kiln.models.tokenizer import KilnTokenizer
 from kiln.models.weights import to_hf_tensors
 
@@ -230,11 +238,11 @@ def layer_param(model: LoadedModel, name: str, index: int):
     """One layer's weight, whichever way the layers are held; a projection held fused with others
     (`quant.fuse_projections`) as it would be held apart."""
     layers = model.params["layers"]
-    layer = layers[index] if isinstance(layers, (list, tuple)) else jax.tree.map(lambda a: a[index], layers)
-    if name in layer:
-        return layer[name]
-    fused, members = next((f, m) for f, m in FUSED.items() if name in m and f in layer)
-    return unfused(layer[fused], tuple(model.config.projection_widths[m] for m in members), members.index(name))
+    listed = isinstance(layers, (list, tuple))
+    layer = layers[index] if listed else layers
+    if name not in layer:
+        layer = unfuse_projections(layer, model.config.projection_widths)
+    return layer[name] if listed else jax.tree.map(lambda a: a[index], layer[name])
 
 
 def load_model(

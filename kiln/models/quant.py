@@ -241,14 +241,14 @@ def fuse_projections(layers: dict) -> dict:
     faster: the default model's int4 decode step 1.2x at one row, 1.1x at 8 (bench/fused_projections.py).
     A group whose members differ in format (a Q4_K_M file's int8 v_proj beside int4 q and k) stays
     apart. `decoder.projected` splits the product and adds each member's LoRA delta."""
+    def side_by_side(arrays, dtype=None):
+        return np.concatenate([np.asarray(a, dtype) for a in arrays], axis=-1)
+
     for fused, names in FUSED.items():
         parts = [layers.get(name) for name in names]
         if (not all(is_quantized(w) for w in parts) or len({type(w) for w in parts}) > 1
                 or len({w.scale.shape[-2] for w in parts}) > 1):
             continue
-        def side_by_side(arrays, dtype=None):
-            return np.concatenate([np.asarray(a, dtype) for a in arrays], axis=-1)
-
         scale = side_by_side([w.scale for w in parts], np.float32)
         if isinstance(parts[0], Int8Weight):
             weight = Int8Weight(side_by_side([w.q for w in parts]), compact(scale))
@@ -268,6 +268,17 @@ def unfused(w: Int8Weight | Int4Weight, widths: tuple[int, ...], part: int) -> I
         return Int8Weight(np.ascontiguousarray(w.q[..., lo:hi]), compact(w.scale[..., lo:hi]))
     levels = _int4_levels(w.packed, _paired_along_out(w))[..., lo:hi]
     return for_matmul(int4_from_levels(levels, w.scale[..., lo:hi], w.offset[..., lo:hi]))
+
+
+def unfuse_projections(layers: dict, widths: dict[str, int]) -> dict:
+    """The inverse of `fuse_projections`: host layers with each fused weight split back into its
+    members (`unfused`), `widths` giving each member's output columns (ModelConfig.projection_widths)."""
+    apart = {name: w for name, w in layers.items() if name not in FUSED}
+    for fused, members in FUSED.items():
+        if fused in layers:
+            sizes = tuple(widths[m] for m in members)
+            apart.update({m: unfused(layers[fused], sizes, i) for i, m in enumerate(members)})
+    return apart
 
 
 # ---- tables: the embedding and the LM head ------------------------------------------------------

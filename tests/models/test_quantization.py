@@ -39,6 +39,7 @@ from kiln.models.quant import (
     table_from_weight,
     table_logits,
     table_rows,
+    unfuse_projections,
     unfused,
 )
 from kiln.models.quant import matmul as quant_matmul
@@ -159,11 +160,7 @@ def test_fused_projections_take_each_members_adapter_and_bias(kiln_cache, tmp_pa
 
     cfg, params, _ = load_hf_dir(save_hf_model(make_hf_model("qwen2"), tmp_path), np.float32, show_progress=False)
     fused = quantize_params(params, "int4")
-    layers = {name: w for name, w in fused["layers"].items() if name not in FUSED}
-    for name, members in FUSED.items():
-        widths = tuple(cfg.projection_widths[m] for m in members)
-        layers.update({m: unfused(fused["layers"][name], widths, i) for i, m in enumerate(members)})
-    apart = {**fused, "layers": layers}
+    apart = {**fused, "layers": unfuse_projections(fused["layers"], cfg.projection_widths)}
     rng = np.random.RandomState(3)
     shapes = module_shapes(cfg)
     adapter = {m: {"a": (0.3 * rng.randn(cfg.num_layers, shapes[m][0], 4)).astype(np.float32),
