@@ -22,7 +22,7 @@ from kiln.toml_file import TomlFileError, read_toml
 
 log = logging.getLogger("kiln.config")
 
-Kind = Literal["str", "int", "float", "bool", "list[str]", "list[int]"]
+Kind = Literal["str", "int", "float", "bool", "list[str]", "list[int]", "int|auto"]
 # A check takes the typed value and returns it (possibly normalized) or raises ValueError(reason).
 Check = Callable[[Any], Any]
 
@@ -51,6 +51,12 @@ def at_least(lo: int) -> Check:
 
 def between(lo: int, hi: int) -> Check:
     return _rule(lambda v: lo <= v <= hi, f"expected an integer from {lo} to {hi}")
+
+
+def count_or_auto(value: int | str) -> int | str:
+    if value != "auto" and value < 1:
+        raise ValueError("expected auto or an integer >= 1")
+    return value
 
 
 def power_of_two(lo: int, hi: int) -> Check:
@@ -184,6 +190,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "kv_events_encoding", "str", "array", one_of("array", "map"),
         "KV event layout: array (vLLM's positional) or map (field names)"),
     Key("engine", "seed", "int", 0, None, "base seed for sampling"),
+    Key("engine", "tensor_parallel", "int|auto", 1, count_or_auto,
+        "devices the model is split over (a tp mesh axis: attention by heads, the MLP by its width, the KV "
+        "pool by KV heads); auto = every local device"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
     Key("adapters", "lora_experts", "bool", False, None,
@@ -250,7 +259,19 @@ COMMAND_LINE_OPTIONS: dict[str, str] = {"server.host": "--host", "server.port": 
 RETIRED_ENV: dict[str, str] = {"KILN_SERVING_PROFILE": "KILN_SERVER_SERVING_PROFILE"}
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-_KIND_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean"}
+_KIND_NAMES = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+               "int|auto": "an integer or \"auto\""}
+
+
+def _int_or_auto(raw: str) -> int | str:
+    """An int|auto key's text: "auto" (any case) or an integer."""
+    text = raw.strip().lower()
+    if text == "auto":
+        return text
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise ValueError(f"expected {_KIND_NAMES['int|auto']}") from None
 
 
 def _from_toml(kind: str, raw: Any) -> Any:
@@ -259,6 +280,8 @@ def _from_toml(kind: str, raw: Any) -> Any:
         if not isinstance(raw, list):
             raise ValueError(f"expected an array of {_KIND_NAMES[item]}s")
         return [_from_toml(item, v) for v in raw]
+    if kind == "int|auto":
+        return _int_or_auto(raw) if isinstance(raw, str) else _from_toml("int", raw)
     ok = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,)}[kind]
     if not isinstance(raw, ok) or (kind in ("int", "float") and isinstance(raw, bool)):
         raise ValueError(f"expected {_KIND_NAMES[kind]}")
@@ -275,6 +298,8 @@ def _from_text(kind: str, raw: str) -> Any:
             raise ValueError(f"expected a comma-separated list of {_KIND_NAMES[item]}s") from None
     if kind == "str":
         return raw
+    if kind == "int|auto":
+        return _int_or_auto(raw)
     if kind == "bool":
         if (text := raw.strip().lower()) in _BOOLS:
             return _BOOLS[text]

@@ -41,6 +41,7 @@ from kiln.engine.request import Delta
 from kiln.engine.warmup import build_step_set, prime_first_contact
 from kiln.errors import DeviceLost, KilnError
 from kiln.models.loader import LoadedModel
+from kiln.models.sharding import describe as describe_mesh
 
 log = logging.getLogger("kiln.engine")
 
@@ -284,6 +285,11 @@ class AsyncEngine:
         core = self._core
         return {**core.backend.choice.to_json(), "resident_prefill": core.resident_prefill,
                 "quarantined": core.quarantined}
+
+    def mesh_info(self) -> dict[str, Any]:
+        """The tensor-parallel mesh the model is split over: axis, size and devices (size 1: none), and
+        the weights' bytes on each device."""
+        return describe_mesh(self._core.mesh, self._core.runner.params)
 
     def step_set(self) -> list[str]:
         """Every compiled step of the engine's bounded set, described."""

@@ -45,6 +45,7 @@ from kiln.engine.scheduler import Scheduler
 from kiln.engine.step_types import Batch, PendingStep, StepFailure
 from kiln.errors import DeviceLost, InvalidRequest, KilnError
 from kiln.models.loader import LoadedModel
+from kiln.models.sharding import replicated, serving_mesh, shard_params
 
 log = logging.getLogger("kiln.engine")
 
@@ -67,9 +68,13 @@ class EngineCore:
         self.metrics = metrics
         cfg = model.config
         self.ownership = Ownership()
+        # a tensor-parallel mesh ([engine] tensor_parallel; None: one device): the weights are sharded over it
+        self.mesh = serving_mesh(config.tensor_parallel, backend.name if backend.is_iree else None)
+        if self.mesh is not None:
+            model.params = shard_params(model.params, cfg, self.mesh)
         # adapter slots first: an accelerator's pool is sized from what is free after them
         self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype,
-                                    config.lora_experts)
+                                    config.lora_experts, replicated(self.mesh) if self.mesh is not None else None)
         self.kv_pool = size_pool(cfg, config, model.dtype, config.max_model_len or cfg.max_position_embeddings,
                                  on_host=backend.is_iree, heap=self._device_heap(backend))
         log.info("KV pool: %d blocks of %d tokens, %.0f MiB (%s)", self.kv_pool.blocks, config.block_size,
@@ -92,7 +97,7 @@ class EngineCore:
                               on_stored=self._on_stored if self.publisher else None,
                               on_removed=self._on_removed if self.publisher else None)
         self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, model.dtype,
-                             backend)
+                             backend, self.mesh)
         self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,
                                    tokenizer=model.tokenizer, eos_ids=self.eos_ids, step_cost=self.runner.step_cost,
                                    fits=self.runner.fits, on_finish=self._on_finish,

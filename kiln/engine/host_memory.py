@@ -39,6 +39,12 @@ def meminfo() -> dict[str, int]:
         return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
 
 
+def _buffers(arrays) -> list:
+    """The arrays, each sharded one as its shards (one buffer per device)."""
+    return [s.data for x in arrays for s in x.addressable_shards] if any(
+        isinstance(x, jax.Array) and len(x.devices()) > 1 for x in arrays) else list(arrays)
+
+
 def _on_host(x) -> bool:
     """A live JAX array in CPU memory (an IREE route's device arrays and accelerator arrays are not)."""
     return isinstance(x, jax.Array) and not x.is_deleted() and {d.platform for d in x.devices()} == {"cpu"}
@@ -51,7 +57,7 @@ def release_pages(arrays) -> int:
     released = 0
     if not LINUX:
         return 0
-    for x in arrays:
+    for x in _buffers(arrays):
         if not _on_host(x):
             continue
         start = x.unsafe_buffer_pointer()
@@ -68,7 +74,7 @@ def resident_bytes(arrays) -> int | None:
     if not LINUX or not all(_on_host(x) for x in arrays):
         return None
     total = 0
-    for x in arrays:
+    for x in _buffers(arrays):
         try:
             start, size = x.unsafe_buffer_pointer(), x.nbytes
         except (RuntimeError, ValueError):  # deleted, or not a single-device buffer

@@ -51,8 +51,9 @@ def slot_modules(experts: bool) -> tuple[str, ...]:
 
 class LoraSlots:
     def __init__(self, cfg: ModelConfig, n_slots: int, max_rank: int, ownership: Ownership, dtype="float32",
-                 experts: bool = False):
+                 experts: bool = False, sharding=None):
         self.cfg, self.n_slots, self.max_rank, self.dtype = cfg, n_slots, max_rank, dtype
+        self.sharding = sharding  # where the slot arrays live (a tensor-parallel mesh: replicated); None: as made
         self.modules = slot_modules(experts)
         self.ownership = ownership
         self.state: dict | None = None  # allocated on the first load
@@ -64,8 +65,12 @@ class LoraSlots:
     def ensure_state(self) -> dict:
         """The stacked slot arrays, allocated (all zero) on first need."""
         if self.state is None:
-            self.state = empty_lora_state(self.cfg, self.n_slots, self.max_rank, self.modules, self.dtype)
+            self.state = self._placed(empty_lora_state(self.cfg, self.n_slots, self.max_rank, self.modules,
+                                                       self.dtype))
         return self.state
+
+    def _placed(self, state: dict) -> dict:
+        return state if self.sharding is None else jax.device_put(state, self.sharding)
 
     def abstract_state(self):
         """The slot arrays' shapes and dtypes, without allocating them (what a compile needs)."""
@@ -100,7 +105,7 @@ class LoraSlots:
             with self.ownership.write(f"load adapter {adapter.name} into slot {i + 1}"):
                 self.ensure_state()
                 self.slots[i] = None  # a failed write leaves the slot empty, never half-labelled
-                self.state = set_slot(self.state, i + 1, adapter.weights, adapter.scale)
+                self.state = self._placed(set_slot(self.state, i + 1, adapter.weights, adapter.scale))
             self.slots[i] = _Slot(adapter)
             self.loads += 1
         self.slots[i].last_used = next(self._clock)
@@ -131,7 +136,7 @@ class LoraSlots:
     def _free(self, i: int) -> None:
         with self.ownership.write(f"unload slot {i + 1}"):
             self.slots[i] = None
-            self.state = clear_slot(self.state, i + 1)
+            self.state = self._placed(clear_slot(self.state, i + 1))
 
     def resident(self) -> list[dict]:
         return [

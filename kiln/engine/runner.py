@@ -50,6 +50,7 @@ from kiln.engine.steps import (
     TokenFeed,
     forward_sample_step,
     forward_step,
+    on_mesh,
     prompt_logprobs_step,
     sample_step,
 )
@@ -57,6 +58,7 @@ from kiln.errors import BackendCannotRun, GraphCaptureDisabled, RequestFailed
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, init_kv_cache, table_width
 from kiln.models.lora import EXPERT_MODULES, module_shapes
+from kiln.models.sharding import kv_sharding, replicated
 
 __all__ = ["COUNTER", "Runner", "SamplerKey", "StepBucket"]
 
@@ -107,9 +109,14 @@ class SamplerKey:
 class Runner:
     def __init__(self, cfg: ModelConfig, params, config: EngineConfig, max_model_len: int,
                  eos_ids: tuple[int, ...], lora_slots: LoraSlots, kv_dtype: str = "float32",
-                 backend: Backend = XLA):
+                 backend: Backend = XLA, mesh: jax.sharding.Mesh | None = None):
         self.cfg = cfg
         self.backend = backend
+        # a tensor-parallel mesh (params arrive sharded): the KV pool is sharded too, and every other
+        # input and output of a step is replicated over it
+        self.mesh = mesh
+        self.step_fns = ((forward_step, sample_step) if mesh is None
+                         else on_mesh(kv_sharding(cfg, mesh), replicated(mesh)))
         self.params = params
         self.config = config
         self.block_size = config.block_size
@@ -251,8 +258,12 @@ class Runner:
         shapes = jax.eval_shape(lambda: init_kv_cache(self.cfg, self.num_blocks, self.block_size, self.kv_dtype))
 
         def zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
-            x = jnp.zeros(shape.shape, shape.dtype).block_until_ready()
-            release_pages([x])
+            if self.mesh is None:
+                x = jnp.zeros(shape.shape, shape.dtype)
+            else:  # each device fills its own shard
+                sharding = kv_sharding(self.cfg, self.mesh)
+                x = jax.jit(lambda: jnp.zeros(shape.shape, shape.dtype), out_shardings=sharding)()
+            release_pages([x.block_until_ready()])
             return x
 
         return KVCache(*(zeros(s) for s in shapes))
@@ -402,18 +413,27 @@ class Runner:
         params, kv = abstract or self.abstract
         inputs, last_index, targets, feed = self.layout.padding_inputs(bucket)
         lora = self._lora_abstract(bucket)
+        inputs, last_index, targets, lora, feed = self._placed((inputs, last_index, targets, lora, feed))
         args = (params, kv, inputs, last_index, targets, lora, feed)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
         if self.backend.is_iree:
             return self._compile_iree_forward(bucket, args, check=gate)
-        return self._compile_xla("forward", forward_step, args, static, bucket)
+        return self._compile_xla("forward", self.step_fns[0], args, static, bucket)
+
+    def _placed(self, args):
+        """A step's arguments other than params and KV as a compile sees them: as they are on one
+        device; replicated over a mesh."""
+        if self.mesh is None:
+            return args
+        everywhere = replicated(self.mesh)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere), args)
 
     def _sampler_args(self, rows: int) -> tuple:
         row_logits = jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
         return row_logits, self.layout.sampling_arrays([], rows)
 
     def _compile_sampler(self, key: SamplerKey) -> Callable:
-        return self._compile_xla("sampler", sample_step, self._sampler_args(key.rows),
+        return self._compile_xla("sampler", self.step_fns[1], self._placed(self._sampler_args(key.rows)),
                                  {"feed_rows": self.layout.feed_rows}, key)
 
     def _compile_xla(self, name: str, fn, args, static: dict, key) -> Callable:

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax._src import dispatch
+from jax.sharding import NamedSharding
 
 from kiln.engine.params import MAX_TOP_LOGPROBS
 from kiln.engine.sampling import RowSampling, Sampled, sample
@@ -144,6 +145,16 @@ def forward_sample_step(params, kv: KVCache, inputs: StepInputs, last_index, lor
 
 
 prompt_logprobs_step = jax.jit(_prompt_logprobs, static_argnames=("cfg",))
+
+
+def on_mesh(kv: NamedSharding, replicated: NamedSharding) -> tuple:
+    """`forward_step` and `sample_step` for a tensor-parallel mesh: the KV state keeps its sharding,
+    every other output is replicated, so that one executable's logits and token feed are placed as
+    the next one takes them (the inputs' placements come from the compiles' abstract arguments)."""
+    forward = jax.jit(forward_step, static_argnames=("cfg", "prompt_logprobs"), donate_argnames=("kv",),
+                      out_shardings=(replicated, replicated, kv))
+    sampler = jax.jit(sample_step, static_argnames=("feed_rows",), out_shardings=replicated)
+    return forward, sampler
 
 
 @functools.partial(jax.jit, static_argnames=("feed_rows",))

@@ -3,7 +3,8 @@
 Attention is split over heads (Q/K/V columns, O rows) and the MLP over its intermediate
 dimension (gate/up columns, down rows); the KV pool over KV heads. A dimension that the
 mesh does not divide (e.g. 3 KV heads on 4 devices) stays replicated, so every model
-runs on every mesh; XLA inserts the collectives.
+runs on every mesh; XLA inserts the collectives. Quantized weights (their levels, scales
+and offsets) are replicated for now.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kiln.errors import ConfigError
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import KVCache
 
@@ -22,6 +24,26 @@ AXIS = "tp"
 def make_mesh(devices=None) -> Mesh:
     devices = np.asarray(devices if devices is not None else jax.devices())
     return Mesh(devices, (AXIS,))
+
+
+def serving_mesh(tensor_parallel: int | str, one_device_route: str | None = None) -> Mesh | None:
+    """The mesh `[engine] tensor_parallel` asks for: a count of local devices, or "auto" for all of
+    them; None for one device (no mesh). `one_device_route` names a route that runs on one device."""
+    devices = jax.local_devices()
+    n = len(devices) if tensor_parallel == "auto" else int(tensor_parallel)
+    if n > len(devices):
+        raise ConfigError(f"engine.tensor_parallel = {n}, but this process has {len(devices)} local "
+                          f"{devices[0].platform} device(s)")
+    if n == 1:
+        return None
+    if one_device_route:
+        raise ConfigError(f"engine.tensor_parallel = {n}: the {one_device_route} route runs on one device; set "
+                          "backend.route = xla or engine.tensor_parallel = 1")
+    return make_mesh(devices[:n])
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
 
 
 def _layer_spec(name: str, cfg: ModelConfig, tp: int) -> P:
@@ -48,12 +70,33 @@ def _layer_spec(name: str, cfg: ModelConfig, tp: int) -> P:
 
 
 def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Each param's sharding; a quantized weight (a pytree of levels and scales) is replicated."""
     tp = mesh.shape[AXIS]
-    out = {k: NamedSharding(mesh, P()) for k in params if k != "layers"}
+
+    def spec(value, split: P) -> NamedSharding:
+        return NamedSharding(mesh, split if isinstance(value, (jax.Array, np.ndarray)) else P())
+
+    out = {k: replicated(mesh) for k in params if k != "layers"}
     if params.get("lm_head") is not None and cfg.vocab_size % tp == 0:
-        out["lm_head"] = NamedSharding(mesh, P(None, AXIS))
-    out["layers"] = {k: NamedSharding(mesh, _layer_spec(k, cfg, tp)) for k in params["layers"]}
+        out["lm_head"] = spec(params["lm_head"], P(None, AXIS))
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):  # unrolled: one dict per layer, no layer axis
+        out["layers"] = [{k: spec(v, P(*_layer_spec(k, cfg, tp)[1:])) for k, v in layer.items()} for layer in layers]
+    else:
+        out["layers"] = {k: spec(v, _layer_spec(k, cfg, tp)) for k, v in layers.items()}
     return out
+
+
+def describe(mesh: Mesh | None, params: dict) -> dict:
+    """The serving mesh for /v1/config: its axis, size and devices (size 1 and no axis without one),
+    and the bytes of weights each device holds."""
+    leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+    if mesh is None:
+        return {"axis": None, "size": 1, "devices": [], "weight_bytes_per_device": sum(x.nbytes for x in leaves)}
+    first = mesh.devices.flat[0]
+    held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
+    return {"axis": AXIS, "size": mesh.shape[AXIS], "devices": [str(d) for d in mesh.devices.flat],
+            "weight_bytes_per_device": held}
 
 
 def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:

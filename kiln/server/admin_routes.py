@@ -104,8 +104,8 @@ def config(request: Request) -> dict[str, Any]:
                "resident_bytes": st.engine.kv_resident_bytes}
     steps = {"executables": st.engine.step_set(), "startup": st.step_set}
     backend = st.engine.route_info()
-    return {**st.settings.to_json(), "model": model, "backend": backend, "step_set": steps,
-            "kv_pool": kv_pool, "version": __version__}
+    return {**st.settings.to_json(), "model": model, "backend": backend, "mesh": st.engine.mesh_info(),
+            "step_set": steps, "kv_pool": kv_pool, "version": __version__}
 
 
 @get("/metrics", sync_to_thread=False, media_type="text/plain; version=0.0.4")

@@ -168,6 +168,16 @@ def test_environment_beats_file_and_command_line_beats_environment(kiln, tmp_pat
     assert s["model"]["path"] == {"value": "/m", "source": "command_line"}
 
 
+def test_tensor_parallel_takes_a_count_or_auto(kiln, tmp_path):
+    assert resolved(kiln)["settings"]["engine"]["tensor_parallel"] == {"value": 1, "source": "default"}
+    s = resolved(kiln, "--config", str(write(tmp_path, '[engine]\ntensor_parallel = "Auto"\n')))["settings"]
+    assert s["engine"]["tensor_parallel"] == {"value": "auto", "source": "config_file"}
+    s = resolved(kiln, "--config", str(write(tmp_path, "[engine]\ntensor_parallel = 2\n")))["settings"]
+    assert s["engine"]["tensor_parallel"] == {"value": 2, "source": "config_file"}
+    s = resolved(kiln, env={"KILN_ENGINE_TENSOR_PARALLEL": " 4"})["settings"]
+    assert s["engine"]["tensor_parallel"] == {"value": 4, "source": "environment"}
+
+
 def test_profile_from_environment_is_normalized(kiln):
     doc = resolved(kiln, env={"KILN_SERVER_SERVING_PROFILE": " MAINTENANCE "})
     assert doc["settings"]["server"]["serving_profile"] == {"value": "maintenance", "source": "environment"}
@@ -224,6 +234,10 @@ def test_unknown_section_lists_accepted_sections(kiln, tmp_path):
         ({"KILN_ENGINE_DECODE_ROW_BUCKETS": "1,x"}, "KILN_ENGINE_DECODE_ROW_BUCKETS: invalid value '1,x'"),
         ({"KILN_SERVER_LOG_LEVEL": "loud"}, "KILN_SERVER_LOG_LEVEL: invalid value 'loud'"),
         ({"KILN_TRAIN_MAX_SLICE_MS": "0"}, "KILN_TRAIN_MAX_SLICE_MS: invalid value '0'"),
+        ({"KILN_ENGINE_TENSOR_PARALLEL": "two"},
+         "KILN_ENGINE_TENSOR_PARALLEL: invalid value 'two' for engine.tensor_parallel: expected an integer or \"auto\""),
+        ({"KILN_ENGINE_TENSOR_PARALLEL": "0"},
+         "invalid value '0' for engine.tensor_parallel: expected auto or an integer >= 1"),
     ],
 )
 def test_invalid_environment_values_are_fatal(kiln, env, needle):
@@ -240,6 +254,8 @@ def test_invalid_environment_values_are_fatal(kiln, env, needle):
         ("[server]\ndrain_timeout_s = -1\n", "invalid value -1 for server.drain_timeout_s: expected a number >= 0"),
         ('[engine]\nasync_scheduling = "sometimes"\n', "invalid value 'sometimes' for engine.async_scheduling"),
         ("[train]\nmax_slice_ms = -5\n", "invalid value -5 for train.max_slice_ms: expected a number > 0"),
+        ('[engine]\ntensor_parallel = "all"\n', "invalid value 'all' for engine.tensor_parallel"),
+        ("[engine]\ntensor_parallel = 1.5\n", "invalid value 1.5 for engine.tensor_parallel"),
     ],
 )
 def test_invalid_file_values_are_fatal(kiln, tmp_path, text, needle):

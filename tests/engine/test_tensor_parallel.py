@@ -1,0 +1,85 @@
+"""Serving on a tensor-parallel mesh ([engine] tensor_parallel), on 4 forced CPU devices: real servers
+of one tiny llama (4 query heads, 2 KV heads) with tp = 1, 2 and 4 give the same greedy tokens and
+logprobs, with and without an adapter. On tp = 2 every split divides; on tp = 4 the KV heads do not,
+so the KV pool and k/v stay whole on every device."""
+
+import asyncio
+
+import httpx
+import pytest
+from peft_adapters import make_peft_adapter
+from server_process import ServerProcess
+from tiny_models import make_hf_model, served_hf_dir
+
+FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 50, 25, 12, 6]]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, kiln_cache, tiny_model):  # tiny_model: its conversion holds the tokenizer
+    return served_hf_dir("llama", tmp_path_factory.mktemp("tp-llama"), kiln_cache, seed=21)
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-adapter") / "adapter"
+    make_peft_adapter(make_hf_model("llama", vocab_size=260, seed=21), path, seed=4)
+    return path
+
+
+def completions(url: str, model: str) -> list[tuple[list[str], list[float]]]:
+    """Each prompt's greedy tokens and their logprobs, the prompts sent at once (one batch)."""
+    async def one(client, prompt):
+        r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                                                       "temperature": 0, "ignore_eos": True, "logprobs": 3})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        return lp["tokens"], lp["token_logprobs"]
+
+    async def every():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+    return asyncio.run(every())
+
+
+def serve(model_dir, kiln_cache, adapter_dir, tp: str) -> tuple[dict, list, list]:
+    """A server on the mesh: its /v1/config mesh, the base model's results and the adapter's."""
+    server = ServerProcess(str(model_dir), str(kiln_cache), XLA_FLAGS=FOUR_DEVICES, KILN_ENGINE_TENSOR_PARALLEL=tp)
+    try:
+        mesh = httpx.get(server.url + "/v1/config", timeout=30).json()["mesh"]
+        model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        base = completions(server.url, model)
+        r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter_dir)},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        adapted = completions(server.url, "a")
+    finally:
+        server.stop_cleanly()
+    return mesh, base, adapted
+
+
+def test_served_tokens_and_logprobs_on_two_and_four_devices_equal_one(model_dir, kiln_cache, adapter_dir):
+    mesh, base, adapted = serve(model_dir, kiln_cache, adapter_dir, "1")
+    whole = mesh.pop("weight_bytes_per_device")
+    assert mesh == {"axis": None, "size": 1, "devices": []}
+    assert base != adapted  # the adapter changes the answers
+    for tp in ("2", "auto"):  # auto: all four
+        mesh, tp_base, tp_adapted = serve(model_dir, kiln_cache, adapter_dir, tp)
+        assert mesh["axis"] == "tp" and mesh["size"] == (2 if tp == "2" else 4) and len(mesh["devices"]) == mesh["size"]
+        # the projections are split (embedding, norms and, on 4 devices, k/v stay whole)
+        assert mesh["weight_bytes_per_device"] < 0.8 * whole, (mesh, whole)
+        worst = 0.0
+        for (tokens, logprobs), (tp_tokens, tp_logprobs) in zip(base + adapted, tp_base + tp_adapted, strict=True):
+            assert tp_tokens == tokens
+            worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, tp_logprobs, strict=True)))
+        print(f"tp={mesh['size']}: largest logprob difference {worst:.2e}, weights per device "
+              f"{mesh['weight_bytes_per_device']} of {whole} bytes")
+        assert worst < 1e-4
+
+
+def test_more_devices_than_the_process_has_stop_the_start(model_dir, kiln_cache):
+    with pytest.raises(RuntimeError) as exc:
+        ServerProcess(str(model_dir), str(kiln_cache), XLA_FLAGS=FOUR_DEVICES, KILN_ENGINE_TENSOR_PARALLEL="8")
+    assert "engine.tensor_parallel = 8, but this process has 4 local cpu device(s)" in str(exc.value)
