@@ -95,8 +95,16 @@ class ExecutableStore:
         from jax.experimental.serialize_executable import deserialize_and_load
 
         try:
-            payload, in_tree, out_tree = pickle.loads(blob)
-            executable = deserialize_and_load(payload, in_tree, out_tree)
+            entry = pickle.loads(blob)
+            if len(entry) != 4:  # stored without its devices (an older build): rebuilt
+                return None
+            payload, in_tree, out_tree, device_ids = entry
+            by_id = {d.id: d for d in jax.devices()}
+            if any(i not in by_id for i in device_ids):
+                return None
+            # on the devices it was compiled for (by default it would span every device of the process)
+            executable = deserialize_and_load(payload, in_tree, out_tree,
+                                              execution_devices=[by_id[i] for i in device_ids])
         except Exception as exc:  # a stale or damaged entry is rebuilt, never fatal
             log.warning("stored step executable %s could not be loaded (%s); compiling it again", path.name, exc)
             return None
@@ -126,7 +134,8 @@ class ExecutableStore:
         from jax.experimental.serialize_executable import serialize
 
         try:
-            blob = pickle.dumps(serialize(executable))
+            devices = [d.id for d in executable.runtime_executable().local_devices()]
+            blob = pickle.dumps((*serialize(executable), devices))
         except Exception as exc:  # a backend that cannot serialize still serves; it just compiles at start
             log.warning("step executable could not be serialized (%s)", exc)
             return

@@ -441,7 +441,16 @@ class Runner:
         executable = self.store.load(store_key)
         if executable is None:
             executable = self.store.compile(store_key, fn.lower(*args, **static))
-        return executable
+        if self.mesh is None:
+            return executable
+        # over a mesh an executable takes its arguments placed as compiled (one loaded from disk does
+        # not move them itself): the forward pass's after params and KV, the sampler's all replicated
+        everywhere, placed_from = replicated(self.mesh), (2 if name == "forward" else 0)
+
+        def placed(*call_args):
+            return executable(*call_args[:placed_from], *jax.device_put(call_args[placed_from:], everywhere))
+
+        return placed
 
     def _compile_iree_forward(self, bucket: StepBucket, args, check: bool) -> Callable:
         """The bucket's forward pass and basic sampler as one IREE module, its logits, hidden states and

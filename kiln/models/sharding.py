@@ -3,8 +3,8 @@
 Attention is split over heads (Q/K/V columns, O rows) and the MLP over its intermediate
 dimension (gate/up columns, down rows); the KV pool over KV heads. A dimension that the
 mesh does not divide (e.g. 3 KV heads on 4 devices) stays replicated, so every model
-runs on every mesh; XLA inserts the collectives. Quantized weights (their levels, scales
-and offsets) are replicated for now.
+runs on every mesh; XLA inserts the collectives. Of a quantized model's layers, the
+column-parallel projections are split by output columns; the others are replicated.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kiln.errors import ConfigError
+from kiln.models import quant
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import KVCache
 
@@ -69,21 +70,34 @@ def _layer_spec(name: str, cfg: ModelConfig, tp: int) -> P:
     return P()
 
 
+# quantized projections split by output columns (a fused group's members side by side: XLA moves what
+# the split of the product needs); the row-parallel ones, o and down, are held whole
+_QUANTIZED_COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", *quant.FUSED)
+
+
 def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Each param's sharding; a quantized weight (a pytree of levels and scales) is replicated."""
+    """Each param's sharding (a pytree of them for a quantized weight). A quantized q/k/v or gate/up
+    (or their fused groups) is split by output columns, each of its levels, scales and offsets along
+    its last axis, where the mesh divides every one; other quantized weights are replicated."""
     tp = mesh.shape[AXIS]
 
-    def spec(value, split: P) -> NamedSharding:
-        return NamedSharding(mesh, split if isinstance(value, (jax.Array, np.ndarray)) else P())
+    def spec(value, split: P, name: str = ""):
+        if isinstance(value, (jax.Array, np.ndarray)):
+            return NamedSharding(mesh, split)
+        leaves = jax.tree.leaves(value)
+        if quant.is_quantized(value) and name in _QUANTIZED_COLUMNS and all(x.shape[-1] % tp == 0 for x in leaves):
+            return jax.tree.map(lambda x: NamedSharding(mesh, P(*([None] * (x.ndim - 1)), AXIS)), value)
+        return NamedSharding(mesh, P())
 
     out = {k: replicated(mesh) for k in params if k != "layers"}
     if params.get("lm_head") is not None and cfg.vocab_size % tp == 0:
         out["lm_head"] = spec(params["lm_head"], P(None, AXIS))
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):  # unrolled: one dict per layer, no layer axis
-        out["layers"] = [{k: spec(v, P(*_layer_spec(k, cfg, tp)[1:])) for k, v in layer.items()} for layer in layers]
+        out["layers"] = [{k: spec(v, P(*_layer_spec(k, cfg, tp)[1:]), k) for k, v in layer.items()}
+                         for layer in layers]
     else:
-        out["layers"] = {k: spec(v, _layer_spec(k, cfg, tp)) for k, v in layers.items()}
+        out["layers"] = {k: spec(v, _layer_spec(k, cfg, tp), k) for k, v in layers.items()}
     return out
 
 

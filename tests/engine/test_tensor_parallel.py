@@ -1,7 +1,7 @@
 """Serving on a tensor-parallel mesh ([engine] tensor_parallel), on 4 forced CPU devices: real servers
 of one tiny llama (4 query heads, 2 KV heads) with tp = 1, 2 and 4 give the same greedy tokens and
-logprobs, with and without an adapter. On tp = 2 every split divides; on tp = 4 the KV heads do not,
-so the KV pool and k/v stay whole on every device."""
+logprobs, with and without an adapter, its weights float or quantized. On tp = 2 every split divides;
+on tp = 4 the KV heads do not, so the KV pool and k/v stay whole on every device."""
 
 import asyncio
 
@@ -44,11 +44,17 @@ def completions(url: str, model: str) -> list[tuple[list[str], list[float]]]:
     return asyncio.run(every())
 
 
-def serve(model_dir, kiln_cache, adapter_dir, tp: str) -> tuple[dict, list, list]:
-    """A server on the mesh: its /v1/config mesh, the base model's results and the adapter's."""
-    server = ServerProcess(str(model_dir), str(kiln_cache), XLA_FLAGS=FOUR_DEVICES, KILN_ENGINE_TENSOR_PARALLEL=tp)
+def serve(model_dir, kiln_cache, adapter_dir, tp: str, quantization: str, startup: dict | None = None
+          ) -> tuple[dict, list, list]:
+    """A server on the mesh: its /v1/config mesh, the base model's results and the adapter's (and its
+    step set's start into `startup`)."""
+    server = ServerProcess(str(model_dir), str(kiln_cache), XLA_FLAGS=FOUR_DEVICES, KILN_ENGINE_TENSOR_PARALLEL=tp,
+                           KILN_MODEL_QUANTIZATION=quantization)
     try:
-        mesh = httpx.get(server.url + "/v1/config", timeout=30).json()["mesh"]
+        config = httpx.get(server.url + "/v1/config", timeout=30).json()
+        mesh = config["mesh"]
+        if startup is not None:
+            startup.update(config["step_set"]["startup"])
         model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
         base = completions(server.url, model)
         r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter_dir)},
@@ -60,16 +66,19 @@ def serve(model_dir, kiln_cache, adapter_dir, tp: str) -> tuple[dict, list, list
     return mesh, base, adapted
 
 
-def test_served_tokens_and_logprobs_on_two_and_four_devices_equal_one(model_dir, kiln_cache, adapter_dir):
-    mesh, base, adapted = serve(model_dir, kiln_cache, adapter_dir, "1")
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_served_tokens_and_logprobs_on_two_and_four_devices_equal_one(model_dir, kiln_cache, adapter_dir,
+                                                                      quantization):
+    """Float weights split as the layouts say; int4 ones by output columns for q/k/v and gate/up."""
+    mesh, base, adapted = serve(model_dir, kiln_cache, adapter_dir, "1", quantization)
     whole = mesh.pop("weight_bytes_per_device")
     assert mesh == {"axis": None, "size": 1, "devices": []}
     assert base != adapted  # the adapter changes the answers
     for tp in ("2", "auto"):  # auto: all four
-        mesh, tp_base, tp_adapted = serve(model_dir, kiln_cache, adapter_dir, tp)
+        mesh, tp_base, tp_adapted = serve(model_dir, kiln_cache, adapter_dir, tp, quantization)
         assert mesh["axis"] == "tp" and mesh["size"] == (2 if tp == "2" else 4) and len(mesh["devices"]) == mesh["size"]
-        # the projections are split (embedding, norms and, on 4 devices, k/v stay whole)
-        assert mesh["weight_bytes_per_device"] < 0.8 * whole, (mesh, whole)
+        # the projections are split (embedding, norms and, on 4 devices, k/v stay whole; quantized: o and down)
+        assert mesh["weight_bytes_per_device"] < (0.8 if quantization == "none" else 0.9) * whole, (mesh, whole)
         worst = 0.0
         for (tokens, logprobs), (tp_tokens, tp_logprobs) in zip(base + adapted, tp_base + tp_adapted, strict=True):
             assert tp_tokens == tokens
@@ -77,6 +86,18 @@ def test_served_tokens_and_logprobs_on_two_and_four_devices_equal_one(model_dir,
         print(f"tp={mesh['size']}: largest logprob difference {worst:.2e}, weights per device "
               f"{mesh['weight_bytes_per_device']} of {whole} bytes")
         assert worst < 1e-4
+
+
+def test_a_restarted_server_loads_its_steps_onto_its_devices(model_dir, kiln_cache, adapter_dir):
+    """The step sets the test above built, loaded from disk: each executable runs on the devices it
+    was compiled for (one device of four, or a mesh of two), not on every device of the process."""
+    results = {}
+    for tp in ("1", "2"):
+        startup = {}
+        _, base, adapted = serve(model_dir, kiln_cache, adapter_dir, tp, "none", startup)
+        assert startup["built"] == 0 and startup["loaded"] > 0, startup
+        results[tp] = [tokens for tokens, _ in base + adapted]
+    assert results["2"] == results["1"]
 
 
 def test_more_devices_than_the_process_has_stop_the_start(model_dir, kiln_cache):

@@ -235,7 +235,8 @@ def test_unknown_section_lists_accepted_sections(kiln, tmp_path):
         ({"KILN_SERVER_LOG_LEVEL": "loud"}, "KILN_SERVER_LOG_LEVEL: invalid value 'loud'"),
         ({"KILN_TRAIN_MAX_SLICE_MS": "0"}, "KILN_TRAIN_MAX_SLICE_MS: invalid value '0'"),
         ({"KILN_ENGINE_TENSOR_PARALLEL": "two"},
-         "KILN_ENGINE_TENSOR_PARALLEL: invalid value 'two' for engine.tensor_parallel: expected an integer or \"auto\""),
+         "KILN_ENGINE_TENSOR_PARALLEL: invalid value 'two' for engine.tensor_parallel: expected an integer or "
+         '"auto"'),
         ({"KILN_ENGINE_TENSOR_PARALLEL": "0"},
          "invalid value '0' for engine.tensor_parallel: expected auto or an integer >= 1"),
     ],
