@@ -4,8 +4,11 @@ logprobs, with and without an adapter, its weights float or quantized. On tp = 2
 on tp = 4 the KV heads do not, so the KV pool and k/v stay whole on every device."""
 
 import asyncio
+import json
+import time
 
 import httpx
+import openai
 import pytest
 from peft_adapters import make_peft_adapter
 from server_process import ServerProcess
@@ -98,6 +101,45 @@ def test_a_restarted_server_loads_its_steps_onto_its_devices(model_dir, kiln_cac
         assert startup["built"] == 0 and startup["loaded"] > 0, startup
         results[tp] = [tokens for tokens, _ in base + adapted]
     assert results["2"] == results["1"]
+
+
+def test_an_adapter_trained_on_a_mesh_serves_on_one_device(model_dir, kiln_cache, tmp_path):
+    """A fine-tuning job on a tp=2 server trains on the sharded base and its loss falls; its adapter,
+    from the shared store, serves the same tokens on a one-device server as on the mesh. (The other
+    way round, an adapter made on one device serving on a mesh, is the first test's.)"""
+    env = {"XLA_FLAGS": FOUR_DEVICES, "KILN_ADAPTERS_STORE": str(tmp_path / "store"),
+           "KILN_TRAIN_DATA_DIR": str(tmp_path / "data"), "KILN_ADAPTERS_MAX_LORA_RANK": "8"}
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": "ok!"}]
+             for q in ("hi", "why?", "who", "when", "ping", "2+2", "bye", "yes")]
+    train = "\n".join(json.dumps({"messages": chat}) for chat in chats).encode()
+    server = ServerProcess(str(model_dir), str(kiln_cache), KILN_ENGINE_TENSOR_PARALLEL="2", **env)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        file = client.files.create(file=("train.jsonl", train), purpose="fine-tune")
+        method = {"type": "supervised", "supervised": {"hyperparameters": {"n_epochs": 6, "batch_size": 4}}}
+        job = client.fine_tuning.jobs.create(model=model, training_file=file.id, method=method, extra_body={"kiln": {
+            "lora": {"rank": 8, "alpha": 16}, "learning_rate": 1e-2, "max_seq_len": 64, "adapter_name": "meshed"}})
+        deadline = time.monotonic() + 300
+        while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert job.status == "succeeded", job.error
+        losses = [e.data["train_loss"] for e in reversed(client.fine_tuning.jobs.list_events(job.id, limit=100).data)
+                  if e.type == "metrics"]
+        assert len(losses) == 12 and losses[-1] < 0.85 * losses[0], losses
+        on_mesh = completions(server.url, "meshed")  # loaded for serving when the job ended
+    finally:
+        server.stop_cleanly()
+    server = ServerProcess(str(model_dir), str(kiln_cache), KILN_ENGINE_TENSOR_PARALLEL="1", **env)
+    try:
+        assert httpx.post(server.url + "/v1/adapters", json={"name": "meshed"}, timeout=120).status_code == 200
+        on_one = completions(server.url, "meshed")
+    finally:
+        server.stop_cleanly()
+    for (tokens, logprobs), (one_tokens, one_logprobs) in zip(on_mesh, on_one, strict=True):
+        assert one_tokens == tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, one_logprobs, strict=True)) < 1e-4
 
 
 def test_more_devices_than_the_process_has_stop_the_start(model_dir, kiln_cache):
