@@ -49,7 +49,7 @@ def _choose(value: Any, auto: Any, kind: type, lo: float, hi: float, param: str)
 
 @dataclasses.dataclass(frozen=True)
 class _SharedOptions:
-    """A job request's options every method shares, checked (see JobManager._shared_options)."""
+    """A job request's options every method shares, checked (see JobRequests._shared_options)."""
 
     job_id: str
     name: str
