@@ -208,6 +208,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("train", "n_epochs", "int", 3, at_least(1), "passes over the training data"),
     Key("train", "batch_size", "int", 8, at_least(1), "sequences per micro-batch"),
     Key("train", "gradient_accumulation", "int", 1, at_least(1), "micro-batches per optimizer step"),
+    Key("train", "data_parallel", "int|auto", 1, count_or_auto,
+        "devices an in-process run (kiln train) splits each batch's rows over, times engine.tensor_parallel's "
+        "for the weights; auto = every device the tp axis leaves. A server's jobs train on its serving mesh"),
     Key("train", "max_seq_len", "int", 1024, at_least(8), "tokens per sequence; longer examples are cut"),
     Key("train", "warmup_ratio", "float", 0.03, fraction, "share of optimizer steps spent warming up"),
     Key("train", "lr_schedule", "str", "cosine", one_of("cosine", "linear", "constant"), "decay after warmup"),

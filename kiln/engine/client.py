@@ -286,6 +286,12 @@ class AsyncEngine:
         return {**core.backend.choice.to_json(), "resident_prefill": core.resident_prefill,
                 "quarantined": core.quarantined}
 
+    @property
+    def mesh(self):
+        """The jax.sharding.Mesh the model's weights are split over (None: one device); training runs
+        on the engine's weights place their own arrays on it."""
+        return self._core.mesh
+
     def mesh_info(self) -> dict[str, Any]:
         """The tensor-parallel mesh the model is split over: axis, size and devices (size 1: none), and
         the weights' bytes on each device."""

@@ -1,4 +1,5 @@
-"""Tensor-parallel layouts: params and KV cache over a 1-D device mesh axis "tp".
+"""Tensor-parallel layouts: params and KV cache over a device mesh axis "tp" (and, for training, a
+data-parallel axis "dp" that splits a batch's rows).
 
 Attention is split over heads (Q/K/V columns, O rows) and the MLP over its intermediate
 dimension (gate/up columns, down rows); the KV pool over KV heads. A dimension that the
@@ -20,11 +21,27 @@ from kiln.models.config import ModelConfig
 from kiln.models.decoder import KVCache
 
 AXIS = "tp"
+DATA = "dp"
 
 
 def make_mesh(devices=None) -> Mesh:
     devices = np.asarray(devices if devices is not None else jax.devices())
     return Mesh(devices, (AXIS,))
+
+
+def training_mesh(data_parallel: int | str, tensor_parallel: int | str) -> Mesh | None:
+    """The (dp, tp) mesh an in-process training run asks for with `[train] data_parallel` and
+    `[engine] tensor_parallel`; "auto" data parallelism takes every device the tp axis leaves. None for
+    one device."""
+    devices = jax.devices()  # every process's: a multi-process run's mesh spans its hosts
+    tp = len(devices) if tensor_parallel == "auto" else int(tensor_parallel)
+    dp = max(1, len(devices) // tp) if data_parallel == "auto" else int(data_parallel)
+    if dp * tp > len(devices):
+        raise ConfigError(f"train.data_parallel = {dp} times engine.tensor_parallel = {tp} needs {dp * tp} devices, "
+                          f"but {len(devices)} {devices[0].platform} device(s) were found")
+    if dp * tp == 1:
+        return None
+    return Mesh(np.asarray(devices[:dp * tp]).reshape(dp, tp), (DATA, AXIS))
 
 
 def serving_mesh(tensor_parallel: int | str, one_device_route: str | None = None) -> Mesh | None:
@@ -99,6 +116,30 @@ def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     else:
         out["layers"] = {k: spec(v, _layer_spec(k, cfg, tp), k) for k, v in layers.items()}
     return out
+
+
+def lora_shardings(lora: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """A LoRA pytree's shardings, each split like its base matrix: B [L, r, out] by output columns
+    where the base is split by columns (q/k/v, gate/up), A [L, in, r] by input rows where it is split
+    by rows (o, down); the other factor, a mixture's experts' and what the mesh does not divide are
+    held whole. Replicated over any data-parallel axis."""
+    tp = mesh.shape[AXIS]
+    out = {}
+    for module, parts in lora.items():
+        base = _layer_spec(module, cfg, tp)
+        out[module] = {k: replicated(mesh) for k in parts}
+        if base == P(None, None, AXIS):
+            out[module]["b"] = NamedSharding(mesh, P(None, None, AXIS))
+        elif base == P(None, AXIS, None):
+            out[module]["a"] = NamedSharding(mesh, P(None, AXIS, None))
+    return out
+
+
+def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
+    """An array whose first axis is a batch's rows: split over the data-parallel axis where the mesh
+    has one that divides them, else replicated."""
+    dp = mesh.shape.get(DATA, 1)
+    return NamedSharding(mesh, P(DATA) if dp > 1 and rows % dp == 0 else P())
 
 
 def describe(mesh: Mesh | None, params: dict) -> dict:

@@ -54,6 +54,7 @@ from kiln.train.artifact import default_adapter_name
 from kiln.train.data import bucket, length_buckets
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
 from kiln.train.optim import adamw, learning_rate_schedule
+from kiln.train.placement import Placement
 from kiln.train.run import LoraRun, adapter_store, drive
 from kiln.train.slices import SlicedStep, StepAbandoned, Turns
 
@@ -207,12 +208,14 @@ def completion_logprobs(params, lora, batch: RolloutBatch, cfg: ModelConfig, sca
 
 
 def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config: GRPOConfig,
-                      teacher_cfg: ModelConfig | None = None, teacher_scale: float = 1.0):
+                      teacher_cfg: ModelConfig | None = None, teacher_scale: float = 1.0,
+                      placement: Placement | None = None):
     """The jitted pieces of a policy step: gradients of one micro-batch, the optimizer update, and
     token logprobs (old policy, reference, teacher) without gradients; and the loss after the
     decoder (`head_loss`, for sliced steps). With `config.jsd_beta` set (distillation), the loss
     adds the generalized JSD to the teacher's full distribution; the teacher (params, LoRA or
-    None) is then the gradient function's fourth argument."""
+    None) is then the gradient function's fourth argument. The update returns the params and optimizer
+    state placed as `placement` holds them (default: one device)."""
     scale, temperature = config.scale, config.temperature
     jsd_beta = getattr(config, "jsd_beta", None)
 
@@ -262,7 +265,8 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
     def logprobs(lora, params, batch: RolloutBatch):
         return completion_logprobs(params, lora, batch, cfg, scale, temperature)
 
-    return jax.jit(grads), jax.jit(update, donate_argnums=(0, 1)), jax.jit(logprobs), head_loss
+    placed_update = (placement or Placement(None, cfg)).jit_update(update, donate_argnums=(0, 1))
+    return jax.jit(grads), placed_update, jax.jit(logprobs), head_loss
 
 
 Reward = Callable[[list[str | dict], list[Any]], list[float]]  # (output texts or sample namespaces, items)
@@ -328,13 +332,15 @@ class GRPORun(LoraRun):
         self.schedule = learning_rate_schedule(config.learning_rate, self.total_steps, config.warmup_ratio,
                                                config.lr_schedule)
         self.tx = adamw(self.schedule, config.weight_decay, config.max_grad_norm)
-        self.lora = init_lora(self.cfg, config.lora_rank, config.target_modules, config.seed)
+        lora = init_lora(self.cfg, config.lora_rank, config.target_modules, config.seed)
         if start_lora is not None:  # an SFT run's adapter (`run.lora`) as the policy's start
-            if jax.tree.map(jnp.shape, start_lora) != jax.tree.map(jnp.shape, self.lora):
+            if jax.tree.map(jnp.shape, start_lora) != jax.tree.map(jnp.shape, lora):
                 raise ValueError("start_lora must have this config's rank and target modules")
-            self.lora = jax.tree.map(jnp.asarray, start_lora)
-        self.opt_state = self.tx.init(self.lora)
-        self._set_steps(make_policy_steps(self.cfg, self.tx, config))
+            lora = jax.tree.map(jnp.asarray, start_lora)
+        # on the engine's mesh, the LoRA params and optimizer state are split like the weights
+        self.placement = Placement(engine.mesh, self.cfg)
+        self.lora, self.opt_state = self.placement.state(self.tx, lora)
+        self._set_steps(make_policy_steps(self.cfg, self.tx, config, placement=self.placement))
         self._executables: dict[tuple, Any] = {}
         self.trained_tokens = 0  # completion tokens in the loss
         self.step = 0
@@ -586,6 +592,7 @@ class GRPORun(LoraRun):
         return float(np.mean(scores))
 
     def _restored(self) -> None:
+        self.lora, self.opt_state = self.placement.restored(self.lora, self.opt_state)
         self.publish()
 
 

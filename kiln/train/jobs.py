@@ -94,6 +94,9 @@ class JobManager:
         self.current: str | None = None
         self.share = ServingShare(settings, engine)
         self.requests = JobRequests(settings, engine, registry, store, self.share, evals)
+        if settings.train.data_parallel != 1:
+            log.warning("train.data_parallel = %s is for in-process runs (kiln train); this server's fine-tuning "
+                        "jobs train on its serving mesh (engine.tensor_parallel)", settings.train.data_parallel)
         for job in store.list_jobs(ACTIVE):  # a restart: running jobs resume from their checkpoints
             if job["status"] == "running":
                 store.add_event(job["id"], "Kiln restarted; the job resumes from its last checkpoint")
@@ -351,7 +354,7 @@ class JobManager:
             return self.requests.examples(file, spec.config, param)
 
         return SFTRun(self.model.params, self.model.config, self._input(spec, "training", read), spec.config,
-                      self._input(spec, "validation", read), remat=spec.remat, name=spec.id)
+                      self._input(spec, "validation", read), remat=spec.remat, name=spec.id, mesh=self.engine.mesh)
 
     def _policy_run(self, spec: JobSpec, make) -> GRPORun:
         """A GRPO or distillation run: make(ids, items, name) on the job's prompts; the

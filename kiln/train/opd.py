@@ -95,7 +95,7 @@ class OPDRun(GRPORun):
                                  code="teacher_tokenizer_mismatch")
         super().__init__(engine, prompts, items or [None] * len(prompts), None, config, name)
         self.teacher = teacher
-        self._set_steps(make_policy_steps(self.cfg, self.tx, config, teacher.cfg, teacher.scale))
+        self._set_steps(make_policy_steps(self.cfg, self.tx, config, teacher.cfg, teacher.scale, self.placement))
         self._jitted["teacher"] = jax.jit(lambda lora, params, batch: completion_logprobs(
             params, lora, batch, teacher.cfg, teacher.scale, config.temperature))
 

@@ -25,6 +25,7 @@ from kiln.config import setting_default
 from kiln.errors import ConfigError
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import logits
+from kiln.models.sharding import shard_params, training_mesh
 from kiln.train import losses
 from kiln.train.artifact import default_adapter_name
 from kiln.train.data import (
@@ -39,6 +40,7 @@ from kiln.train.data import (
 )
 from kiln.train.forward import forward_hidden, init_lora, load_balancing_loss
 from kiln.train.optim import adamw, learning_rate_schedule
+from kiln.train.placement import Placement
 from kiln.train.run import LoraRun, adapter_store, drive
 from kiln.train.slices import SlicedStep, StepAbandoned, Turns
 
@@ -100,10 +102,11 @@ def loss_norm(batch: Batch):
 
 
 def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: float, remat: bool,
-                    router_aux_loss_coef: float = 0.0):
+                    router_aux_loss_coef: float, placement: Placement):
     """One micro-batch in one executable: loss, gradients w.r.t. the LoRA params only, optimizer
-    update. The LoRA params and optimizer state are donated (updated in place). A positive
-    `router_aux_loss_coef` adds a mixture's load-balancing loss (reported as router_aux_loss)."""
+    update. The LoRA params and optimizer state are donated (updated in place), and come back placed
+    as `placement` holds them. A positive `router_aux_loss_coef` adds a mixture's load-balancing
+    loss (reported as router_aux_loss)."""
     balance = router_aux_loss_coef > 0
 
     def loss_fn(lora, params, batch: Batch):
@@ -121,17 +124,17 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: f
         metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads)}
         return optax.apply_updates(lora, updates), opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return placement.jit_update(step, donate_argnums=(0, 1))
 
 
-def make_update(tx: optax.GradientTransformation):
+def make_update(tx: optax.GradientTransformation, placement: Placement):
     """The optimizer update of a sliced step's gradients (params and state donated); and their norm."""
 
     def update(lora, opt_state, grads):
         updates, opt_state = tx.update(grads, opt_state, lora)
         return optax.apply_updates(lora, updates), opt_state, optax.tree.norm(grads)
 
-    return jax.jit(update, donate_argnums=(0, 1))
+    return placement.jit_update(update, donate_argnums=(0, 1))
 
 
 def make_eval_step(cfg: ModelConfig, scale: float):
@@ -152,7 +155,9 @@ def _shape(batch: Batch) -> tuple[int, int, int]:
 
 class SFTRun(LoraRun):
     """One SFT run over `params` (the serving arrays, never copied). name: what it holds
-    accelerator ownership as."""
+    accelerator ownership as. mesh: the one `params` are placed on (kiln.models.sharding; None: one
+    device); the LoRA params and optimizer state are split like them, a batch's rows over its
+    data-parallel axis."""
 
     kind = "sft"
     method = "supervised"
@@ -160,7 +165,8 @@ class SFTRun(LoraRun):
     progress_keys = {"train_loss": "loss"}
 
     def __init__(self, params: dict, cfg: ModelConfig, examples: list[Example], config: SFTConfig,
-                 valid_examples: list[Example] | None = None, remat: bool = False, name: str = "sft"):
+                 valid_examples: list[Example] | None = None, remat: bool = False, name: str = "sft",
+                 mesh=None):
         self.params, self.cfg, self.config, self.name = params, cfg, config, name
         self.examples, self.valid_examples = examples, valid_examples or []
         self.buckets = length_buckets(config.max_seq_len)
@@ -170,8 +176,9 @@ class SFTRun(LoraRun):
         self.schedule = learning_rate_schedule(config.learning_rate, self.total_steps, config.warmup_ratio,
                                                config.lr_schedule)
         tx = adamw(self.schedule, config.weight_decay, config.max_grad_norm, config.gradient_accumulation)
-        self.lora = init_lora(cfg, config.lora_rank, config.target_modules, config.seed)
-        self.opt_state = tx.init(self.lora)
+        self.placement = Placement(mesh, cfg)
+        self.lora, self.opt_state = self.placement.state(tx, init_lora(cfg, config.lora_rank, config.target_modules,
+                                                                       config.seed))
         self.remat = remat
         if config.router_aux_loss_coef < 0:
             raise ConfigError(f"router_aux_loss_coef = {config.router_aux_loss_coef}: the weight of the "
@@ -179,8 +186,8 @@ class SFTRun(LoraRun):
         if config.router_aux_loss_coef and not cfg.num_experts:
             raise ConfigError(f"router_aux_loss_coef = {config.router_aux_loss_coef}: {cfg.architecture} has no "
                               "router (the load-balancing loss is a mixture of experts')")
-        self._train_step = make_train_step(cfg, tx, config.scale, remat, config.router_aux_loss_coef)
-        self._update = make_update(tx)
+        self._train_step = make_train_step(cfg, tx, config.scale, remat, config.router_aux_loss_coef, self.placement)
+        self._update = make_update(tx, self.placement)
         self._sliced = SlicedStep(cfg, config.scale, functools.partial(head_loss, cfg=cfg), config.max_slice_ms, remat)
         self._eval_step = make_eval_step(cfg, config.scale)
         self.micro_step = 0
@@ -231,7 +238,7 @@ class SFTRun(LoraRun):
             self._sliced.prepare(self.params, self.lora, self._prepared, plan)
         elif shape not in self._executables:
             self._executables[shape] = self._train_step.lower(self.lora, self.opt_state, self.params,
-                                                              self._prepared).compile()
+                                                              self.placement.batch(self._prepared)).compile()
 
     def _plan(self, turns: Turns | None):
         """How the prepared batch runs: fused (None) alone in its process or with the router's
@@ -255,7 +262,7 @@ class SFTRun(LoraRun):
                 with turns.write(f"training {self.name}"):
                     started = time.perf_counter()
                     self.lora, self.opt_state, metrics = self._executables[_shape(batch)](
-                        self.lora, self.opt_state, self.params, batch)
+                        self.lora, self.opt_state, self.params, self.placement.batch(batch))
                     jax.block_until_ready(metrics)
                     self._sliced.record_fused(batch, time.perf_counter() - started)
             else:
@@ -308,12 +315,13 @@ class SFTRun(LoraRun):
         rows = self.config.batch_size
         for start in range(0, len(self.valid_examples), rows):
             batch = make_batch(self.valid_examples[start:start + rows], rows, self.buckets)
-            s, c, n = self._eval_step(self.lora, self.params, batch)
+            s, c, n = self._eval_step(self.lora, self.params, self.placement.batch(batch))
             loss, correct, count = loss + float(s), correct + float(c), count + float(n)
         count = max(count, 1.0)
         return {"valid_loss": loss / count, "valid_mean_token_accuracy": correct / count}
 
     def _restored(self) -> None:
+        self.lora, self.opt_state = self.placement.restored(self.lora, self.opt_state)
         self._epoch_iter = self._prepared = None
 
 
@@ -361,7 +369,9 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
     examples = load_examples(data, model.tokenizer, config.max_seq_len)
     valid = (load_examples(validation, model.tokenizer, config.max_seq_len, "validation file")
              if validation is not None else None)
-    run = SFTRun(model.params, model.config, examples, config, valid, remat=config.remat == "on")
+    mesh = training_mesh(settings.train.data_parallel, settings.engine.tensor_parallel)
+    params = shard_params(model.params, model.config, mesh) if mesh is not None else model.params
+    run = SFTRun(params, model.config, examples, config, valid, remat=config.remat == "on", mesh=mesh)
     inputs = [{"purpose": "training", "sha256": file_digest(data)}] if save else []
     if save and validation is not None:
         inputs.append({"purpose": "validation", "sha256": file_digest(validation)})

@@ -1,0 +1,116 @@
+"""Training on a device mesh, on 4 forced CPU devices: `kiln train sft` with its batches' rows split
+over a data-parallel axis and the weights over a tensor-parallel one gives the losses and the adapter
+of one device; a GRPO step on a tensor-parallel engine gives the gradients of a one-device engine's."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kiln.adapters.store import AdapterStore, load_weights
+
+FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
+CHATS = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok, " + q}]}
+         for q in ("hi", "why?", "who", "when", "ping", "2+2", "bye", "yes", "no")]
+
+
+def mesh_env(kiln_cache, data_parallel: str, tensor_parallel: str, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    return {**env, "XLA_FLAGS": FOUR_DEVICES, "KILN_CACHE_DIR": str(kiln_cache),
+            "KILN_TRAIN_DATA_PARALLEL": data_parallel, "KILN_ENGINE_TENSOR_PARALLEL": tensor_parallel, **extra}
+
+
+def train_sft(model, kiln_cache, tmp_path, data_parallel: str, tensor_parallel: str) -> subprocess.CompletedProcess:
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(chat) for chat in CHATS) + "\n")
+    env = mesh_env(kiln_cache, data_parallel, tensor_parallel, KILN_MODEL_PATH=model.source,
+                   KILN_ADAPTERS_STORE=str(tmp_path / "store"), KILN_TRAIN_TENSORBOARD="false")
+    # 9 examples in batches of 3: each batch's rows are padded to 4 on two data-parallel devices
+    args = ["--data", str(data), "--name", f"dp{data_parallel}-tp{tensor_parallel}", "--epochs", "2",
+            "--batch-size", "3", "--rank", "4", "--learning-rate", "0.01", "--max-seq-len", "64", "--json"]
+    return subprocess.run([sys.executable, "-m", "kiln", "train", "sft", *args], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_sft_on_two_data_and_two_tensor_parallel_devices_equals_one_device(expressive_model, kiln_cache, tmp_path):
+    """The same losses step by step, and the same adapter (to float rounding, which Adam steps of 0.01 amplify),
+    saved whole, so that it serves on one device."""
+    runs = {}
+    for dp, tp in (("1", "1"), ("auto", "2")):  # auto: the 2 devices of 4 that tp = 2 leaves
+        proc = train_sft(expressive_model, kiln_cache, tmp_path, dp, tp)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        runs[dp] = json.loads(proc.stdout)
+    one, mesh = runs["1"]["history"], runs["auto"]["history"]
+    assert [h["step"] for h in mesh] == [h["step"] for h in one] == list(range(1, 7))
+    for key in ("train_loss", "grad_norm", "train_mean_token_accuracy"):
+        np.testing.assert_allclose([h[key] for h in mesh], [h[key] for h in one], rtol=2e-5, err_msg=key)
+    assert one[-1]["train_loss"] < one[0]["train_loss"]
+    store = AdapterStore(tmp_path / "store")
+    whole, split = load_weights(store.latest("dp1-tp1")), load_weights(store.latest("dpauto-tp2"))
+    for module, parts in whole.items():
+        for k, value in parts.items():
+            np.testing.assert_allclose(split[module][k], value, atol=3e-5, err_msg=f"{module}.{k}")
+
+
+def test_a_mesh_larger_than_the_devices_is_refused_naming_both_settings(expressive_model, kiln_cache, tmp_path):
+    proc = train_sft(expressive_model, kiln_cache, tmp_path, "4", "2")
+    assert proc.returncode == 1
+    assert ("train.data_parallel = 4 times engine.tensor_parallel = 2 needs 8 devices, but 4 cpu device(s) were "
+            "found") in proc.stdout
+
+
+GRPO_STEP = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from kiln.engine.client import AsyncEngine
+    from kiln.engine.config import EngineConfig
+    from kiln.models.loader import load_model
+    from kiln.train.grpo import GRPOConfig, GRPORun, Rollout
+
+    model = load_model(sys.argv[1], show_progress=False, model_id="tiny-llama")
+    engine = AsyncEngine(model, EngineConfig(**json.loads(sys.argv[2])))
+    try:
+        config = GRPOConfig(lora_rank=4, lora_alpha=8, num_generations=2, prompts_per_step=2, learning_rate=0.05,
+                            max_completion_tokens=6, micro_batch_rows=2)
+        run = GRPORun(engine, [[5, 6, 7], [8, 9]], [None, None], None, config)
+        rng = np.random.default_rng(0)
+        groups = [[Rollout(p, rng.integers(3, 250, 5).tolist(), None, False, float(r)) for r in rewards]
+                  for p, rewards in (([5, 6, 7], (1.0, 0.0)), ([8, 9], (0.2, 0.9)))]
+        steps = [run.train_step(groups) for _ in range(2)]
+        b = run.lora["q_proj"]["b"]
+        print(json.dumps({"loss": [s["loss"] for s in steps], "grad_norm": [s["grad_norm"] for s in steps],
+                          "spec": str(getattr(b.sharding, "spec", None)), "q_b": np.asarray(b).ravel().tolist()}))
+    finally:
+        engine.shutdown()
+""")
+
+
+def test_a_grpo_step_on_a_tensor_parallel_engine_equals_one_device(expressive_model, kiln_cache):
+    """The policy's LoRA params are split like the weights (B of q by columns) and its steps, on the
+    same rollouts, give the one-device losses, gradient norms and updated params."""
+    from conftest import POLICY_ENGINE
+
+    out = {}
+    for tp in (1, 2):
+        engine = json.dumps({**POLICY_ENGINE, "decode_row_buckets": [8], "prefill_token_buckets": [32],
+                             "tensor_parallel": tp})
+        env = mesh_env(kiln_cache, "1", "1")
+        proc = subprocess.run([sys.executable, "-c", GRPO_STEP, expressive_model.source, engine], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[tp] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out[1]["spec"] == "None" and out[2]["spec"] == "P(None, None, 'tp')"
+    for key in ("loss", "grad_norm", "q_b"):
+        np.testing.assert_allclose(out[2][key], out[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert max(abs(x) for x in out[1]["q_b"]) > 0  # the steps moved B from zero
+
+
+@pytest.mark.parametrize("value", ["0", "x"])
+def test_bad_data_parallel_values_are_refused(value, kiln_cache):
+    proc = subprocess.run([sys.executable, "-m", "kiln", "config", "--json"], capture_output=True, text=True,
+                          env=mesh_env(kiln_cache, value, "1"), timeout=120)
+    assert proc.returncode != 0 and "KILN_TRAIN_DATA_PARALLEL" in proc.stdout + proc.stderr
