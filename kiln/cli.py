@@ -136,6 +136,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _apply_log_level(settings)
+    if (n := settings.distributed.num_processes) > 1:
+        raise ConfigError(f"distributed.num_processes = {n}: a server runs in one process for now ([distributed] "
+                          "joins the processes of `kiln train`); use engine.tensor_parallel over its local devices")
     try:  # the port accepts connections before JAX, the model or the HTTP stack is loaded
         sock = _listen(settings)
     except OSError as exc:

@@ -59,6 +59,12 @@ def count_or_auto(value: int | str) -> int | str:
     return value
 
 
+def index_or_auto(value: int | str) -> int | str:
+    if value != "auto" and value < 0:
+        raise ValueError("expected auto or an integer >= 0")
+    return value
+
+
 def power_of_two(lo: int, hi: int) -> Check:
     return _rule(lambda v: lo <= v <= hi and v & (v - 1) == 0, f"expected a power of two from {lo} to {hi}")
 
@@ -235,6 +241,15 @@ SCHEMA: tuple[Key, ...] = (
         "empty = the job's directory (<data dir>/jobs/<job id>/tensorboard) or <data dir>/runs"),
     Key("train", "teachers", "list[str]", [], None,
         "models a distillation job may name as teacher: \"name=path\" (HF directory or GGUF); loaded on first use"),
+    Key("distributed", "coordinator", "str", "", None,
+        "host:port of process 0, where every process of a run that spans processes (hosts) meets "
+        "(jax.distributed); empty = one process"),
+    Key("distributed", "num_processes", "int", 1, at_least(1), "processes of a run that spans hosts"),
+    Key("distributed", "process_id", "int|auto", "auto", index_or_auto,
+        "this process's index, 0 to num_processes - 1; auto = a Kubernetes Indexed Job's completion index, or "
+        "the ordinal a StatefulSet pod's host name ends in"),
+    Key("distributed", "timeout_s", "int", 120, at_least(1),
+        "seconds a process waits for the coordinator and the others before it fails, naming the address"),
     Key("cache", "dir", "str", "", None, "cache directory; empty = $XDG_CACHE_HOME/kiln or ~/.cache/kiln"),
     Key("cache", "compilation_dir", "str", "", None, "JAX persistent compilation cache; empty = <cache dir>/jax"),
     Key("backend", "route", "str", "auto", one_of("auto", "xla", "vulkan", "iree-cpu"),

@@ -77,12 +77,22 @@ def _complete_versions(adapter_dir: epath.Path) -> list[str]:
     return sorted((p.name for p in adapter_dir.iterdir() if _is_version(p) and (p / MANIFEST).exists()), key=int)
 
 
-def load_weights(artifact: Artifact) -> dict[str, dict[str, np.ndarray]]:
-    """The LoRA params, verified against the manifest's weights digest."""
+def _checkpointer():
+    """An orbax checkpointer that this process alone drives: an artifact holds whole host arrays, and
+    of a run that spans processes only one saves it (orbax would otherwise wait for every process)."""
+    import jax
     import orbax.checkpoint as ocp
 
+    me = jax.process_index()
+    return ocp.StandardCheckpointer(
+        multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}))
+
+
+def load_weights(artifact: Artifact) -> dict[str, dict[str, np.ndarray]]:
+    """The LoRA params, verified against the manifest's weights digest."""
+
     try:
-        with ocp.StandardCheckpointer() as ckpt:
+        with _checkpointer() as ckpt:
             tree = ckpt.restore(artifact.path / "checkpoint")
     except Exception as exc:  # orbax raises many types for a damaged checkpoint
         raise InvalidAdapter(f"{artifact.path}: cannot restore the checkpoint: {exc}") from None
@@ -93,11 +103,10 @@ def load_weights(artifact: Artifact) -> dict[str, dict[str, np.ndarray]]:
 
 
 def load_optimizer_state(artifact: Artifact, target: Any = None) -> Any:
-    import orbax.checkpoint as ocp
 
     if not artifact.manifest.has_optimizer_state:
         raise InvalidAdapter(f"{artifact.path}: the artifact has no optimizer state")
-    with ocp.StandardCheckpointer() as ckpt:
+    with _checkpointer() as ckpt:
         return ckpt.restore(artifact.path / "optimizer", target)
 
 
@@ -126,8 +135,6 @@ class AdapterStore:
         existing version fails, so two processes saving the same name at once (a shared store)
         each get a version of their own, complete and never mixed; the later rename is the
         later version, and wins."""
-        import jax
-        import orbax.checkpoint as ocp
 
         name = validate_name(manifest.name)
         adapter_dir = self.root / name
@@ -136,14 +143,13 @@ class AdapterStore:
         weights = {m: {k: np.asarray(v, np.float32) for k, v in parts.items()} for m, parts in weights.items()}
         manifest = msgspec.structs.replace(manifest, weights_digest=weights_digest(weights),
                                            has_optimizer_state=opt_state is not None)
-        with ocp.StandardCheckpointer() as ckpt:
+        with _checkpointer() as ckpt:
             ckpt.save(staging / "checkpoint", weights)
             if opt_state is not None:
                 ckpt.save(staging / "optimizer", opt_state)
             ckpt.wait_until_finished()
         data = manifest.encode()
-        if jax.process_index() == 0:
-            (staging / MANIFEST).write_bytes(data)
+        (staging / MANIFEST).write_bytes(data)
         for _ in range(1000):
             taken = [int(p.name) for p in adapter_dir.iterdir() if p.name.isdigit()]
             path = adapter_dir / f"{max(taken, default=0) + 1:06d}"

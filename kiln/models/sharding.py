@@ -31,10 +31,12 @@ def make_mesh(devices=None) -> Mesh:
 
 def training_mesh(data_parallel: int | str, tensor_parallel: int | str) -> Mesh | None:
     """The (dp, tp) mesh an in-process training run asks for with `[train] data_parallel` and
-    `[engine] tensor_parallel`; "auto" data parallelism takes every device the tp axis leaves. None for
-    one device."""
-    devices = jax.devices()  # every process's: a multi-process run's mesh spans its hosts
-    tp = len(devices) if tensor_parallel == "auto" else int(tensor_parallel)
+    `[engine] tensor_parallel`, over every process's devices (a run that spans hosts: each host's
+    devices in a row, so that tp stays within a host when it is a host's count). "auto" tensor
+    parallelism is a process's devices; "auto" data parallelism every device the tp axis leaves.
+    None for one device."""
+    devices = jax.devices()
+    tp = jax.local_device_count() if tensor_parallel == "auto" else int(tensor_parallel)
     dp = max(1, len(devices) // tp) if data_parallel == "auto" else int(data_parallel)
     if dp * tp > len(devices):
         raise ConfigError(f"train.data_parallel = {dp} times engine.tensor_parallel = {tp} needs {dp * tp} devices, "

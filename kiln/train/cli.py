@@ -32,13 +32,16 @@ def add_parser(sub, add_settings_arguments) -> None:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    from kiln import distributed
     from kiln.engine.setup import configure_compilation_cache
     from kiln.errors import KilnError
     from kiln.train.sft import sft
 
-    configure_compilation_cache(settings.compilation_dir())
     overrides = {field: v for flag, field in _OVERRIDES.items() if (v := getattr(args, flag)) is not None}
     try:
+        # a run over several processes joins them before JAX starts its backends
+        index = distributed.initialize(settings)
+        configure_compilation_cache(settings.compilation_dir())
         result = sft(Path(args.data), args.name, validation=Path(args.validation) if args.validation else None,
                      settings=settings, **overrides)
     except (KilnError, OSError) as exc:
@@ -46,11 +49,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         return 1
     artifact, final = result.artifact, result.history[-1]
     if args.json:
-        print(json.dumps({"artifact": artifact.summary(), "history": result.history,
-                          "compiled_shapes": result.compiled_shapes}, indent=2))
+        print(json.dumps({"artifact": artifact.summary() if artifact else None, "process": index,
+                          "history": result.history, "compiled_shapes": result.compiled_shapes}, indent=2))
         return 0
     metrics = "  ".join(f"{k} {v:.4g}" for k, v in final.items() if isinstance(v, float))
-    print(f"trained {artifact.name} v{artifact.version} in {final['step']} steps "
-          f"({result.compiled_shapes} compiled shapes): {metrics}")
-    print(f"saved to {artifact.path}")
+    print(f"trained {args.name} in {final['step']} steps ({result.compiled_shapes} compiled shapes): {metrics}")
+    print(f"saved to {artifact.path} as v{artifact.version}" if artifact else
+          f"process {index}: process 0 saves the adapter")
     return 0

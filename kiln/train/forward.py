@@ -52,7 +52,16 @@ def init_lora(cfg: ModelConfig, rank: int, modules=TARGET_MODULES, seed: int = 0
 
 
 def lora_to_numpy(lora: dict) -> dict[str, dict[str, np.ndarray]]:
-    return {m: {k: np.asarray(v, np.float32) for k, v in parts.items()} for m, parts in lora.items()}
+    """The LoRA params whole on the host; of arrays split over processes, gathered from every process
+    (a collective: each process calls this)."""
+    def host(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            x = multihost_utils.process_allgather(x, tiled=True)
+        return np.asarray(x, np.float32)
+
+    return {m: {k: host(v) for k, v in parts.items()} for m, parts in lora.items()}
 
 
 def _dense_attention(q, k, v, visible, cfg: ModelConfig, sinks=None):

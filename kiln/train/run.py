@@ -137,14 +137,17 @@ def drive(run: TrainingRun, *, name: str, model, inputs: list[dict], store=None,
     """Runs `run` to its end in this process with a progress bar and TensorBoard event files (as
     `settings`' `[train] tensorboard` and `log_dir` say; None: the resolved settings), then
     releases what it holds in the engine and, given an AdapterStore, saves its adapter there with
-    its manifest. Returns the metrics history (one entry per optimizer step) and the artifact
-    (None when not saved)."""
+    its manifest. Of a run that spans processes, only process 0 shows progress, writes event files
+    and saves. Returns the metrics history (one entry per optimizer step) and the artifact (None when
+    not saved)."""
+    import jax
     from tqdm.auto import tqdm
 
     started = _timestamp()
     history: list[dict] = []
-    bar = tqdm(total=run.total_steps, desc=f"{run.kind} {name}", unit="step", disable=not progress)
-    board = TensorBoard(run_log_dir(settings or resolve_settings(None), name))
+    leader = jax.process_index() == 0  # of a run that spans processes, process 0 reports and saves
+    bar = tqdm(total=run.total_steps, desc=f"{run.kind} {name}", unit="step", disable=not (progress and leader))
+    board = TensorBoard(run_log_dir(settings or resolve_settings(None), name) if leader else None)
 
     def on_step(metrics: dict) -> None:
         history.append(metrics)
@@ -158,7 +161,9 @@ def drive(run: TrainingRun, *, name: str, model, inputs: list[dict], store=None,
         board.close()
     bar.close()
     run.close()
-    if store is None:
+    # gathering weights split over processes is a collective: every process takes part
+    weights = run.weights() if store is not None or jax.process_count() > 1 else None
+    if store is None or not leader:
         return history, None
     manifest = run.manifest(name, model, inputs, {"started_at": started, "finished_at": _timestamp()})
-    return history, store.save(manifest, run.weights())
+    return history, store.save(manifest, weights)

@@ -356,8 +356,10 @@ def sft(data, name: str | None = None, *, model=None, validation=None, config: S
 
     data / validation: a JSONL path, or its text or bytes. model: a LoadedModel, a path, or None
     for the default model. config: an SFTConfig (default: the [train] settings); keyword
-    overrides replace its fields (e.g. n_epochs=1). Returns the metrics history (one entry per
-    optimizer step; validation metrics at each epoch's end) and the saved artifact."""
+    overrides replace its fields (e.g. n_epochs=1). It runs on the mesh `[train] data_parallel` and
+    `[engine] tensor_parallel` ask for (one device by default), which spans every process of a run
+    that kiln.distributed joined. Returns the metrics history (one entry per optimizer step;
+    validation metrics at each epoch's end) and the saved artifact (None but on process 0)."""
     from kiln.config import resolve_settings
     from kiln.engine.setup import resolve_model
 

@@ -83,7 +83,8 @@ def no_network(monkeypatch):
 
 def test_the_directory_holds_the_expected_files():
     names = {p.name for p in YAML_FILES}
-    assert {"namespace.yaml", "kiln-worker.yaml", "router.yaml", "crds.yaml", "examples.yaml"} <= names
+    expected = {"namespace.yaml", "kiln-worker.yaml", "router.yaml", "crds.yaml", "examples.yaml", "kiln-train.yaml"}
+    assert expected <= names
     assert (K8S / "Dockerfile").is_file()
     for name, doc in DOCS:
         assert doc.get("apiVersion") and doc.get("kind") and doc["metadata"].get("name"), name
@@ -395,6 +396,35 @@ def test_worker_resources_and_cache_volume():
     assert "nvidia.com/gpu: 1" in (K8S / "kiln-worker.yaml").read_text()  # the GPU variant, commented
     volumes = {v["name"]: v for v in find("Deployment", "kiln-worker")["spec"]["template"]["spec"]["volumes"]}
     assert {m["name"] for m in worker["volumeMounts"]} <= set(volumes)
+
+
+def test_multi_host_training_job_meets_at_pod_zero_and_indexes_its_processes():
+    """The Indexed Job's pods find process 0 through the headless Service, run as many processes as the
+    settings say, and each takes the index Kubernetes gives it."""
+    from kiln.distributed import process_id
+
+    job, service = find("Job", "kiln-train", "kiln-train.yaml"), find("Service", "kiln-train", "kiln-train.yaml")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (trainer,) = pod["containers"]
+    env = {e["name"]: e["value"] for e in trainer["env"]}
+    settings = resolve_settings(env=env)
+    d = settings.distributed
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == d.num_processes > 1
+    assert pod["restartPolicy"] == "Never" and spec["backoffLimit"] == 0  # a lost process ends the run
+    assert trainer["command"][:5] == ["python", "-m", "kiln", "train", "sft"]
+    data = trainer["command"][trainer["command"].index("--data") + 1]
+    assert any(data.startswith(m["mountPath"] + "/") for m in trainer["volumeMounts"])
+    # process 0 is pod 0, whose name under the headless Service is the coordinator's host
+    host, port = d.coordinator.rsplit(":", 1)
+    assert pod["subdomain"] == service["metadata"]["name"] and host == f"{job['metadata']['name']}-0.{pod['subdomain']}"
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == {"batch.kubernetes.io/job-name": job["metadata"]["name"]}
+    (coordinator,) = service["spec"]["ports"]
+    assert coordinator["port"] == int(port)
+    assert {p["name"]: p["containerPort"] for p in trainer["ports"]} == {coordinator["targetPort"]: int(port)}
+    assert d.process_id == "auto" and settings.engine.tensor_parallel == settings.train.data_parallel == "auto"
+    assert [process_id(d.process_id, {"JOB_COMPLETION_INDEX": str(i)}, f"kiln-train-{i}") for i in range(2)] == [0, 1]
+    assert any(m["mountPath"] == settings.adapter_store() for m in trainer["volumeMounts"])
 
 
 def test_worker_service_publishes_the_named_ports():

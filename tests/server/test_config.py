@@ -109,7 +109,8 @@ def fails(kiln, *args: str, env: dict[str, str] | None = None) -> str:
 def test_defaults_have_source_default(kiln):
     doc = resolved(kiln)
     assert doc["config_file"] is None
-    assert list(doc["settings"]) == ["server", "model", "engine", "adapters", "train", "cache", "backend", "debug"]
+    assert list(doc["settings"]) == ["server", "model", "engine", "adapters", "train", "distributed", "cache",
+                                     "backend", "debug"]
     assert doc["settings"]["server"]["port"] == {"value": 8000, "source": "default"}
     assert doc["settings"]["server"]["host"] == {"value": "127.0.0.1", "source": "default"}
     assert doc["settings"]["engine"]["decode_row_buckets"]["value"] == [1, 2, 4, 8, 16, 32]
@@ -220,7 +221,7 @@ def test_unknown_key_lists_accepted_keys(kiln, tmp_path):
 def test_unknown_section_lists_accepted_sections(kiln, tmp_path):
     path = write(tmp_path, "[sever]\nport = 1\n")
     err = fails(kiln, "--config", str(path))
-    assert "[sever]" in err and "accepted sections: server, model, engine, adapters, train, cache" in err
+    assert "[sever]" in err and "accepted sections: server, model, engine, adapters, train, distributed, cache" in err
 
 
 @pytest.mark.parametrize(
@@ -239,6 +240,9 @@ def test_unknown_section_lists_accepted_sections(kiln, tmp_path):
          '"auto"'),
         ({"KILN_ENGINE_TENSOR_PARALLEL": "0"},
          "invalid value '0' for engine.tensor_parallel: expected auto or an integer >= 1"),
+        ({"KILN_DISTRIBUTED_PROCESS_ID": "-1"},
+         "invalid value '-1' for distributed.process_id: expected auto or an integer >= 0"),
+        ({"KILN_DISTRIBUTED_NUM_PROCESSES": "0"}, "KILN_DISTRIBUTED_NUM_PROCESSES: invalid value '0'"),
     ],
 )
 def test_invalid_environment_values_are_fatal(kiln, env, needle):
@@ -257,6 +261,7 @@ def test_invalid_environment_values_are_fatal(kiln, env, needle):
         ("[train]\nmax_slice_ms = -5\n", "invalid value -5 for train.max_slice_ms: expected a number > 0"),
         ('[engine]\ntensor_parallel = "all"\n', "invalid value 'all' for engine.tensor_parallel"),
         ("[engine]\ntensor_parallel = 1.5\n", "invalid value 1.5 for engine.tensor_parallel"),
+        ("[distributed]\ntimeout_s = 0\n", "invalid value 0 for distributed.timeout_s"),
     ],
 )
 def test_invalid_file_values_are_fatal(kiln, tmp_path, text, needle):
