@@ -40,6 +40,7 @@ def reward(texts: list[str]) -> list[float]:
 
 
 def kiln_grpo(model, chats, args) -> dict:
+    PROMPTS, G, RANK, MICRO = sizes(args)  # noqa: N806
     engine = AsyncEngine(model, EngineConfig(num_kv_blocks=1024, max_loras=2, max_lora_rank=RANK,
                                              max_num_seqs=PROMPTS * G))
     tok = model.tokenizer
@@ -62,7 +63,16 @@ def kiln_grpo(model, chats, args) -> dict:
         engine.shutdown()
 
 
-def trl_grpo(chats, args) -> dict:
+def sizes(args) -> tuple[int, int, int, int]:
+    """Prompts per step, completions per prompt, LoRA rank and micro-batch rows: the bench's, unless
+    `args` names others (bench/gpu.py's dry run)."""
+    return (getattr(args, "prompts", PROMPTS), getattr(args, "generations", G), getattr(args, "rank", RANK),
+            getattr(args, "micro", MICRO))
+
+
+def trl_grpo(chats, args, model_dir: Path | None = None, dtype: str = "float32") -> dict:
+    """TRL's GRPO steps on the GPU when torch sees one: on `model_dir` (an HF directory; default Kiln's
+    conversion of the default model) with its weights in `dtype`."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -72,9 +82,10 @@ def trl_grpo(chats, args) -> dict:
 
     from kiln.models.loader import convert_gguf, default_model_path
 
+    PROMPTS, G, RANK, MICRO = sizes(args)  # noqa: N806
     torch.manual_seed(0)
-    model_dir, _ = convert_gguf(default_model_path(), show_progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model_dir = model_dir or convert_gguf(default_model_path(), show_progress=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), padding_side="left")
     steps: list[float] = []
     generation: list[float] = []
@@ -93,7 +104,8 @@ def trl_grpo(chats, args) -> dict:
                            gradient_accumulation_steps=PROMPTS * G // MICRO, num_generations=G,
                            max_completion_length=args.new_tokens, generation_kwargs={"min_new_tokens": args.new_tokens},
                            max_steps=args.warmup + args.steps, learning_rate=1e-5, beta=0.0, logging_steps=1000,
-                           save_strategy="no", report_to=[], use_cpu=True, bf16=False, dataloader_num_workers=0,
+                           save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), bf16=False,
+                           dataloader_num_workers=0,
                            gradient_checkpointing=False, shuffle_dataset=False)
         lora = LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(TARGET_MODULES), lora_dropout=0.0,
                           task_type="CAUSAL_LM")

@@ -50,7 +50,10 @@ def kiln_sft(model, examples, args, max_slice_ms: float | None = None) -> dict:
             "compiled_shapes": len(run.shapes), "compile_seconds": compile_seconds}
 
 
-def trl_sft(examples, args, gradient_checkpointing: bool) -> dict:
+def trl_sft(examples, args, gradient_checkpointing: bool, model_dir: Path | None = None,
+            dtype: str = "float32") -> dict:
+    """TRL's SFT steps on the GPU when torch sees one: on `model_dir` (an HF directory; default Kiln's
+    conversion of the default model) with its weights in `dtype`."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -63,8 +66,8 @@ def trl_sft(examples, args, gradient_checkpointing: bool) -> dict:
     torch.manual_seed(0)
     # Kiln's conversion of the GGUF (the dequantized float32 weights Kiln trains on) as a plain HF
     # directory: transformers refuses to train a model it loaded from GGUF
-    model_dir, _ = convert_gguf(default_model_path(), show_progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model_dir = model_dir or convert_gguf(default_model_path(), show_progress=False)[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     rows = [{"input_ids": e.ids.tolist(),
              "labels": [int(i) if t else -100 for i, t in zip(e.ids, e.trained, strict=True)]} for e in examples]
@@ -85,9 +88,9 @@ def trl_sft(examples, args, gradient_checkpointing: bool) -> dict:
     with tempfile.TemporaryDirectory() as out:
         config = TRLConfig(output_dir=out, per_device_train_batch_size=args.batch_size, max_length=args.max_seq_len,
                            max_steps=args.warmup + args.steps, learning_rate=1e-4, lr_scheduler_type="constant",
-                           logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
+                           logging_steps=1000, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
                            dataloader_num_workers=0, num_train_epochs=100,
-                           bf16=False,  # TRL's default is bf16 autocast; both sides train in float32 here
+                           bf16=False,  # TRL's default is bf16 autocast; both sides train in the weights' dtype
                            gradient_checkpointing=gradient_checkpointing)
         lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(TARGET_MODULES),
                           lora_dropout=0.0, task_type="CAUSAL_LM")

@@ -2,6 +2,7 @@
 # The GPU benchmarks, on a lent GPU machine, from the repository root, with .gpu/ carried (made by
 # bench/gpu/prepare.py). Each bench has a time limit so that one that runs long leaves the rest
 # their turn; every log is kept under $OUT (or /tmp/kiln-gpu).
+#   T_GPU (s)     bench/gpu.py                (the one-table GPU benchmark; GPU_ARGS=--skip-trl without TRL)
 #   T_SERVE (s)   bench/serve_throughput.py   (1 and 32 streams against transformers on the GPU)
 #   T_TRAIN (s)   bench/serve_while_training.py (4 streams: idle, an SFT job, a GRPO job)
 set -u
@@ -26,6 +27,8 @@ if [ $# -gt 0 ]; then  # other benches instead: run.sh 'timeout 100 python3 benc
   for cmd in "$@"; do date +%T; bash -c "$cmd" 2>&1 | tee -a "$OUT/benches.log"; done
   exit
 fi
+date +%T; timeout "${T_GPU:-480}" python3 bench/gpu.py ${GPU_ARGS:-} 2>&1 \
+  | grep -v "^WARNING: All log messages" | tee "$OUT/gpu.log"
 date +%T; timeout "${T_SERVE:-330}" python3 bench/serve_throughput.py --skip-cold ${SERVE_ARGS:-} 2>&1 \
   | grep -v "^WARNING: All log messages" | tee "$OUT/serve_throughput.log"
 date +%T; timeout "${T_TRAIN:-200}" python3 bench/serve_while_training.py --quiet 15 ${TRAIN_ARGS:-} 2>&1 \
