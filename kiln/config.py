@@ -199,6 +199,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "tensor_parallel", "int|auto", 1, count_or_auto,
         "devices the model is split over (a tp mesh axis: attention by heads, the MLP by its width, the KV "
         "pool by KV heads); auto = every local device"),
+    Key("engine", "attention", "str", "auto", one_of("auto", "xla", "pallas"),
+        "paged attention: pallas (a ragged kernel, each row reading only its own blocks), xla (gathers of "
+        "blocks up to the step's longest context); auto = pallas on CUDA GPUs of compute capability 8.0+"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
     Key("adapters", "lora_experts", "bool", False, None,

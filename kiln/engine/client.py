@@ -281,9 +281,11 @@ class AsyncEngine:
 
     def route_info(self) -> dict[str, Any]:
         """The backend route steps run on: the route, why it was chosen, its capabilities and gates,
-        whether it prefills on the device, and what quarantined it (None while it serves)."""
+        the paged attention's kernel (`[engine] attention` resolved), whether it prefills on the device,
+        and what quarantined it (None while it serves)."""
         core = self._core
-        return {**core.backend.choice.to_json(), "resident_prefill": core.resident_prefill,
+        return {**core.backend.choice.to_json(), "attention": core.runner.attention,
+                "resident_prefill": core.resident_prefill,
                 "quarantined": core.quarantined}
 
     @property

@@ -58,6 +58,7 @@ from kiln.errors import BackendCannotRun, GraphCaptureDisabled, RequestFailed
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, init_kv_cache, table_width
 from kiln.models.lora import EXPERT_MODULES, module_shapes
+from kiln.models.paged_attention import kernel_for
 from kiln.models.sharding import kv_sharding, replicated
 
 __all__ = ["COUNTER", "Runner", "SamplerKey", "StepBucket"]
@@ -117,6 +118,9 @@ class Runner:
         self.mesh = mesh
         self.step_fns = ((forward_step, sample_step) if mesh is None
                          else on_mesh(kv_sharding(cfg, mesh), replicated(mesh)))
+        # the paged attention's kernel: XLA's on IREE routes and over a mesh (a Pallas kernel is one
+        # custom call that the SPMD partitioner cannot split)
+        self.attention = "xla" if backend.is_iree or mesh is not None else kernel_for(config.attention)
         self.params = params
         self.config = config
         self.block_size = config.block_size
@@ -416,6 +420,8 @@ class Runner:
         inputs, last_index, targets, lora, feed = self._placed((inputs, last_index, targets, lora, feed))
         args = (params, kv, inputs, last_index, targets, lora, feed)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
+        if self.attention != "xla":  # (XLA's is the default: its stored steps keep their keys)
+            static["attention"] = self.attention
         if self.backend.is_iree:
             return self._compile_iree_forward(bucket, args, check=gate)
         return self._compile_xla("forward", self.step_fns[0], args, static, bucket)

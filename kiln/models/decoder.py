@@ -25,6 +25,7 @@ import numpy as np
 from kiln.models import quant, rope
 from kiln.models.config import ModelConfig
 from kiln.models.lora import layer_weights, lora_delta, slot_weights
+from kiln.models.paged_attention import ragged_paged_attention
 
 Params = dict
 
@@ -197,8 +198,13 @@ def _gather_blocks(pool: jax.Array, layer_idx, tables: jax.Array, dtype) -> jax.
     return jax.lax.bitcast_convert_type(out, dtype) if pool.dtype == jnp.uint16 else out
 
 
+def _as_float(pool: jax.Array, dtype) -> jax.Array:
+    """A uint16 pool's bits as its float type (a bitcast, no copy); a float pool as it is."""
+    return jax.lax.bitcast_convert_type(pool, dtype) if pool.dtype == jnp.uint16 else pool
+
+
 def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfig, kv_dtype,
-               dynamic_context: bool = True, sliding=None, sinks=None):
+               dynamic_context: bool = True, sliding=None, sinks=None, kernel: str = "xla"):
     """Portable XLA paged attention over tiles. q: [T, H, D]; pools: [L, KH, N, B, D]. Returns [T, H, D].
 
     Each tile's queries attend to its row's blocks, read chunk by chunk with an online softmax up to
@@ -206,7 +212,9 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     per chunk, batched matmuls over (KV head, tile), keys masked by position. Without
     `dynamic_context` every chunk of the table is read (a program with no data-dependent loop).
     `sliding`: the layer's flag where layers differ (the window applies where it is set). `sinks`
-    [H]: each head's logit that joins the softmax's normalizer without a value (gpt-oss)."""
+    [H]: each head's logit that joins the softmax's normalizer without a value (gpt-oss). `kernel`
+    "pallas": the same online softmax in kiln.models.paged_attention's kernel, each tile reading only
+    its own row's blocks (where the window is the same for every layer)."""
     T = q.shape[0]
     NT, QT = inputs.tile_tokens.shape
     KH, D = cfg.num_kv_heads, cfg.head_dim
@@ -246,14 +254,20 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     first, size = _chunk_blocks(FIRST_KEYS, B), _chunk_blocks(CHUNK_KEYS, B)
     init = (jnp.full((KH, NT, G * QT), -1e30, jnp.float32), jnp.zeros((KH, NT, G * QT), jnp.float32),
             jnp.zeros((KH, NT, G * QT, D), jnp.float32))
-    carry = chunk(0, first, init)
-    if not dynamic_context:  # every chunk of the table, each masked by position
-        for start in range(first, tables.shape[1], size):
-            carry = chunk(start, size, carry)
-    elif tables.shape[1] > first:  # longer rows possible: the rest in chunks, as many as the step needs
-        last = jnp.max(q_pos)  # the step's largest query position
-        more = jnp.maximum(last + 1 - first * B + size * B - 1, 0) // (size * B)
-        carry = jax.lax.fori_loop(0, more, lambda j, c: chunk(first + j * size, size, c), carry)
+    if kernel == "pallas" and (not window or sliding is None):
+        carry = ragged_paged_attention(
+            q_tiles, q_pos.reshape(KH, NT, G * QT)[0], tables, _as_float(k_pool, kv_dtype),
+            _as_float(v_pool, kv_dtype), layer_idx, softcap=cfg.attn_logit_softcapping, window=window,
+            interpret=jax.default_backend() != "gpu")
+    else:
+        carry = chunk(0, first, init)
+        if not dynamic_context:  # every chunk of the table, each masked by position
+            for start in range(first, tables.shape[1], size):
+                carry = chunk(start, size, carry)
+        elif tables.shape[1] > first:  # longer rows possible: the rest in chunks, as many as the step needs
+            last = jnp.max(q_pos)  # the step's largest query position
+            more = jnp.maximum(last + 1 - first * B + size * B - 1, 0) // (size * B)
+            carry = jax.lax.fori_loop(0, more, lambda j, c: chunk(first + j * size, size, c), carry)
     m, norm, acc = carry
     if sinks is not None:  # the sink as one more key with a zero value, folded in last
         sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(KH, 1, G, 1), (KH, NT, G, QT)).reshape(m.shape)
@@ -442,11 +456,13 @@ def forward_hidden(
     lora: dict | None = None,
     unroll: int | bool = 1,
     dynamic_context: bool = True,
+    attention: str = "xla",
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder; returns final-normed hidden states [T, hidden] and the updated cache.
 
     `lora`: a slot state ({"scale": [n], "layers": ...}, see `lora.py`); every token applies its
-    row's slot (inputs.adapters), all n slots in one matmul each. `dynamic_context`: see `_attention`."""
+    row's slot (inputs.adapters), all n slots in one matmul each. `dynamic_context`, `attention` (its
+    kernel): see `_attention`."""
     inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
     kv_dtype = kv_float_dtype(kv, params)
     h = embed_tokens(params, inputs.tokens, cfg)
@@ -465,7 +481,7 @@ def forward_hidden(
                 v_pool = _write_kv(v_all, idx, inputs.slots, v, kv_dtype)
             with jax.named_scope("attention"):
                 return _attention(q, k_pool, v_pool, idx, inputs, cfg, kv_dtype, dynamic_context,
-                                  sliding, layer.get("sinks")), (k_pool, v_pool)
+                                  sliding, layer.get("sinks"), attention), (k_pool, v_pool)
 
         def base(x, name):
             return matmul(x, layer[name], quant.product_dtype(x.shape[0], layer_dtype(layer)))

@@ -1,0 +1,106 @@
+"""Ragged paged attention as a Pallas kernel, for GPUs (Triton), with XLA's path as the fallback.
+
+The XLA path (`decoder._attention`) reads every tile's blocks up to the step's longest context,
+one gather of a chunk of blocks at a time: its cost follows the longest row, and on GPUs the
+gathers do not fuse with the matmuls around them. The kernel runs one program per (KV head, tile):
+it reads its own row's blocks, straight from the pool through the block table, only as far as its
+own queries' positions reach (ragged), with the online softmax of the XLA path. Its inputs and
+outputs have the XLA path's shapes, so the step's compiled shapes, and the bounded step set,
+stay the same.
+
+`kernel_for(setting)` chooses: "auto" takes the kernel on a CUDA GPU of compute capability 8.0
+or more (Triton's bfloat16 dot needs it), by capability, never by device name; "xla" never;
+"pallas" always, on other backends in Pallas's interpret mode (slow: for tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+MIN_ROWS = 16  # Triton's dot takes operands of at least 16 rows
+
+
+def gpu_capable(device) -> bool:
+    """A CUDA device whose compute capability runs the kernel (8.0 or more)."""
+    try:
+        return device.platform == "gpu" and float(getattr(device, "compute_capability", "0")) >= 8.0
+    except ValueError:
+        return False
+
+
+def kernel_for(setting: str, device=None) -> str:
+    """The attention the steps run: "pallas" or "xla" (see the module's docstring)."""
+    if setting in ("xla", "pallas"):
+        return setting
+    return "pallas" if gpu_capable(device or jax.devices()[0]) else "xla"
+
+
+def _kernel(layer_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_ref, acc_ref, *, block_size: int,
+            softcap: float | None, window: int | None):
+    h, t = pl.program_id(0), pl.program_id(1)
+    q = q_ref[...]  # [R, D] float32, scaled
+    pos = pos_ref[...]  # [R] query positions (-1: padding)
+    layer = layer_ref[0]
+    rows = q.shape[0]
+    # blocks holding keys 0..the tile's last query position: this tile's own context, not the step's
+    n_blocks = (jnp.max(pos) + block_size) // block_size
+    offsets = jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
+
+    def block(j, carry):
+        m, norm, acc = carry
+        b = tables_ref[t, j]
+        k = k_ref[layer, h, b].astype(jnp.float32)  # [B, D]
+        v = v_ref[layer, h, b].astype(jnp.float32)
+        scores = jnp.dot(q, k.T)  # [R, B]
+        if softcap:
+            scores = softcap * jnp.tanh(scores / softcap)
+        key_pos = j * block_size + offsets
+        visible = key_pos <= pos[:, None]
+        if window:
+            visible &= key_pos > pos[:, None] - window
+        scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.exp(scores - m_new[:, None])
+        correction = jnp.exp(m - m_new)
+        return m_new, norm * correction + p.sum(axis=-1), acc * correction[:, None] + jnp.dot(p, v)
+
+    init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+    m, norm, acc = jax.lax.fori_loop(0, n_blocks, block, init)
+    m_ref[...], norm_ref[...], acc_ref[...] = m, norm, acc
+
+
+@functools.partial(jax.jit, static_argnames=("softcap", "window", "interpret"))
+def ragged_paged_attention(q_tiles: jax.Array, q_pos: jax.Array, tables: jax.Array, k_pool: jax.Array,
+                           v_pool: jax.Array, layer_idx, *, softcap: float | None = None, window: int | None = None,
+                           interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The online softmax's state after every key of each (KV head, tile), as the XLA path keeps it.
+
+    q_tiles: [KH, NT, R, D] float32 queries, scaled (row r of a tile: head g, query q of the group);
+    q_pos: [NT, R] their positions (-1: padding); tables: [NT, W] each tile's row's blocks; pools:
+    [L, KH, N, B, D] in the model's float type; layer_idx: the layer (a traced scalar). Returns the
+    running max and normalizer [KH, NT, R] and the unnormalized output [KH, NT, R, D]."""
+    KH, NT, R, D = q_tiles.shape
+    B = k_pool.shape[3]
+    rows = max(MIN_ROWS, pl.next_power_of_2(R))  # Triton's blocks: powers of two, 16 rows at least
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - R), (0, 0)))
+    q_pos = jnp.pad(q_pos, ((0, 0), (0, rows - R)), constant_values=-1)
+    whole = pl.no_block_spec  # read through the block table in the kernel
+    tile = pl.BlockSpec((None, None, rows, D), lambda h, t: (h, t, 0, 0))
+    state = pl.BlockSpec((None, None, rows), lambda h, t: (h, t, 0))
+    m, norm, acc = pl.pallas_call(
+        functools.partial(_kernel, block_size=B, softcap=softcap, window=window),
+        grid=(KH, NT),
+        in_specs=[whole, whole, pl.BlockSpec((None, rows), lambda h, t: (t, 0)), tile, whole, whole],
+        out_specs=[state, state, tile],
+        out_shape=[jax.ShapeDtypeStruct((KH, NT, rows), jnp.float32)] * 2 +
+                  [jax.ShapeDtypeStruct((KH, NT, rows, D), jnp.float32)],
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(jnp.reshape(jnp.asarray(layer_idx, jnp.int32), (1,)), tables.astype(jnp.int32), q_pos.astype(jnp.int32),
+      q_tiles, k_pool, v_pool)
+    return m[:, :, :R], norm[:, :, :R], acc[:, :, :R]

@@ -1,0 +1,47 @@
+"""A real server whose steps run the Pallas paged-attention kernel (`[engine] attention = "pallas"`,
+in Pallas's interpret mode on the CPU) serves the greedy tokens and logprobs of XLA's attention, and
+says which kernel it runs in /v1/config."""
+
+import asyncio
+
+import httpx
+from server_process import ServerProcess
+from tiny_models import served_hf_dir
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 50, 25, 12, 6]]
+
+
+def served(model_dir, kiln_cache, attention: str) -> tuple[str, list]:
+    server = ServerProcess(str(model_dir), str(kiln_cache), KILN_ENGINE_ATTENTION=attention,
+                           KILN_ENGINE_NUM_KV_BLOCKS="64", KILN_ENGINE_DECODE_ROW_BUCKETS="1,2,4",
+                           KILN_ENGINE_PREFILL_TOKEN_BUCKETS="32,64", KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="64")
+    try:
+        kernel = httpx.get(server.url + "/v1/config", timeout=30).json()["backend"]["attention"]
+        model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+        async def one(client, prompt):
+            r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
+                                                           "temperature": 0, "ignore_eos": True, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            lp = r.json()["choices"][0]["logprobs"]
+            return lp["tokens"], lp["token_logprobs"]
+
+        async def every():
+            async with httpx.AsyncClient(base_url=server.url, timeout=300) as client:
+                return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+        results = asyncio.run(every())
+    finally:
+        server.stop_cleanly()
+    return kernel, results
+
+
+def test_the_kernel_serves_what_xla_attention_serves(tmp_path_factory, kiln_cache, tiny_model):
+    model_dir = served_hf_dir("llama", tmp_path_factory.mktemp("attention-llama"), kiln_cache, seed=21)
+    kernel, xla = served(model_dir, kiln_cache, "auto")
+    assert kernel == "xla"  # auto, on a CPU
+    kernel, pallas = served(model_dir, kiln_cache, "pallas")
+    assert kernel == "pallas"
+    for (tokens, logprobs), (xla_tokens, xla_logprobs) in zip(pallas, xla, strict=True):
+        assert tokens == xla_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, xla_logprobs, strict=True)) < 1e-4

@@ -1,0 +1,93 @@
+"""The Pallas ragged paged-attention kernel (kiln.models.paged_attention), run in Pallas's interpret
+mode on the CPU, against the XLA path of the same step on random block tables and context lengths:
+decode tiles and mixed prefill chunks, grouped-query heads, a bfloat16 pool held as bits, a
+softcap, a sliding window and attention sinks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kiln.models import decoder
+from kiln.models.config import ModelConfig
+from kiln.models.decoder import StepInputs, table_width
+from kiln.models.paged_attention import gpu_capable, kernel_for
+
+BLOCK = 16
+
+
+def config(**overrides) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_layers=3,
+                num_heads=6, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e4,
+                max_position_embeddings=4096, tie_word_embeddings=True)
+    return ModelConfig(**{**base, **overrides})
+
+
+def random_step(rng, cfg: ModelConfig, rows: int, query_tile: int, num_blocks: int = 96):
+    """A step of `rows` rows, each with a random context (0-200 tokens before its new ones) and 1 to
+    `query_tile` new tokens (a decode row or a prefill chunk), its blocks a random pick of the pool.
+    Returns the queries [T, H, D] and the step's inputs, padded as the runner pads them."""
+    T, NT, W = rows * query_tile + 3, rows + 1, table_width(24, BLOCK)  # a padding token and a padding tile
+    free = list(rng.permutation(np.arange(1, num_blocks)))
+    positions, tile_tokens = np.zeros(T, np.int32), np.full((NT, query_tile), T, np.int32)
+    tile_blocks, token = np.zeros((NT, W), np.int32), 0
+    for r in range(rows):
+        context, new = int(rng.integers(0, 200)), int(rng.integers(1, query_tile + 1))
+        blocks = [int(free.pop()) for _ in range(-(-(context + new) // BLOCK))]
+        tile_blocks[r, :len(blocks)] = blocks
+        for i in range(new):
+            positions[token], tile_tokens[r, i] = context + i, token
+            token += 1
+    inputs = StepInputs(np.zeros(T, np.int32), positions, np.zeros(T, np.int32), np.zeros(T, np.int32), tile_tokens,
+                        tile_blocks)
+    q = jnp.asarray(rng.standard_normal((T, cfg.num_heads, cfg.head_dim)), jnp.float32)
+    return q, inputs
+
+
+def pools(rng, cfg: ModelConfig, num_blocks: int, dtype):
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, BLOCK, cfg.head_dim)
+    k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype) for _ in range(2))
+    if jnp.dtype(dtype).itemsize == 2:  # held as bits, as the engine holds a 16-bit pool
+        k, v = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k, v))
+    return k, v
+
+
+@pytest.mark.parametrize("case", [
+    dict(query_tile=1),  # decode rows
+    dict(query_tile=8),  # prefill chunks beside decode rows
+    dict(query_tile=4, dtype=jnp.bfloat16),
+    dict(query_tile=4, cfg=dict(attn_logit_softcapping=20.0)),
+    dict(query_tile=4, cfg=dict(sliding_window=40)),
+    dict(query_tile=2, cfg=dict(num_kv_heads=1), sinks=True),
+])
+def test_the_kernel_equals_the_xla_path(case):
+    rng = np.random.default_rng(len(str(case)))
+    cfg = config(**case.get("cfg", {}))
+    dtype = case.get("dtype", jnp.float32)
+    for trial in range(2):
+        q, inputs = random_step(rng, cfg, rows=5, query_tile=case["query_tile"])
+        k_pool, v_pool = pools(rng, cfg, 96, dtype)
+        sinks = jnp.asarray(rng.standard_normal(cfg.num_heads), jnp.float32) if case.get("sinks") else None
+        layer = jnp.int32(trial + 1)
+        inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
+        out = {kernel: np.asarray(decoder._attention(q, k_pool, v_pool, layer, inputs, cfg, dtype, sinks=sinks,
+                                                     kernel=kernel)) for kernel in ("xla", "pallas")}
+        real = np.asarray(inputs.tile_tokens).ravel()
+        real = real[real < q.shape[0]]
+        assert np.abs(out["xla"][real]).max() > 0.01  # the step attended to something
+        np.testing.assert_allclose(out["pallas"], out["xla"], atol=2e-5, rtol=1e-4)
+
+
+def test_the_kernel_is_chosen_by_capability_not_by_name():
+    class Device:
+        def __init__(self, platform, capability=None, kind="NVIDIA H100 80GB HBM3"):
+            self.platform, self.device_kind = platform, kind
+            if capability is not None:
+                self.compute_capability = capability
+
+    assert kernel_for("auto", Device("gpu", "9.0")) == "pallas"
+    assert kernel_for("auto", Device("gpu", "8.0", kind="anything")) == "pallas"
+    assert kernel_for("auto", Device("gpu", "7.5", kind="NVIDIA H100")) == "xla"  # the capability decides
+    assert kernel_for("auto", Device("gpu", kind="AMD Instinct MI300X")) == "xla"  # no CUDA capability
+    assert kernel_for("auto", Device("cpu")) == "xla" and not gpu_capable(Device("cpu"))
+    assert kernel_for("xla", Device("gpu", "9.0")) == "xla" and kernel_for("pallas", Device("cpu")) == "pallas"
