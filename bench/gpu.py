@@ -7,6 +7,7 @@ transformers/TRL on the same device, in one run of at most about 8 minutes.
 - the bytes a decode step reads (weights and the rows' KV cache) per second of its bare step,
   against the device's memory bandwidth as a streaming read+write measures it;
 - prefill tok/s, and its matmul FLOPs per second against a large matmul's in the same dtype;
+- the paged attention's Pallas kernel against XLA's gathers, at 32 rows;
 - multi-LoRA: 32 rows decoding with 4 distinct adapters against none;
 - an SFT step and a GRPO step (rollouts and training) against TRL on the same GPU and weights.
 
@@ -121,15 +122,16 @@ def weight_bytes(params) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(params) if hasattr(x, "nbytes"))
 
 
-def decode(model, rows: int, sizes: Sizes) -> dict:
-    """The engine's decode step at `rows` rows of `sizes.context` tokens: tok/s, host time, bytes read."""
+def decode(model, rows: int, sizes: Sizes, attention: str = "auto") -> dict:
+    """The engine's decode step at `rows` rows of `sizes.context` tokens: tok/s, host time, bytes read.
+    `attention`: the paged attention's kernel ([engine] attention)."""
     from common import decoding_core, engine_step_times
 
     cfg = model.config
     buckets = tuple(2**i for i in range(int(math.log2(rows)) + 1))
     blocks_needed = rows * -(-(sizes.context + sizes.blocks * sizes.steps * 3 + 8) // 16)
     core = decoding_core(model, rows, sizes.context, num_kv_blocks=blocks_needed + 64, decode_row_buckets=buckets,
-                         max_num_batched_tokens=max(512, rows), max_num_seqs=rows)
+                         max_num_batched_tokens=max(512, rows), max_num_seqs=rows, attention=attention)
     times = engine_step_times(core, sizes.blocks, sizes.steps)
     kv_item = core.runner.kv.k.dtype.itemsize
     kv_bytes = rows * sizes.context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
@@ -262,6 +264,9 @@ def main() -> None:
             rows[f"  bytes read per step, {n} rows (MB; GB/s)"] = (
                 f"{d['bytes'] / 1e6:.1f}; {d['bytes_s'] / 1e9:.1f}", f"stream {bandwidth / 1e9:.1f} GB/s",
                 ratio(d["bytes_s"], bandwidth))
+        kernels = {a: decode(model, sizes.lora_rows, sizes, a)["bare_tok_s"] for a in ("xla", "pallas")}
+        rows[f"decode bare step, {sizes.lora_rows} rows, Pallas attention (tok/s)"] = (
+            f"{kernels['pallas']:.1f}", f"XLA attention {kernels['xla']:.1f}", ratio(kernels["pallas"], kernels["xla"]))
         p = prefill(model, sizes)
         prompts = f"{sizes.prefill_prompts} x {sizes.prefill_tokens} tokens"
         rows[f"prefill, {prompts} (tok/s)"] = (f"{p['tok_s']:.0f}", "", "")

@@ -23,6 +23,7 @@ def test_the_dry_run_prints_every_row_of_the_table(kiln_cache):
         assert table[f"bytes read per step, {rows} rows (MB; GB/s)"][1].startswith("stream ")
         unhidden, host = table[f"host time not hidden / host work per step, {rows} rows (ms)"][0].split(" / ")
         assert float(unhidden) >= 0 and float(host) > 0
+    assert table["decode bare step, 4 rows, Pallas attention (tok/s)"][1].startswith("XLA attention ")
     assert float(table["prefill, 2 x 40 tokens (tok/s)"][0]) > 0
     assert table["prefill matmul TFLOP/s"][2].endswith("x")
     assert table["decode, 4 rows, 4 adapters (tok/s)"][1].startswith("no adapter ")
