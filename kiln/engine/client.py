@@ -295,9 +295,10 @@ class AsyncEngine:
         return self._core.mesh
 
     def mesh_info(self) -> dict[str, Any]:
-        """The tensor-parallel mesh the model is split over: axis, size and devices (size 1: none), and
+        """The tensor-parallel mesh the model is split over: axis, size and devices (size 1: none), the
+        adapter slots' bytes on each device, and
         the weights' bytes on each device."""
-        return describe_mesh(self._core.mesh, self._core.runner.params)
+        return describe_mesh(self._core.mesh, self._core.runner.params, self._core.lora_slots.state)
 
     def step_set(self) -> list[str]:
         """Every compiled step of the engine's bounded set, described."""

@@ -23,6 +23,7 @@ is terminal: every request ends with it, their blocks are freed, and from then o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -45,7 +46,7 @@ from kiln.engine.scheduler import Scheduler
 from kiln.engine.step_types import Batch, PendingStep, StepFailure
 from kiln.errors import DeviceLost, InvalidRequest, KilnError
 from kiln.models.loader import LoadedModel
-from kiln.models.sharding import replicated, serving_mesh, shard_params
+from kiln.models.sharding import lora_slot_shardings, serving_mesh, shard_params
 
 log = logging.getLogger("kiln.engine")
 
@@ -73,8 +74,9 @@ class EngineCore:
         if self.mesh is not None:
             model.params = shard_params(model.params, cfg, self.mesh)
         # adapter slots first: an accelerator's pool is sized from what is free after them
+        slot_shardings = None if self.mesh is None else functools.partial(lora_slot_shardings, cfg=cfg, mesh=self.mesh)
         self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype,
-                                    config.lora_experts, replicated(self.mesh) if self.mesh is not None else None)
+                                    config.lora_experts, slot_shardings)
         self.kv_pool = size_pool(cfg, config, model.dtype, config.max_model_len or cfg.max_position_embeddings,
                                  on_host=backend.is_iree, heap=self._device_heap(backend))
         log.info("KV pool: %d blocks of %d tokens, %.0f MiB (%s)", self.kv_pool.blocks, config.block_size,

@@ -53,7 +53,9 @@ class LoraSlots:
     def __init__(self, cfg: ModelConfig, n_slots: int, max_rank: int, ownership: Ownership, dtype="float32",
                  experts: bool = False, sharding=None):
         self.cfg, self.n_slots, self.max_rank, self.dtype = cfg, n_slots, max_rank, dtype
-        self.sharding = sharding  # where the slot arrays live (a tensor-parallel mesh: replicated); None: as made
+        # where the slot arrays live: state -> its shardings (on a tensor-parallel mesh, split like the
+        # weights, see models.sharding.lora_slot_shardings); None: as made
+        self.sharding = sharding
         self.modules = slot_modules(experts)
         self.ownership = ownership
         self.state: dict | None = None  # allocated on the first load
@@ -70,14 +72,18 @@ class LoraSlots:
         return self.state
 
     def _placed(self, state: dict) -> dict:
-        return state if self.sharding is None else jax.device_put(state, self.sharding)
+        return state if self.sharding is None else jax.device_put(state, self.sharding(state))
 
     def abstract_state(self):
         """The slot arrays' shapes and dtypes, without allocating them (what a compile needs)."""
         if self.state is not None:
             return self.state
-        return jax.eval_shape(lambda: empty_lora_state(self.cfg, self.n_slots, self.max_rank, self.modules,
-                                                       self.dtype))
+        shapes = jax.eval_shape(lambda: empty_lora_state(self.cfg, self.n_slots, self.max_rank, self.modules,
+                                                         self.dtype))
+        if self.sharding is None:
+            return shapes
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                            self.sharding(shapes))
 
     def _find(self, adapter: AdapterWeights) -> int | None:
         for i, s in enumerate(self.slots):

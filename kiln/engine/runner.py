@@ -416,8 +416,8 @@ class Runner:
         An IREE module is checked by its correctness gate first (`gate`)."""
         params, kv = abstract or self.abstract
         inputs, last_index, targets, feed = self.layout.padding_inputs(bucket)
-        lora = self._lora_abstract(bucket)
-        inputs, last_index, targets, lora, feed = self._placed((inputs, last_index, targets, lora, feed))
+        lora = self._lora_abstract(bucket)  # placed as the slots are (over a mesh: split like the weights)
+        inputs, last_index, targets, feed = self._placed((inputs, last_index, targets, feed))
         args = (params, kv, inputs, last_index, targets, lora, feed)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
         if self.attention != "xla":  # (XLA's is the default: its stored steps keep their keys)
@@ -450,11 +450,13 @@ class Runner:
         if self.mesh is None:
             return executable
         # over a mesh an executable takes its arguments placed as compiled (one loaded from disk does
-        # not move them itself): the forward pass's after params and KV, the sampler's all replicated
-        everywhere, placed_from = replicated(self.mesh), (2 if name == "forward" else 0)
+        # not move them itself): the forward pass's after params and KV, but for the adapter slots (placed
+        # already), and the sampler's all replicated
+        everywhere = replicated(self.mesh)
+        keep = (0, 1, 5) if name == "forward" else ()  # params, KV, LoRA slots
 
         def placed(*call_args):
-            return executable(*call_args[:placed_from], *jax.device_put(call_args[placed_from:], everywhere))
+            return executable(*(a if i in keep else jax.device_put(a, everywhere) for i, a in enumerate(call_args)))
 
         return placed
 

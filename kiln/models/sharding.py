@@ -137,6 +137,22 @@ def lora_shardings(lora: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return out
 
 
+def lora_slot_shardings(state: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The serving adapter slots' shardings (kiln.models.lora's slot state: A [L, n, in, r], B [L, n, r,
+    out] per module), split as `lora_shardings` splits a run's LoRA; the scales, and a mixture's
+    experts' slots, whole on every device."""
+    tp = mesh.shape[AXIS]
+    layers = {}
+    for module, parts in state["layers"].items():
+        base = _layer_spec(module, cfg, tp)
+        layers[module] = {k: replicated(mesh) for k in parts}
+        if base == P(None, None, AXIS):
+            layers[module]["b"] = NamedSharding(mesh, P(None, None, None, AXIS))
+        elif base == P(None, AXIS, None):
+            layers[module]["a"] = NamedSharding(mesh, P(None, None, AXIS, None))
+    return {"scale": replicated(mesh), "layers": layers}
+
+
 def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
     """An array whose first axis is a batch's rows: split over the data-parallel axis where the mesh
     has one that divides them, else replicated."""
@@ -144,16 +160,21 @@ def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:
     return NamedSharding(mesh, P(DATA) if dp > 1 and rows % dp == 0 else P())
 
 
-def describe(mesh: Mesh | None, params: dict) -> dict:
+def describe(mesh: Mesh | None, params: dict, slots: dict | None = None) -> dict:
     """The serving mesh for /v1/config: its axis, size and devices (size 1 and no axis without one),
-    and the bytes of weights each device holds."""
-    leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+    and the bytes of weights and of adapter slots (`slots`, None before the first load) each device
+    holds."""
+    def held(tree) -> int:
+        leaves = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+        if mesh is None:
+            return sum(x.nbytes for x in leaves)
+        first = mesh.devices.flat[0]
+        return sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
+
+    held_bytes = {"weight_bytes_per_device": held(params), "adapter_slot_bytes_per_device": held(slots)}
     if mesh is None:
-        return {"axis": None, "size": 1, "devices": [], "weight_bytes_per_device": sum(x.nbytes for x in leaves)}
-    first = mesh.devices.flat[0]
-    held = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == first)
-    return {"axis": AXIS, "size": mesh.shape[AXIS], "devices": [str(d) for d in mesh.devices.flat],
-            "weight_bytes_per_device": held}
+        return {"axis": None, "size": 1, "devices": [], **held_bytes}
+    return {"axis": AXIS, "size": mesh.shape[AXIS], "devices": [str(d) for d in mesh.devices.flat], **held_bytes}
 
 
 def kv_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:

@@ -64,6 +64,8 @@ def serve(model_dir, kiln_cache, adapter_dir, tp: str, quantization: str, startu
                        timeout=120)
         assert r.status_code == 200, r.text
         adapted = completions(server.url, "a")
+        slots = httpx.get(server.url + "/v1/config", timeout=30).json()["mesh"]["adapter_slot_bytes_per_device"]
+        mesh["adapter_slot_bytes_per_device"] = slots  # allocated at the first load
     finally:
         server.stop_cleanly()
     return mesh, base, adapted
@@ -74,20 +76,23 @@ def test_served_tokens_and_logprobs_on_two_and_four_devices_equal_one(model_dir,
                                                                       quantization):
     """Float weights split as the layouts say; int4 ones by output columns for q/k/v and gate/up."""
     mesh, base, adapted = serve(model_dir, kiln_cache, adapter_dir, "1", quantization)
-    whole = mesh.pop("weight_bytes_per_device")
-    assert mesh == {"axis": None, "size": 1, "devices": []}
+    whole, whole_slots = mesh.pop("weight_bytes_per_device"), mesh.pop("adapter_slot_bytes_per_device")
+    assert mesh == {"axis": None, "size": 1, "devices": []} and whole_slots > 0
     assert base != adapted  # the adapter changes the answers
     for tp in ("2", "auto"):  # auto: all four
         mesh, tp_base, tp_adapted = serve(model_dir, kiln_cache, adapter_dir, tp, quantization)
         assert mesh["axis"] == "tp" and mesh["size"] == (2 if tp == "2" else 4) and len(mesh["devices"]) == mesh["size"]
         # the projections are split (embedding, norms and, on 4 devices, k/v stay whole; quantized: o and down)
         assert mesh["weight_bytes_per_device"] < (0.8 if quantization == "none" else 0.9) * whole, (mesh, whole)
+        # the adapter slots are split like the weights (B of q/k/v and gate/up by columns, A of o and down by rows)
+        assert mesh["adapter_slot_bytes_per_device"] < 0.8 * whole_slots, (mesh, whole_slots)
         worst = 0.0
         for (tokens, logprobs), (tp_tokens, tp_logprobs) in zip(base + adapted, tp_base + tp_adapted, strict=True):
             assert tp_tokens == tokens
             worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, tp_logprobs, strict=True)))
         print(f"tp={mesh['size']}: largest logprob difference {worst:.2e}, weights per device "
-              f"{mesh['weight_bytes_per_device']} of {whole} bytes")
+              f"{mesh['weight_bytes_per_device']} of {whole} bytes, adapter slots "
+              f"{mesh['adapter_slot_bytes_per_device']} of {whole_slots}")
         assert worst < 1e-4
 
 
