@@ -90,14 +90,18 @@ def _layer_spec(name: str, cfg: ModelConfig, tp: int) -> P:
 
 
 # quantized projections split by output columns (a fused group's members side by side: XLA moves what
-# the split of the product needs); the row-parallel ones, o and down, are held whole
+# the split of the product needs), and the row-parallel ones, o and down, by input rows
 _QUANTIZED_COLUMNS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", *quant.FUSED)
+_QUANTIZED_ROWS = ("o_proj", "down_proj")
 
 
 def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Each param's sharding (a pytree of them for a quantized weight). A quantized q/k/v or gate/up
     (or their fused groups) is split by output columns, each of its levels, scales and offsets along
-    its last axis, where the mesh divides every one; other quantized weights are replicated."""
+    its last axis, where the mesh divides every one; a quantized o or down by input rows, each along
+    its second-to-last axis (levels, packed pairs of them, and the groups' scales and offsets: equal
+    parts of each hold the same rows) where the mesh divides every one and the float layout splits
+    it; other quantized weights are replicated."""
     tp = mesh.shape[AXIS]
 
     def spec(value, split: P, name: str = ""):
@@ -106,6 +110,9 @@ def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
         leaves = jax.tree.leaves(value)
         if quant.is_quantized(value) and name in _QUANTIZED_COLUMNS and all(x.shape[-1] % tp == 0 for x in leaves):
             return jax.tree.map(lambda x: NamedSharding(mesh, P(*([None] * (x.ndim - 1)), AXIS)), value)
+        if (quant.is_quantized(value) and name in _QUANTIZED_ROWS and AXIS in split
+                and all(x.shape[-2] % tp == 0 for x in leaves)):
+            return jax.tree.map(lambda x: NamedSharding(mesh, P(*([None] * (x.ndim - 2)), AXIS, None)), value)
         return NamedSharding(mesh, P())
 
     out = {k: replicated(mesh) for k in params if k != "layers"}
