@@ -1,7 +1,7 @@
 """Training on a device mesh, on 4 forced CPU devices: `kiln train sft` with its batches' rows split
 over a data-parallel axis and the weights over a tensor-parallel one gives the losses and the adapter
-of one device, in one process or two joined by jax.distributed; a GRPO step on a tensor-parallel engine
-gives the gradients of a one-device engine's."""
+of one device, in one process or two joined by jax.distributed; a GRPO step and a distillation step on
+a tensor-parallel engine give the gradients of a one-device engine's."""
 
 import json
 import os
@@ -181,6 +181,57 @@ def test_a_grpo_step_on_a_tensor_parallel_engine_equals_one_device(expressive_mo
     for key in ("loss", "grad_norm", "q_b"):
         np.testing.assert_allclose(out[2][key], out[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
     assert max(abs(x) for x in out[1]["q_b"]) > 0  # the steps moved B from zero
+
+
+OPD_STEP = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from kiln.engine.client import AsyncEngine
+    from kiln.engine.config import EngineConfig
+    from kiln.engine.lora_slots import AdapterWeights
+    from kiln.models.loader import load_model
+    from kiln.train.grpo import Rollout
+    from kiln.train.opd import OPDConfig, OPDRun, Teacher
+
+    model = load_model(sys.argv[1], show_progress=False, model_id="tiny-llama")
+    engine = AsyncEngine(model, EngineConfig(**json.loads(sys.argv[2])))
+    try:
+        rng = np.random.default_rng(0)
+        cfg = model.config
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        shapes = {"q_proj": (cfg.hidden_size, q), "v_proj": (cfg.hidden_size, kv)}
+        weights = {m: {"a": 0.1 * rng.standard_normal((cfg.num_layers, i, 4)).astype(np.float32),
+                       "b": 0.1 * rng.standard_normal((cfg.num_layers, 4, o)).astype(np.float32)}
+                   for m, (i, o) in shapes.items()}
+        teacher = Teacher.adapter(model, AdapterWeights("teacher", "1", weights, 2.0, 4))
+        config = OPDConfig(lora_rank=4, lora_alpha=8, num_generations=2, prompts_per_step=2, learning_rate=0.05,
+                           max_completion_tokens=6, micro_batch_rows=2, jsd_beta=0.5)
+        run = OPDRun(engine, [[5, 6, 7], [8, 9]], teacher, config)
+        groups = [[Rollout(p, rng.integers(3, 250, 5).tolist(), [-1.0] * 5, False, 0.0) for _ in range(2)]
+                  for p in ([5, 6, 7], [8, 9])]
+        steps = [run.train_step(groups) for _ in range(2)]
+        print(json.dumps({k: [s[k] for s in steps] for k in ("loss", "grad_norm", "reverse_kl", "jsd")}))
+    finally:
+        engine.shutdown()
+""")
+
+
+def test_a_distillation_step_on_a_tensor_parallel_engine_equals_one_device(expressive_model, kiln_cache):
+    """On-policy distillation from an adapter teacher, with the full-distribution JSD term: the teacher's
+    logprobs and the student's gradients on the mesh are the one-device ones."""
+    from conftest import POLICY_ENGINE
+
+    out = {}
+    for tp in (1, 2):
+        engine = json.dumps({**POLICY_ENGINE, "decode_row_buckets": [8], "prefill_token_buckets": [32],
+                             "tensor_parallel": tp})
+        proc = subprocess.run([sys.executable, "-c", OPD_STEP, expressive_model.source, engine],
+                              env=mesh_env(kiln_cache, "1", "1"), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[tp] = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key in ("loss", "grad_norm", "reverse_kl", "jsd"):
+        np.testing.assert_allclose(out[2][key], out[1][key], rtol=1e-4, atol=1e-6, err_msg=key)
+    assert out[1]["jsd"][0] > 0 and out[1]["grad_norm"][0] > 0
 
 
 @pytest.mark.parametrize("value", ["0", "x"])
