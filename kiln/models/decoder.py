@@ -214,7 +214,7 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     `sliding`: the layer's flag where layers differ (the window applies where it is set). `sinks`
     [H]: each head's logit that joins the softmax's normalizer without a value (gpt-oss). `kernel`
     "pallas": the same online softmax in kiln.models.paged_attention's kernel, each tile reading only
-    its own row's blocks (where the window is the same for every layer)."""
+    its own row's blocks (within its window, on a windowed layer)."""
     T = q.shape[0]
     NT, QT = inputs.tile_tokens.shape
     KH, D = cfg.num_kv_heads, cfg.head_dim
@@ -254,10 +254,11 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     first, size = _chunk_blocks(FIRST_KEYS, B), _chunk_blocks(CHUNK_KEYS, B)
     init = (jnp.full((KH, NT, G * QT), -1e30, jnp.float32), jnp.zeros((KH, NT, G * QT), jnp.float32),
             jnp.zeros((KH, NT, G * QT, D), jnp.float32))
-    if kernel == "pallas" and (not window or sliding is None):
+    if kernel == "pallas":
+        layer_window = 0 if not window else window if sliding is None else jnp.where(sliding, window, 0)
         carry = ragged_paged_attention(
             q_tiles, q_pos.reshape(KH, NT, G * QT)[0], tables, _as_float(k_pool, kv_dtype),
-            _as_float(v_pool, kv_dtype), layer_idx, softcap=cfg.attn_logit_softcapping, window=window,
+            _as_float(v_pool, kv_dtype), layer_idx, layer_window, softcap=cfg.attn_logit_softcapping,
             interpret=jax.default_backend() != "gpu")
     else:
         carry = chunk(0, first, init)

@@ -39,15 +39,18 @@ def kernel_for(setting: str, device=None) -> str:
     return "pallas" if gpu_capable(device or jax.devices()[0]) else "xla"
 
 
-def _kernel(layer_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_ref, acc_ref, *, block_size: int,
-            softcap: float | None, window: int | None):
+def _kernel(scalars_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_ref, acc_ref, *, block_size: int,
+            softcap: float | None):
     h, t = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]  # [R, D] float32, scaled
     pos = pos_ref[...]  # [R] query positions (-1: padding)
-    layer = layer_ref[0]
+    layer, window = scalars_ref[0], scalars_ref[1]  # window 0: none
     rows = q.shape[0]
-    # blocks holding keys 0..the tile's last query position: this tile's own context, not the step's
+    # blocks holding keys 0..the tile's last query position: this tile's own context, not the step's;
+    # under a window, from the block of the first key its first query sees
     n_blocks = (jnp.max(pos) + block_size) // block_size
+    earliest = jnp.min(jnp.where(pos >= 0, pos, jnp.iinfo(jnp.int32).max)) - window + 1
+    first_block = jnp.where(window > 0, jnp.maximum(earliest, 0) // block_size, 0)
     offsets = jax.lax.broadcasted_iota(jnp.int32, (rows, block_size), 1)
 
     def block(j, carry):
@@ -59,9 +62,7 @@ def _kernel(layer_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_ref
         if softcap:
             scores = softcap * jnp.tanh(scores / softcap)
         key_pos = j * block_size + offsets
-        visible = key_pos <= pos[:, None]
-        if window:
-            visible &= key_pos > pos[:, None] - window
+        visible = (key_pos <= pos[:, None]) & ((window == 0) | (key_pos > pos[:, None] - window))
         scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))
         p = jnp.exp(scores - m_new[:, None])
@@ -70,19 +71,20 @@ def _kernel(layer_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_ref
 
     init = (jnp.full((rows,), -1e30, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
-    m, norm, acc = jax.lax.fori_loop(0, n_blocks, block, init)
+    m, norm, acc = jax.lax.fori_loop(first_block, n_blocks, block, init)
     m_ref[...], norm_ref[...], acc_ref[...] = m, norm, acc
 
 
-@functools.partial(jax.jit, static_argnames=("softcap", "window", "interpret"))
+@functools.partial(jax.jit, static_argnames=("softcap", "interpret"))
 def ragged_paged_attention(q_tiles: jax.Array, q_pos: jax.Array, tables: jax.Array, k_pool: jax.Array,
-                           v_pool: jax.Array, layer_idx, *, softcap: float | None = None, window: int | None = None,
+                           v_pool: jax.Array, layer_idx, window=0, *, softcap: float | None = None,
                            interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The online softmax's state after every key of each (KV head, tile), as the XLA path keeps it.
 
     q_tiles: [KH, NT, R, D] float32 queries, scaled (row r of a tile: head g, query q of the group);
     q_pos: [NT, R] their positions (-1: padding); tables: [NT, W] each tile's row's blocks; pools:
-    [L, KH, N, B, D] in the model's float type; layer_idx: the layer (a traced scalar). Returns the
+    [L, KH, N, B, D] in the model's float type; layer_idx: the layer and window: its sliding window in
+    tokens, 0 for none (traced scalars, so layers that differ share one kernel). Returns the
     running max and normalizer [KH, NT, R] and the unnormalized output [KH, NT, R, D]."""
     KH, NT, R, D = q_tiles.shape
     B = k_pool.shape[3]
@@ -93,7 +95,7 @@ def ragged_paged_attention(q_tiles: jax.Array, q_pos: jax.Array, tables: jax.Arr
     tile = pl.BlockSpec((None, None, rows, D), lambda h, t: (h, t, 0, 0))
     state = pl.BlockSpec((None, None, rows), lambda h, t: (h, t, 0))
     m, norm, acc = pl.pallas_call(
-        functools.partial(_kernel, block_size=B, softcap=softcap, window=window),
+        functools.partial(_kernel, block_size=B, softcap=softcap),
         grid=(KH, NT),
         in_specs=[whole, whole, pl.BlockSpec((None, rows), lambda h, t: (t, 0)), tile, whole, whole],
         out_specs=[state, state, tile],
@@ -101,6 +103,7 @@ def ragged_paged_attention(q_tiles: jax.Array, q_pos: jax.Array, tables: jax.Arr
                   [jax.ShapeDtypeStruct((KH, NT, rows, D), jnp.float32)],
         interpret=interpret,
         name="ragged_paged_attention",
-    )(jnp.reshape(jnp.asarray(layer_idx, jnp.int32), (1,)), tables.astype(jnp.int32), q_pos.astype(jnp.int32),
+    )(jnp.stack([jnp.asarray(layer_idx, jnp.int32), jnp.asarray(window, jnp.int32)]), tables.astype(jnp.int32),
+      q_pos.astype(jnp.int32),
       q_tiles, k_pool, v_pool)
     return m[:, :, :R], norm[:, :, :R], acc[:, :, :R]

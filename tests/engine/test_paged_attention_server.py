@@ -5,6 +5,7 @@ says which kernel it runs in /v1/config."""
 import asyncio
 
 import httpx
+import pytest
 from server_process import ServerProcess
 from tiny_models import served_hf_dir
 
@@ -36,8 +37,11 @@ def served(model_dir, kiln_cache, attention: str) -> tuple[str, list]:
     return kernel, results
 
 
-def test_the_kernel_serves_what_xla_attention_serves(tmp_path_factory, kiln_cache, tiny_model):
-    model_dir = served_hf_dir("llama", tmp_path_factory.mktemp("attention-llama"), kiln_cache, seed=21)
+@pytest.mark.parametrize("variant", ["llama", "gemma2", "gpt-oss"])
+def test_the_kernel_serves_what_xla_attention_serves(tmp_path_factory, kiln_cache, tiny_model, variant):
+    """Llama; Gemma 2's soft-capped scores and every other layer windowed (24 tokens, which the longest
+    prompt passes); gpt-oss's sinks and windows."""
+    model_dir = served_hf_dir(variant, tmp_path_factory.mktemp(f"attention-{variant}"), kiln_cache, seed=21)
     kernel, xla = served(model_dir, kiln_cache, "auto")
     assert kernel == "xla"  # auto, on a CPU
     kernel, pallas = served(model_dir, kiln_cache, "pallas")

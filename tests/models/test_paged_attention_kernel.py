@@ -1,7 +1,7 @@
 """The Pallas ragged paged-attention kernel (kiln.models.paged_attention), run in Pallas's interpret
 mode on the CPU, against the XLA path of the same step on random block tables and context lengths:
 decode tiles and mixed prefill chunks, grouped-query heads, a bfloat16 pool held as bits, a
-softcap, a sliding window and attention sinks."""
+softcap, a sliding window (on every layer, or on some) and attention sinks."""
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +57,9 @@ def pools(rng, cfg: ModelConfig, num_blocks: int, dtype):
     dict(query_tile=8),  # prefill chunks beside decode rows
     dict(query_tile=4, dtype=jnp.bfloat16),
     dict(query_tile=4, cfg=dict(attn_logit_softcapping=20.0)),
-    dict(query_tile=4, cfg=dict(sliding_window=40)),
+    dict(query_tile=4, cfg=dict(sliding_window=40)),  # every layer windowed: blocks before the window unread
+    dict(query_tile=4, cfg=dict(sliding_window=40), sliding=True),  # layers that differ: this one windowed
+    dict(query_tile=4, cfg=dict(sliding_window=40), sliding=False),  # and this one global
     dict(query_tile=2, cfg=dict(num_kv_heads=1), sinks=True),
 ])
 def test_the_kernel_equals_the_xla_path(case):
@@ -70,8 +72,9 @@ def test_the_kernel_equals_the_xla_path(case):
         sinks = jnp.asarray(rng.standard_normal(cfg.num_heads), jnp.float32) if case.get("sinks") else None
         layer = jnp.int32(trial + 1)
         inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
-        out = {kernel: np.asarray(decoder._attention(q, k_pool, v_pool, layer, inputs, cfg, dtype, sinks=sinks,
-                                                     kernel=kernel)) for kernel in ("xla", "pallas")}
+        sliding = None if "sliding" not in case else jnp.bool_(case["sliding"])
+        out = {kernel: np.asarray(decoder._attention(q, k_pool, v_pool, layer, inputs, cfg, dtype, sliding=sliding,
+                                                     sinks=sinks, kernel=kernel)) for kernel in ("xla", "pallas")}
         real = np.asarray(inputs.tile_tokens).ravel()
         real = real[real < q.shape[0]]
         assert np.abs(out["xla"][real]).max() > 0.01  # the step attended to something
