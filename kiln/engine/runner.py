@@ -23,6 +23,7 @@ as DeviceLost instead: nothing runs on this process's accelerator again.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import math
@@ -118,9 +119,9 @@ class Runner:
         self.mesh = mesh
         self.step_fns = ((forward_step, sample_step) if mesh is None
                          else on_mesh(kv_sharding(cfg, mesh), replicated(mesh)))
-        # the paged attention's kernel: XLA's on IREE routes and over a mesh (a Pallas kernel is one
-        # custom call that the SPMD partitioner cannot split)
-        self.attention = "xla" if backend.is_iree or mesh is not None else kernel_for(config.attention)
+        # the paged attention's kernel: XLA's on IREE routes (over a mesh, Pallas's runs per device on its
+        # KV heads: the steps compile under the mesh, see _compile_xla)
+        self.attention = "xla" if backend.is_iree else kernel_for(config.attention)
         self.params = params
         self.config = config
         self.block_size = config.block_size
@@ -446,7 +447,11 @@ class Runner:
         store_key = executable_key(name, args, (key, sorted(static.items(), key=lambda kv: kv[0])))
         executable = self.store.load(store_key)
         if executable is None:
-            executable = self.store.compile(store_key, fn.lower(*args, **static))
+            # a Pallas kernel finds the mesh it is split over in the context (a shard_map per device)
+            under_mesh = self.mesh is not None and static.get("attention", "xla") != "xla"
+            with jax.set_mesh(self.mesh) if under_mesh else contextlib.nullcontext():
+                lowered = fn.lower(*args, **static)
+            executable = self.store.compile(store_key, lowered)
         if self.mesh is None:
             return executable
         # over a mesh an executable takes its arguments placed as compiled (one loaded from disk does

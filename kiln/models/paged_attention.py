@@ -20,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 MIN_ROWS = 16  # Triton's dot takes operands of at least 16 rows
 
@@ -84,8 +85,23 @@ def ragged_paged_attention(q_tiles: jax.Array, q_pos: jax.Array, tables: jax.Arr
     q_tiles: [KH, NT, R, D] float32 queries, scaled (row r of a tile: head g, query q of the group);
     q_pos: [NT, R] their positions (-1: padding); tables: [NT, W] each tile's row's blocks; pools:
     [L, KH, N, B, D] in the model's float type; layer_idx: the layer and window: its sliding window in
-    tokens, 0 for none (traced scalars, so layers that differ share one kernel). Returns the
+    tokens, 0 for none (traced scalars, so layers that differ share one kernel). Traced under a
+    tensor-parallel mesh (`jax.set_mesh`, as the runner compiles), each device runs the kernel on its
+    own KV heads (shard_map), or on all of them where the mesh does not divide them. Returns the
     running max and normalizer [KH, NT, R] and the unnormalized output [KH, NT, R, D]."""
+    from kiln.models.sharding import AXIS  # (sharding imports the decoder, which imports this)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and AXIS in mesh.axis_names:  # a tensor-parallel step: each device runs its KV heads
+        heads = P(AXIS) if q_tiles.shape[0] % mesh.shape[AXIS] == 0 else P()  # else every head everywhere
+        pool = P(None, AXIS) if heads != P() else P()
+        run = functools.partial(_call, softcap=softcap, interpret=interpret)
+        return jax.shard_map(run, in_specs=(heads, P(), P(), pool, pool, P(), P()), out_specs=(heads, heads, heads),
+                             check_vma=False)(q_tiles, q_pos, tables, k_pool, v_pool, layer_idx, window)
+    return _call(q_tiles, q_pos, tables, k_pool, v_pool, layer_idx, window, softcap=softcap, interpret=interpret)
+
+
+def _call(q_tiles, q_pos, tables, k_pool, v_pool, layer_idx, window, *, softcap, interpret):
     KH, NT, R, D = q_tiles.shape
     B = k_pool.shape[3]
     rows = max(MIN_ROWS, pl.next_power_of_2(R))  # Triton's blocks: powers of two, 16 rows at least

@@ -1,6 +1,6 @@
 """A real server whose steps run the Pallas paged-attention kernel (`[engine] attention = "pallas"`,
-in Pallas's interpret mode on the CPU) serves the greedy tokens and logprobs of XLA's attention, and
-says which kernel it runs in /v1/config."""
+in Pallas's interpret mode on the CPU) serves the greedy tokens and logprobs of XLA's attention, on
+one device and over a tensor-parallel mesh, and says which kernel it runs in /v1/config."""
 
 import asyncio
 
@@ -9,11 +9,12 @@ import pytest
 from server_process import ServerProcess
 from tiny_models import served_hf_dir
 
+FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 50, 25, 12, 6]]
 
 
-def served(model_dir, kiln_cache, attention: str) -> tuple[str, list]:
-    server = ServerProcess(str(model_dir), str(kiln_cache), KILN_ENGINE_ATTENTION=attention,
+def served(model_dir, kiln_cache, attention: str, **env) -> tuple[str, list]:
+    server = ServerProcess(str(model_dir), str(kiln_cache), KILN_ENGINE_ATTENTION=attention, **env,
                            KILN_ENGINE_NUM_KV_BLOCKS="64", KILN_ENGINE_DECODE_ROW_BUCKETS="1,2,4",
                            KILN_ENGINE_PREFILL_TOKEN_BUCKETS="32,64", KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="64")
     try:
@@ -49,3 +50,17 @@ def test_the_kernel_serves_what_xla_attention_serves(tmp_path_factory, kiln_cach
     for (tokens, logprobs), (xla_tokens, xla_logprobs) in zip(pallas, xla, strict=True):
         assert tokens == xla_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, xla_logprobs, strict=True)) < 1e-4
+
+
+def test_the_kernel_runs_per_device_on_a_tensor_parallel_mesh(tmp_path_factory, kiln_cache, tiny_model):
+    """On tp = 2 each device runs the kernel on its one KV head of two; on tp = 4, where the heads do not
+    divide, every device runs both: the tokens and logprobs of one device's XLA attention either way."""
+    model_dir = served_hf_dir("llama", tmp_path_factory.mktemp("attention-tp"), kiln_cache, seed=21)
+    _, reference = served(model_dir, kiln_cache, "xla")
+    for tp in ("2", "4"):
+        mesh = {"KILN_ENGINE_TENSOR_PARALLEL": tp, "XLA_FLAGS": FOUR_DEVICES}
+        kernel, results = served(model_dir, kiln_cache, "pallas", **mesh)
+        assert kernel == "pallas"
+        for (tokens, logprobs), (xla_tokens, xla_logprobs) in zip(results, reference, strict=True):
+            assert tokens == xla_tokens
+            assert max(abs(a - b) for a, b in zip(logprobs, xla_logprobs, strict=True)) < 1e-4
