@@ -101,6 +101,32 @@ def backend_choice(settings: Settings) -> dict:
     return {**route.choice.to_json(), "available": True}
 
 
+def mesh_choice(settings: Settings, backend: dict) -> dict:
+    """The devices `kiln serve` would split the model over and `kiln train` a run's batches and weights
+    over (this process's devices: a run over several processes spans theirs too), or why they cannot;
+    and the paged attention's kernel."""
+    from kiln.errors import KilnError
+    from kiln.models.paged_attention import kernel_for
+    from kiln.models.sharding import AXIS, DATA, serving_mesh, training_mesh
+
+    def devices(mesh) -> list[str]:
+        return [str(d) for d in mesh.devices.flat] if mesh is not None else []
+
+    try:
+        iree = backend["available"] and backend["route"] != "xla"
+        serving = serving_mesh(settings.engine.tensor_parallel, backend["route"] if iree else None)
+        training = training_mesh(settings.train.data_parallel, settings.engine.tensor_parallel)
+    except KilnError as exc:
+        return {"error": str(exc)}
+    return {
+        "serving": {"axis": AXIS if serving else None, "size": serving.shape[AXIS] if serving else 1,
+                    "devices": devices(serving)},
+        "training": {"data_parallel": training.shape[DATA] if training else 1,
+                     "tensor_parallel": training.shape[AXIS] if training else 1, "devices": devices(training)},
+        "attention": "xla" if iree else kernel_for(settings.engine.attention),
+    }
+
+
 def quantization_choice(settings: Settings, backend: dict) -> dict:
     """The weights' format `kiln serve` would hold the layers in, and why (reads the model file's
     header, loads no weights)."""
@@ -122,14 +148,21 @@ def _cmd_config(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     backend = backend_choice(settings)
     quantization = quantization_choice(settings, backend)
+    mesh = mesh_choice(settings, backend)
     if args.json:
-        print(json.dumps({**settings.to_json(), "backend": backend, "model": {"quantization": quantization}},
-                         indent=2))
+        print(json.dumps({**settings.to_json(), "backend": backend, "model": {"quantization": quantization},
+                          "mesh": mesh}, indent=2))
     else:
         print(format_settings(settings))
         state = "" if backend["available"] else "unavailable: "
         print(f"backend route: {backend['route']} ({state}{backend['reason']})")
         print(f"weights: {quantization['value']} ({quantization['source']})")
+        if "error" in mesh:
+            print(f"mesh: {mesh['error']}")
+        else:
+            t = mesh["training"]
+            print(f"mesh: serving over {mesh['serving']['size']} device(s), training over {t['data_parallel']} x "
+                  f"{t['tensor_parallel']} (data x tensor parallel); attention: {mesh['attention']}")
     return 0
 
 

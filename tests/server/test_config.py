@@ -179,6 +179,23 @@ def test_tensor_parallel_takes_a_count_or_auto(kiln, tmp_path):
     assert s["engine"]["tensor_parallel"] == {"value": 4, "source": "environment"}
 
 
+def test_the_resolved_mesh_and_attention_kernel_are_shown(kiln):
+    """The devices a server and a training run would use, from the settings and this process's devices."""
+    four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    assert resolved(kiln)["mesh"] == {"serving": {"axis": None, "size": 1, "devices": []},
+                                      "training": {"data_parallel": 1, "tensor_parallel": 1, "devices": []},
+                                      "attention": "xla"}
+    mesh = resolved(kiln, env={**four, "KILN_ENGINE_TENSOR_PARALLEL": "2", "KILN_TRAIN_DATA_PARALLEL": "auto",
+                               "KILN_ENGINE_ATTENTION": "pallas"})["mesh"]
+    assert mesh["serving"] == {"axis": "tp", "size": 2, "devices": ["cpu:0", "cpu:1"]}
+    assert mesh["training"] == {"data_parallel": 2, "tensor_parallel": 2,
+                                "devices": ["cpu:0", "cpu:1", "cpu:2", "cpu:3"]}
+    assert mesh["attention"] == "pallas"
+    # more devices than there are: the settings are valid, the mesh says why it cannot be made
+    mesh = resolved(kiln, env={**four, "KILN_ENGINE_TENSOR_PARALLEL": "8"})["mesh"]
+    assert mesh == {"error": "engine.tensor_parallel = 8, but this process has 4 local cpu device(s)"}
+
+
 def test_profile_from_environment_is_normalized(kiln):
     doc = resolved(kiln, env={"KILN_SERVER_SERVING_PROFILE": " MAINTENANCE "})
     assert doc["settings"]["server"]["serving_profile"] == {"value": "maintenance", "source": "environment"}
