@@ -41,6 +41,9 @@ def training_mesh(data_parallel: int | str, tensor_parallel: int | str) -> Mesh 
     if dp * tp > len(devices):
         raise ConfigError(f"train.data_parallel = {dp} times engine.tensor_parallel = {tp} needs {dp * tp} devices, "
                           f"but {len(devices)} {devices[0].platform} device(s) were found")
+    if len(devices) % (dp * tp):
+        raise ConfigError(f"train.data_parallel = {dp} times engine.tensor_parallel = {tp} ({dp * tp} devices) does "
+                          f"not divide the {len(devices)} {devices[0].platform} devices found")
     if dp * tp == 1:
         return None
     return Mesh(np.asarray(devices[:dp * tp]).reshape(dp, tp), (DATA, AXIS))
@@ -54,6 +57,9 @@ def serving_mesh(tensor_parallel: int | str, one_device_route: str | None = None
     if n > len(devices):
         raise ConfigError(f"engine.tensor_parallel = {n}, but this process has {len(devices)} local "
                           f"{devices[0].platform} device(s)")
+    if len(devices) % n:
+        raise ConfigError(f"engine.tensor_parallel = {n} does not divide the {len(devices)} local "
+                          f"{devices[0].platform} devices found")
     if n == 1:
         return None
     if one_device_route:

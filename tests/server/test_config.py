@@ -194,6 +194,12 @@ def test_the_resolved_mesh_and_attention_kernel_are_shown(kiln):
     # more devices than there are: the settings are valid, the mesh says why it cannot be made
     mesh = resolved(kiln, env={**four, "KILN_ENGINE_TENSOR_PARALLEL": "8"})["mesh"]
     assert mesh == {"error": "engine.tensor_parallel = 8, but this process has 4 local cpu device(s)"}
+    # a mesh that does not divide the devices
+    mesh = resolved(kiln, env={**four, "KILN_ENGINE_TENSOR_PARALLEL": "3"})["mesh"]
+    assert mesh == {"error": "engine.tensor_parallel = 3 does not divide the 4 local cpu devices found"}
+    mesh = resolved(kiln, env={**four, "KILN_TRAIN_DATA_PARALLEL": "3"})["mesh"]
+    assert mesh == {"error": "train.data_parallel = 3 times engine.tensor_parallel = 1 (3 devices) does not divide "
+                             "the 4 cpu devices found"}
 
 
 def test_profile_from_environment_is_normalized(kiln):
