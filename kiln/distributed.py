@@ -95,4 +95,3 @@ def initialize(settings) -> int:
     log.info("process %d of %d: %d local and %d global devices", index, d.num_processes, jax.local_device_count(),
              jax.device_count())
     return index
-

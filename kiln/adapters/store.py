@@ -90,7 +90,6 @@ def _checkpointer():
 
 def load_weights(artifact: Artifact) -> dict[str, dict[str, np.ndarray]]:
     """The LoRA params, verified against the manifest's weights digest."""
-
     try:
         with _checkpointer() as ckpt:
             tree = ckpt.restore(artifact.path / "checkpoint")
@@ -103,7 +102,6 @@ def load_weights(artifact: Artifact) -> dict[str, dict[str, np.ndarray]]:
 
 
 def load_optimizer_state(artifact: Artifact, target: Any = None) -> Any:
-
     if not artifact.manifest.has_optimizer_state:
         raise InvalidAdapter(f"{artifact.path}: the artifact has no optimizer state")
     with _checkpointer() as ckpt:
@@ -135,7 +133,6 @@ class AdapterStore:
         existing version fails, so two processes saving the same name at once (a shared store)
         each get a version of their own, complete and never mixed; the later rename is the
         later version, and wins."""
-
         name = validate_name(manifest.name)
         adapter_dir = self.root / name
         adapter_dir.mkdir(parents=True, exist_ok=True)

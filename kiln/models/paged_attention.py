@@ -42,7 +42,6 @@ def kernel_for(setting: str, device=None) -> str:
 
 def _kernel(scalars_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_ref, acc_ref, *, block_size: int,
             softcap: float | None):
-    h, t = pl.program_id(0), pl.program_id(1)
     q = q_ref[...]  # [R, D] float32, scaled
     pos = pos_ref[...]  # [R] query positions (-1: padding)
     layer, window = scalars_ref[0], scalars_ref[1]  # window 0: none
@@ -56,9 +55,9 @@ def _kernel(scalars_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_r
 
     def block(j, carry):
         m, norm, acc = carry
-        b = tables_ref[t, j]
-        k = k_ref[layer, h, b].astype(jnp.float32)  # [B, D]
-        v = v_ref[layer, h, b].astype(jnp.float32)
+        b = tables_ref[j]
+        k = k_ref[layer, b].astype(jnp.float32)  # [B, D]
+        v = v_ref[layer, b].astype(jnp.float32)
         scores = jnp.dot(q, k.T)  # [R, B]
         if softcap:
             scores = softcap * jnp.tanh(scores / softcap)
@@ -107,13 +106,15 @@ def _call(q_tiles, q_pos, tables, k_pool, v_pool, layer_idx, window, *, softcap,
     rows = max(MIN_ROWS, pl.next_power_of_2(R))  # Triton's blocks: powers of two, 16 rows at least
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, rows - R), (0, 0)))
     q_pos = jnp.pad(q_pos, ((0, 0), (0, rows - R)), constant_values=-1)
-    whole = pl.no_block_spec  # read through the block table in the kernel
+    L, W, N = k_pool.shape[0], tables.shape[1], k_pool.shape[2]
     tile = pl.BlockSpec((None, None, rows, D), lambda h, t: (h, t, 0, 0))
     state = pl.BlockSpec((None, None, rows), lambda h, t: (h, t, 0))
+    head_pool = pl.BlockSpec((L, None, N, B, D), lambda h, t: (0, h, 0, 0, 0))  # read by the block table
     m, norm, acc = pl.pallas_call(
         functools.partial(_kernel, block_size=B, softcap=softcap),
         grid=(KH, NT),
-        in_specs=[whole, whole, pl.BlockSpec((None, rows), lambda h, t: (t, 0)), tile, whole, whole],
+        in_specs=[pl.BlockSpec((2,), lambda h, t: (0,)), pl.BlockSpec((None, W), lambda h, t: (t, 0)),
+                  pl.BlockSpec((None, rows), lambda h, t: (t, 0)), tile, head_pool, head_pool],
         out_specs=[state, state, tile],
         out_shape=[jax.ShapeDtypeStruct((KH, NT, rows), jnp.float32)] * 2 +
                   [jax.ShapeDtypeStruct((KH, NT, rows, D), jnp.float32)],
