@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
+from kiln.models.sharding import AXIS
+
 MIN_ROWS = 16  # Triton's dot takes operands of at least 16 rows
 
 
@@ -88,8 +90,6 @@ def ragged_paged_attention(q_tiles: jax.Array, q_pos: jax.Array, tables: jax.Arr
     tensor-parallel mesh (`jax.set_mesh`, as the runner compiles), each device runs the kernel on its
     own KV heads (shard_map), or on all of them where the mesh does not divide them. Returns the
     running max and normalizer [KH, NT, R] and the unnormalized output [KH, NT, R, D]."""
-    from kiln.models.sharding import AXIS  # (sharding imports the decoder, which imports this)
-
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and AXIS in mesh.axis_names:  # a tensor-parallel step: each device runs its KV heads
         heads = P(AXIS) if q_tiles.shape[0] % mesh.shape[AXIS] == 0 else P()  # else every head everywhere

@@ -18,7 +18,6 @@ from jax.sharding import PartitionSpec as P
 from kiln.errors import ConfigError
 from kiln.models import quant
 from kiln.models.config import ModelConfig
-from kiln.models.decoder import KVCache
 
 AXIS = "tp"
 DATA = "dp"
@@ -200,6 +199,8 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return jax.device_put(params, param_shardings(params, cfg, mesh))
 
 
-def shard_kv(kv: KVCache, cfg: ModelConfig, mesh: Mesh) -> KVCache:
+def shard_kv(kv, cfg: ModelConfig, mesh: Mesh):
+    """A decoder.KVCache with its pools placed as `kv_sharding` says (this module imports no decoder: the
+    decoder's attention kernel reads the mesh axis from here)."""
     s = kv_sharding(cfg, mesh)
-    return KVCache(jax.device_put(kv.k, s), jax.device_put(kv.v, s))
+    return kv._replace(k=jax.device_put(kv.k, s), v=jax.device_put(kv.v, s))
