@@ -295,9 +295,8 @@ class AsyncEngine:
         return self._core.mesh
 
     def mesh_info(self) -> dict[str, Any]:
-        """The tensor-parallel mesh the model is split over: axis, size and devices (size 1: none), the
-        adapter slots' bytes on each device, and
-        the weights' bytes on each device."""
+        """The tensor-parallel mesh the model is split over: axis, size and devices (size 1: none), and
+        the bytes of weights and of adapter slots on each device."""
         return describe_mesh(self._core.mesh, self._core.runner.params, self._core.lora_slots.state)
 
     def step_set(self) -> list[str]:

@@ -133,36 +133,28 @@ def param_shardings(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 
 
 def lora_shardings(lora: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """A LoRA pytree's shardings, each split like its base matrix: B [L, r, out] by output columns
-    where the base is split by columns (q/k/v, gate/up), A [L, in, r] by input rows where it is split
-    by rows (o, down); the other factor, a mixture's experts' and what the mesh does not divide are
-    held whole. Replicated over any data-parallel axis."""
+    """A LoRA pytree's shardings ({module: {"a": [..., in, r], "b": [..., r, out]}}, a run's [L, ...] or
+    the serving slots' [L, n, ...]), each split like its base matrix: B by output columns where the
+    base is split by columns (q/k/v, gate/up), A by input rows where it is split by rows (o, down);
+    the other factor, a mixture's experts' and what the mesh does not divide are held whole.
+    Replicated over any data-parallel axis."""
     tp = mesh.shape[AXIS]
-    out = {}
-    for module, parts in lora.items():
-        base = _layer_spec(module, cfg, tp)
-        out[module] = {k: replicated(mesh) for k in parts}
-        if base == P(None, None, AXIS):
-            out[module]["b"] = NamedSharding(mesh, P(None, None, AXIS))
-        elif base == P(None, AXIS, None):
-            out[module]["a"] = NamedSharding(mesh, P(None, AXIS, None))
-    return out
+
+    def split(module: str, factor: str, x) -> NamedSharding:
+        base, lead = _layer_spec(module, cfg, tp), [None] * (len(x.shape) - 2)
+        if factor == "b" and base == P(None, None, AXIS):
+            return NamedSharding(mesh, P(*lead, None, AXIS))
+        if factor == "a" and base == P(None, AXIS, None):
+            return NamedSharding(mesh, P(*lead, AXIS, None))
+        return replicated(mesh)
+
+    return {module: {k: split(module, k, x) for k, x in parts.items()} for module, parts in lora.items()}
 
 
 def lora_slot_shardings(state: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """The serving adapter slots' shardings (kiln.models.lora's slot state: A [L, n, in, r], B [L, n, r,
-    out] per module), split as `lora_shardings` splits a run's LoRA; the scales, and a mixture's
-    experts' slots, whole on every device."""
-    tp = mesh.shape[AXIS]
-    layers = {}
-    for module, parts in state["layers"].items():
-        base = _layer_spec(module, cfg, tp)
-        layers[module] = {k: replicated(mesh) for k in parts}
-        if base == P(None, None, AXIS):
-            layers[module]["b"] = NamedSharding(mesh, P(None, None, None, AXIS))
-        elif base == P(None, AXIS, None):
-            layers[module]["a"] = NamedSharding(mesh, P(None, None, AXIS, None))
-    return {"scale": replicated(mesh), "layers": layers}
+    """The serving adapter slots' shardings (kiln.models.lora's slot state), split as `lora_shardings`
+    splits a run's LoRA; the scales whole on every device."""
+    return {"scale": replicated(mesh), "layers": lora_shardings(state["layers"], cfg, mesh)}
 
 
 def rows_sharding(mesh: Mesh, rows: int) -> NamedSharding:

@@ -53,7 +53,7 @@ from kiln.train import losses
 from kiln.train.artifact import default_adapter_name
 from kiln.train.data import bucket, length_buckets
 from kiln.train.forward import forward_hidden, init_lora, lora_to_numpy
-from kiln.train.optim import adamw, learning_rate_schedule
+from kiln.train.optim import adamw, apply_gradients, learning_rate_schedule
 from kiln.train.placement import Placement
 from kiln.train.run import LoraRun, adapter_store, drive
 from kiln.train.slices import SlicedStep, StepAbandoned, Turns
@@ -258,14 +258,10 @@ def make_policy_steps(cfg: ModelConfig, tx: optax.GradientTransformation, config
     def grads(lora, params, batch: RolloutBatch, teacher=None):
         return jax.grad(loss_fn, has_aux=True)(lora, params, batch, teacher)
 
-    def update(lora, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, lora)
-        return optax.apply_updates(lora, updates), opt_state, optax.tree.norm(grads)
-
     def logprobs(lora, params, batch: RolloutBatch):
         return completion_logprobs(params, lora, batch, cfg, scale, temperature)
 
-    placed_update = (placement or Placement(None, cfg)).jit_update(update, donate_argnums=(0, 1))
+    placed_update = (placement or Placement(None, cfg)).jit_update(apply_gradients(tx), donate_argnums=(0, 1))
     return jax.jit(grads), placed_update, jax.jit(logprobs), head_loss
 
 

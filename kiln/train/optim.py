@@ -32,3 +32,14 @@ def adamw(schedule: optax.Schedule, weight_decay: float, max_grad_norm: float,
     if max_grad_norm > 0:
         tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
     return optax.MultiSteps(tx, accumulation) if accumulation > 1 else tx
+
+
+def apply_gradients(tx: optax.GradientTransformation):
+    """One optimizer update as a function to jit: (lora, opt_state, grads) -> the new params and state,
+    and the gradients' global norm."""
+
+    def update(lora, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, lora)
+        return optax.apply_updates(lora, updates), opt_state, optax.tree.norm(grads)
+
+    return update

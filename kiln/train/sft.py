@@ -39,7 +39,7 @@ from kiln.train.data import (
     make_batch,
 )
 from kiln.train.forward import forward_hidden, init_lora, load_balancing_loss
-from kiln.train.optim import adamw, learning_rate_schedule
+from kiln.train.optim import adamw, apply_gradients, learning_rate_schedule
 from kiln.train.placement import Placement
 from kiln.train.run import LoraRun, adapter_store, drive
 from kiln.train.slices import SlicedStep, StepAbandoned, Turns
@@ -127,16 +127,6 @@ def make_train_step(cfg: ModelConfig, tx: optax.GradientTransformation, scale: f
     return placement.jit_update(step, donate_argnums=(0, 1))
 
 
-def make_update(tx: optax.GradientTransformation, placement: Placement):
-    """The optimizer update of a sliced step's gradients (params and state donated); and their norm."""
-
-    def update(lora, opt_state, grads):
-        updates, opt_state = tx.update(grads, opt_state, lora)
-        return optax.apply_updates(lora, updates), opt_state, optax.tree.norm(grads)
-
-    return placement.jit_update(update, donate_argnums=(0, 1))
-
-
 def make_eval_step(cfg: ModelConfig, scale: float):
     """Token-summed loss, correct predictions and trained tokens of a batch."""
 
@@ -187,7 +177,8 @@ class SFTRun(LoraRun):
             raise ConfigError(f"router_aux_loss_coef = {config.router_aux_loss_coef}: {cfg.architecture} has no "
                               "router (the load-balancing loss is a mixture of experts')")
         self._train_step = make_train_step(cfg, tx, config.scale, remat, config.router_aux_loss_coef, self.placement)
-        self._update = make_update(tx, self.placement)
+        # the optimizer update of a sliced step's gradients (params and state donated)
+        self._update = self.placement.jit_update(apply_gradients(tx), donate_argnums=(0, 1))
         self._sliced = SlicedStep(cfg, config.scale, functools.partial(head_loss, cfg=cfg), config.max_slice_ms, remat)
         self._eval_step = make_eval_step(cfg, config.scale)
         self.micro_step = 0
