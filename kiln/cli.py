@@ -169,15 +169,21 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     _apply_log_level(settings)
-    if (n := settings.distributed.num_processes) > 1:
-        raise ConfigError(f"distributed.num_processes = {n}: a server runs in one process for now ([distributed] "
-                          "joins the processes of `kiln train`); use engine.tensor_parallel over its local devices")
     try:  # the port accepts connections before JAX, the model or the HTTP stack is loaded
         sock = _listen(settings)
     except OSError as exc:
         print(f"kiln: error: cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
+    if settings.distributed.num_processes > 1:  # one server over several processes (hosts): 0 serves requests
+        from kiln.distributed import initialize
+
+        if index := initialize(settings):
+            logging.basicConfig(level=settings.server.log_level.upper(),
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            from kiln.server.follower import serve_follower
+
+            return serve_follower(settings, index, sock)
     from kiln.server.lifecycle import serve  # lazy: pulls in JAX and the HTTP stack
 
     return serve(settings, sock) or 0

@@ -97,7 +97,7 @@ XLA = Backend(BackendChoice("xla", "requested", {}, {}))
 
 
 def xla_capabilities() -> dict:
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     stats = device.memory_stats() or {}
     return {"route": "xla", "device_type": "cpu" if device.platform == "cpu" else "gpu", "platform": device.platform,
             "dtypes": ["f32", "f16", "bf16", "i8"], "memory_bytes": int(stats.get("bytes_limit", 0)),

@@ -38,6 +38,7 @@ from kiln.engine.metrics import EngineMetrics
 from kiln.engine.ownership import Ownership
 from kiln.engine.params import SamplingParams
 from kiln.engine.request import Delta
+from kiln.engine.step_mirror import StepMirror
 from kiln.engine.warmup import build_step_set, prime_first_contact
 from kiln.errors import DeviceLost, KilnError
 from kiln.models.loader import LoadedModel
@@ -388,6 +389,12 @@ class AsyncEngine:
     def device_lost(self) -> DeviceLost | None:
         """The device loss that ended serving on this process, if any (permanent)."""
         return self._core.device_lost
+
+    def lead(self, listener, followers: int, timeout_s: float) -> None:
+        """Process 0 of a server over several processes: waits for the `followers` to connect on
+        `listener`, then sends them every device operation of this engine (see step_mirror.py)."""
+        mirror = StepMirror.accept(listener, followers, self._core.runner, timeout_s)
+        self._core.runner.mirror = self._core.lora_slots.mirror = mirror
 
     def shutdown(self) -> None:
         self._stop = True

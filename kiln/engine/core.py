@@ -389,6 +389,8 @@ class EngineCore:
     def close(self) -> None:
         if self.publisher:
             self.publisher.close()
+        if self.runner.mirror is not None:  # the followers stop with process 0
+            self.runner.mirror.close()
 
     # ---- hooks -------------------------------------------------------------------------------
 

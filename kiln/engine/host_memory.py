@@ -26,7 +26,7 @@ LINUX = sys.platform.startswith("linux")
 def free_bytes(on_host: bool = False) -> tuple[int, str | None]:
     """Bytes free now, and the device kind whose allocator says so: an accelerator's stats, or
     (None) the host's available memory (the CPU, or `on_host`)."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     stats = None if on_host or device.platform == "cpu" else device.memory_stats()
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), device.device_kind

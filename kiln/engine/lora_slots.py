@@ -63,6 +63,7 @@ class LoraSlots:
         self._clock = itertools.count(1)
         self.loads = 0
         self.evictions = 0
+        self.mirror = None  # a server over several processes: process 0's StepMirror (see step_mirror.py)
 
     def ensure_state(self) -> dict:
         """The stacked slot arrays, allocated (all zero) on first need."""
@@ -109,9 +110,8 @@ class LoraSlots:
             if self.slots[i] is not None:
                 self.evictions += 1
             with self.ownership.write(f"load adapter {adapter.name} into slot {i + 1}"):
-                self.ensure_state()
                 self.slots[i] = None  # a failed write leaves the slot empty, never half-labelled
-                self.state = self._placed(set_slot(self.state, i + 1, adapter.weights, adapter.scale))
+                self.write(i + 1, adapter.weights, adapter.scale)
             self.slots[i] = _Slot(adapter)
             self.loads += 1
         self.slots[i].last_used = next(self._clock)
@@ -142,7 +142,18 @@ class LoraSlots:
     def _free(self, i: int) -> None:
         with self.ownership.write(f"unload slot {i + 1}"):
             self.slots[i] = None
-            self.state = self._placed(clear_slot(self.state, i + 1))
+            self.clear(i + 1)
+
+    def write(self, slot: int, weights: dict, scale: float) -> None:
+        """Writes an adapter's weights into slot `slot` of the device state (under writer ownership)."""
+        if self.mirror is not None:
+            self.mirror.send("slot", slot, weights, scale)
+        self.state = self._placed(set_slot(self.ensure_state(), slot, weights, scale))
+
+    def clear(self, slot: int) -> None:
+        if self.mirror is not None:
+            self.mirror.send("clear", slot)
+        self.state = self._placed(clear_slot(self.state, slot))
 
     def resident(self) -> list[dict]:
         return [

@@ -143,7 +143,10 @@ class Runner:
         self.unprimed: set[StepBucket] = set()  # installed forward steps that have not run yet (see `prime`)
         # samplers and (IREE routes) prompt-logprob steps: small, one per row or token count
         self.auxiliary: dict[SamplerKey | PromptLogprobsKey, Callable] = {}
-        self.store = ExecutableStore.beside_jax_cache()
+        # over several processes each compiles its steps (a stored one would load onto this process's devices)
+        self.store = ExecutableStore.beside_jax_cache() if jax.process_count() == 1 else ExecutableStore(None)
+        # a server over several processes: process 0's StepMirror, which the others' engines repeat (step_mirror.py)
+        self.mirror = None
         self.abstract = jax.tree.map(_abstract, (params, self.kv))  # what compiles see of params and KV
         self.compile_waits = 0  # steps that waited for their executable to compile (none once warmed)
         self.deferred: list[StepBucket] = []  # LoRA steps a start left for the first adapter to build
@@ -183,6 +186,8 @@ class Runner:
         """Builds (or loads) the steps a start deferred, for the current pool (any thread: serving goes
         on meanwhile); returns the pool size they are for, and them, for `install_deferred`."""
         num_blocks, abstract, built = self.num_blocks, self.abstract, {}
+        if self.mirror is not None:
+            self.mirror.build(self.deferred)
         for bucket in list(self.deferred):
             try:
                 built[bucket] = self._compile_forward(bucket, abstract)  # IREE: gated as at start
@@ -216,6 +221,8 @@ class Runner:
         """Builds (or loads from disk) the given executables, default the whole set, `workers` at a time;
         `progress(key)` after each."""
         todo = [k for k in (self.executable_set() if keys is None else keys) if k not in self.executables]
+        if self.mirror is not None:
+            self.mirror.build(todo)
 
         def build(key):
             try:
@@ -275,6 +282,8 @@ class Runner:
 
     def reset_kv(self) -> None:
         """A fresh, empty KV state (after a failed step consumed the donated one)."""
+        if self.mirror is not None:
+            self.mirror.send("reset_kv")
         self.kv = self._empty_kv()
 
     def installed_buckets(self) -> list[StepBucket]:
@@ -294,6 +303,8 @@ class Runner:
         """Gives the KV pool `num_blocks` blocks (engine thread, under writer ownership): the moved
         blocks' K/V are copied first, then the pool is cut or padded with empty blocks. The forward
         executables of the old pool size are dropped for `executables`, built for the new."""
+        if self.mirror is not None:  # (fine-tuning jobs, which resize, are refused over several processes)
+            raise RuntimeError("a KV pool spread over several processes is not resized")
         if self.backend.is_iree:  # resized with XLA on the host; the next step uploads it again
             self.kv = KVCache(*(jnp.asarray(self.backend.device.to_host(x)) for x in self.kv))
 
@@ -384,6 +395,8 @@ class Runner:
         inputs.tile_tokens[0, 0] = 0
         lora = self.lora_slots.ensure_state() if bucket.lora else None
         self.unprimed.discard(bucket)
+        if self.mirror is not None:
+            self.mirror.prime(bucket)
         try:
             row_logits, _, self.kv = self.forwards[bucket](self.params, self.kv, inputs, last_index, targets, lora,
                                                            feed)
@@ -593,13 +606,25 @@ class Runner:
             self._empty_feed = jnp.zeros(self.layout.feed_rows, jnp.int32)
         return self._empty_feed
 
-    def _launch(self, rows: Rows, bucket: StepBucket, forward: Callable, feed: jax.Array | None) -> PendingStep:
-        inputs, last_index, targets, source = self.layout.step_inputs(rows, bucket)
-        rs = self.layout.sampling_arrays(rows, bucket.rows)
+    def run_forward(self, bucket: StepBucket, forward: Callable, host: tuple, feed: jax.Array | None) -> tuple:
+        """Runs a bucket's forward executable on `host` (inputs, last index, prompt targets, feed sources)
+        and `feed` (the earlier step's token feed it reads, or None); returns its row logits and prompt
+        logprobs (on the device) and keeps its KV state."""
+        inputs, last_index, targets, source = host
         lora = self.lora_slots.ensure_state() if bucket.lora else None
+        row_logits, prompt, self.kv = forward(self.params, self.kv, inputs, last_index, targets, lora,
+                                              TokenFeed(self._feed(feed), source))
+        self.unprimed.discard(bucket)  # its first run
+        return row_logits, prompt
+
+    def _launch(self, rows: Rows, bucket: StepBucket, forward: Callable, feed: jax.Array | None) -> PendingStep:
+        host = self.layout.step_inputs(rows, bucket)
+        inputs, last_index, targets, source = host
+        rs = self.layout.sampling_arrays(rows, bucket.rows)
         sampler = self.sampler_for(bucket.rows)
         self.device_loss.before_step()
         if self.backend.is_iree:  # never fed: the engine plans no step ahead of one on an IREE route
+            lora = self.lora_slots.ensure_state() if bucket.lora else None
             row_logits, sampled, hidden, self.kv = forward(self.params, self.kv, inputs, last_index, lora, rs)
             prompt = None
             if any(self._wants_targets(r, n) for r, n in rows):
@@ -609,10 +634,13 @@ class Runner:
                 return PendingStep(bucket, rows, sampled, prompt, targets, None)
             row_logits = self.backend.device.to_host(row_logits)
         else:
-            row_logits, prompt, self.kv = forward(self.params, self.kv, inputs, last_index, targets, lora,
-                                                  TokenFeed(self._feed(feed), source))
-            self.unprimed.discard(bucket)  # its first run
+            seq = self.mirror.forward(bucket, host, feed) if self.mirror is not None else 0
+            row_logits, prompt = self.run_forward(bucket, forward, host, feed)
         if rs.constrained.any():  # computed while the forward pass runs (dispatched asynchronously)
             rs = rs._replace(allowed=self.layout.masks_for(rows, bucket.rows))
+        if self.mirror is not None:
+            self.mirror.sample(seq, rs)
         sampled, next_feed = sampler(row_logits, rs)
+        if self.mirror is not None:
+            self.mirror.sampled(seq, next_feed)
         return PendingStep(bucket, rows, sampled, prompt, targets, None if self.backend.is_iree else next_feed)

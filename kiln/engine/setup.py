@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from pathlib import Path
 
 import jax
 
 from kiln.config import Settings
+from kiln.engine import step_mirror
 from kiln.engine.backends import Backend, select_backend
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
@@ -90,9 +92,38 @@ def load_model_and_route(settings: Settings, show_progress: bool = True) -> tupl
 
 
 def build_engine(settings: Settings, show_progress: bool = True) -> AsyncEngine:
+    """The server's engine; on process 0 of a server over several processes, leading the others'."""
     configure_compilation_cache(settings.compilation_dir())
+    d = settings.distributed
+    listener = step_mirror.listen(d.coordinator) if d.num_processes > 1 else None
     model, route = load_model_and_route(settings, show_progress)
-    return AsyncEngine(model, EngineConfig.from_settings(settings), EngineMetrics(model.model_id), route)
+    engine = AsyncEngine(model, EngineConfig.from_settings(settings), EngineMetrics(model.model_id), route)
+    if listener is not None:
+        engine.lead(listener, d.num_processes - 1, d.timeout_s)
+    return engine
+
+
+def follow(settings: Settings, index: int, following: threading.Event | None = None) -> int:
+    """Process `index` (> 0) of a server over several processes: builds the same engine (without KV
+    events: process 0 publishes them), then repeats process 0's device work until it stops (`following`
+    is set meanwhile). Exit status: 0 when process 0 stopped, 1 when it went away."""
+    configure_compilation_cache(settings.compilation_dir())
+    model, route = load_model_and_route(settings, show_progress=False)
+    config = dataclasses.replace(EngineConfig.from_settings(settings), kv_events_endpoint="",
+                                 kv_events_replay_endpoint="")
+    core = EngineCore(model, config, backend=route)
+    d = settings.distributed
+    conn = step_mirror.connect(d.coordinator, index, d.timeout_s)
+    try:
+        step_mirror.Follower(core.runner, index).run(conn, following)
+    except ConnectionError:
+        log.error("process %d: process 0 went away; stopping", index)
+        return 1
+    finally:
+        conn.close()
+        core.close()
+    log.info("process %d: process 0 stopped; stopping", index)
+    return 0
 
 
 def warmup(settings: Settings) -> int:

@@ -49,12 +49,14 @@ def training_mesh(data_parallel: int | str, tensor_parallel: int | str) -> Mesh 
 
 
 def serving_mesh(tensor_parallel: int | str, one_device_route: str | None = None) -> Mesh | None:
-    """The mesh `[engine] tensor_parallel` asks for: a count of local devices, or "auto" for all of
-    them; None for one device (no mesh). `one_device_route` names a route that runs on one device."""
-    devices = jax.local_devices()
+    """The mesh `[engine] tensor_parallel` asks for: a count of devices, or "auto" for all of them; None
+    for one device (no mesh). A server over several processes (`[distributed]`) spans every process's
+    devices. `one_device_route` names a route that runs on one device."""
+    devices = jax.devices()
     n = len(devices) if tensor_parallel == "auto" else int(tensor_parallel)
+    where = "this process has" if jax.process_count() == 1 else f"the server's {jax.process_count()} processes have"
     if n > len(devices):
-        raise ConfigError(f"engine.tensor_parallel = {n}, but this process has {len(devices)} local "
+        raise ConfigError(f"engine.tensor_parallel = {n}, but {where} {len(devices)} local "
                           f"{devices[0].platform} device(s)")
     if len(devices) % n:
         raise ConfigError(f"engine.tensor_parallel = {n} does not divide the {len(devices)} local "

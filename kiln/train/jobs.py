@@ -122,6 +122,9 @@ class JobManager:
 
     def create(self, body: dict) -> dict:
         """Checks a job request (a 400 on any problem, nothing stored; see JobRequests) and queues it."""
+        if (processes := jax.process_count()) > 1:  # a job resizes the KV pool and trains in process 0 alone
+            raise InvalidRequest(f"fine-tuning jobs run on a server of one process; this one spans {processes} "
+                                 "processes (`kiln train` trains over several)", code="multi_process_server")
         job = self.requests.check(body)
         self.store.put_job(job)
         self.store.add_event(job["id"], f"Validated training file: {job['training_file']}")

@@ -5,18 +5,22 @@ on tp = 4 the KV heads do not, so the KV pool and k/v stay whole on every device
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 from peft_adapters import make_peft_adapter
-from server_process import ServerProcess
+from server_process import ServerProcess, free_port, suite_env
 from tiny_models import make_hf_model, served_hf_dir
 
 FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 50, 25, 12, 6]]
 NEW_TOKENS = 20
+FOUR_DEVICE_RESULTS: list = []  # one process's tp=4 float results (base, adapted), for the two-process server
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +51,13 @@ def completions(url: str, model: str) -> list[tuple[list[str], list[float]]]:
     return asyncio.run(every())
 
 
-def serve(model_dir, kiln_cache, adapter_dir, tp: str, quantization: str, startup: dict | None = None
-          ) -> tuple[dict, list, list]:
+def serve(model_dir, kiln_cache, adapter_dir, tp: str, quantization: str, startup: dict | None = None,
+          while_serving=None, **env: str) -> tuple[dict, list, list]:
     """A server on the mesh: its /v1/config mesh, the base model's results and the adapter's (and its
-    step set's start into `startup`)."""
-    server = ServerProcess(str(model_dir), str(kiln_cache), XLA_FLAGS=FOUR_DEVICES, KILN_ENGINE_TENSOR_PARALLEL=tp,
-                           KILN_MODEL_QUANTIZATION=quantization)
+    step set's start into `startup`); `while_serving(url)` runs last."""
+    env = {"XLA_FLAGS": FOUR_DEVICES, **env}
+    server = ServerProcess(str(model_dir), str(kiln_cache), KILN_ENGINE_TENSOR_PARALLEL=tp,
+                           KILN_MODEL_QUANTIZATION=quantization, **env)
     try:
         config = httpx.get(server.url + "/v1/config", timeout=30).json()
         mesh = config["mesh"]
@@ -66,6 +71,8 @@ def serve(model_dir, kiln_cache, adapter_dir, tp: str, quantization: str, startu
         adapted = completions(server.url, "a")
         slots = httpx.get(server.url + "/v1/config", timeout=30).json()["mesh"]["adapter_slot_bytes_per_device"]
         mesh["adapter_slot_bytes_per_device"] = slots  # allocated at the first load
+        if while_serving is not None:
+            while_serving(server.url)
     finally:
         server.stop_cleanly()
     return mesh, base, adapted
@@ -81,6 +88,8 @@ def test_served_tokens_and_logprobs_on_two_and_four_devices_equal_one(model_dir,
     assert base != adapted  # the adapter changes the answers
     for tp in ("2", "auto"):  # auto: all four
         mesh, tp_base, tp_adapted = serve(model_dir, kiln_cache, adapter_dir, tp, quantization)
+        if tp == "auto" and quantization == "none":
+            FOUR_DEVICE_RESULTS.extend([tp_base, tp_adapted])
         assert mesh["axis"] == "tp" and mesh["size"] == (2 if tp == "2" else 4) and len(mesh["devices"]) == mesh["size"]
         # the projections are split (embedding, norms and, on 4 devices, k/v stay whole; quantized: o and down)
         assert mesh["weight_bytes_per_device"] < (0.8 if quantization == "none" else 0.9) * whole, (mesh, whole)
@@ -151,3 +160,54 @@ def test_more_devices_than_the_process_has_stop_the_start(model_dir, kiln_cache)
     with pytest.raises(RuntimeError) as exc:
         ServerProcess(str(model_dir), str(kiln_cache), XLA_FLAGS=FOUR_DEVICES, KILN_ENGINE_TENSOR_PARALLEL="8")
     assert "engine.tensor_parallel = 8, but this process has 4 local cpu device(s)" in str(exc.value)
+
+
+def two_free_ports() -> int:
+    """A port whose next one is free too (a multi-process server's coordinator and step channel)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+                return port
+            except OSError:
+                continue
+
+
+def test_a_server_over_two_processes_of_two_devices_equals_one_process_of_four(model_dir, kiln_cache, adapter_dir):
+    """[distributed] over two processes of two CPU devices each: process 0 serves HTTP and process 1
+    repeats its device work (its steps, the adapter's slot write). tp = 4 across both gives one
+    process's four-device tokens and logprobs, base and adapter; process 1 answers /health as
+    following; a fine-tuning job is refused (it would train in process 0 alone); stopping process 0
+    stops both."""
+    if not FOUR_DEVICE_RESULTS:  # (run alone: the first test did not run)
+        FOUR_DEVICE_RESULTS.extend(serve(model_dir, kiln_cache, adapter_dir, "4", "none")[1:])
+    base, adapted = FOUR_DEVICE_RESULTS
+    two_devices = FOUR_DEVICES.replace("=4", "=2")
+    run = {"KILN_DISTRIBUTED_COORDINATOR": f"127.0.0.1:{two_free_ports()}", "KILN_DISTRIBUTED_NUM_PROCESSES": "2"}
+    follower_port = free_port()
+    env = suite_env(str(model_dir), str(kiln_cache), XLA_FLAGS=two_devices, KILN_ENGINE_TENSOR_PARALLEL="4",
+                    KILN_DISTRIBUTED_PROCESS_ID="1", KILN_SERVER_PORT=str(follower_port), **run)
+    follower = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def while_serving(url: str) -> None:
+        health = httpx.get(f"http://127.0.0.1:{follower_port}/health", timeout=10)
+        assert (health.status_code, health.json()) == (200, {"status": "following", "process": 1})
+        job = httpx.post(url + "/v1/fine_tuning/jobs", json={"model": "m", "training_file": "file-x"}, timeout=30)
+        error = job.json()["error"]
+        assert job.status_code == 400 and error["code"] == "multi_process_server", job.text
+        assert "spans 2 processes" in error["message"]
+
+    try:
+        mesh, two_base, two_adapted = serve(model_dir, kiln_cache, adapter_dir, "4", "none", XLA_FLAGS=two_devices,
+                                            KILN_DISTRIBUTED_PROCESS_ID="0", while_serving=while_serving, **run)
+        said, _ = follower.communicate(timeout=120)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, said[-3000:]
+    assert "following process 0's steps" in said and "process 0 stopped" in said
+    assert mesh["size"] == 4 and len(mesh["devices"]) == 4
+    for (tokens, logprobs), (two_tokens, two_logprobs) in zip(base + adapted, two_base + two_adapted, strict=True):
+        assert two_tokens == tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, two_logprobs, strict=True)) < 1e-4

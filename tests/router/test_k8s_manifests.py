@@ -83,7 +83,8 @@ def no_network(monkeypatch):
 
 def test_the_directory_holds_the_expected_files():
     names = {p.name for p in YAML_FILES}
-    expected = {"namespace.yaml", "kiln-worker.yaml", "router.yaml", "crds.yaml", "examples.yaml", "kiln-train.yaml"}
+    expected = {"namespace.yaml", "kiln-worker.yaml", "router.yaml", "crds.yaml", "examples.yaml", "kiln-train.yaml",
+                "kiln-multihost.yaml"}
     assert expected <= names
     assert (K8S / "Dockerfile").is_file()
     for name, doc in DOCS:
@@ -425,6 +426,40 @@ def test_multi_host_training_job_meets_at_pod_zero_and_indexes_its_processes():
     assert d.process_id == "auto" and settings.engine.tensor_parallel == settings.train.data_parallel == "auto"
     assert [process_id(d.process_id, {"JOB_COMPLETION_INDEX": str(i)}, f"kiln-train-{i}") for i in range(2)] == [0, 1]
     assert any(m["mountPath"] == settings.adapter_store() for m in trainer["volumeMounts"])
+
+
+def test_multi_host_server_meets_at_pod_zero_and_sends_requests_there():
+    """The StatefulSet's pods find process 0 (coordinator and step channel) through the headless
+    Service, run as many processes as the settings say with the index of their pod's name, and the
+    request Service selects pod 0 alone; every pod answers the /health probes."""
+    from kiln.distributed import process_id
+    from kiln.engine.step_mirror import mirror_address
+
+    name = "kiln-multihost.yaml"
+    sts, peers, front = (find("StatefulSet", "kiln-multihost", name), find("Service", "kiln-multihost-peers", name),
+                         find("Service", "kiln-multihost", name))
+    spec, pod = sts["spec"], sts["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    settings = resolve_settings(env={e["name"]: e["value"] for e in server["env"]})
+    d = settings.distributed
+    assert spec["replicas"] == d.num_processes > 1 and spec["podManagementPolicy"] == "Parallel"
+    assert server["command"] == ["python", "-m", "kiln.server"]
+    host, port = d.coordinator.rsplit(":", 1)
+    assert spec["serviceName"] == peers["metadata"]["name"]
+    assert host == f"{sts['metadata']['name']}-0.{spec['serviceName']}"
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is True
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    published = {p["targetPort"]: p["port"] for p in peers["spec"]["ports"]}
+    assert published == {"coordinator": int(port), "steps": mirror_address(d.coordinator)[1]}
+    assert all(ports[name] == number for name, number in published.items())
+    assert ports["http"] == settings.server.port and settings.server.host == "0.0.0.0"
+    assert front["spec"]["selector"] == {**spec["selector"]["matchLabels"],
+                                         "statefulset.kubernetes.io/pod-name": f"{sts['metadata']['name']}-0"}
+    assert [p["targetPort"] for p in front["spec"]["ports"]] == ["http"]
+    assert all(server[probe]["httpGet"] == {"path": "/health", "port": "http"}
+               for probe in ("startupProbe", "readinessProbe"))
+    assert d.process_id == "auto" and settings.engine.tensor_parallel == "auto"
+    assert [process_id(d.process_id, {}, f"kiln-multihost-{i}") for i in range(2)] == [0, 1]
 
 
 def test_worker_service_publishes_the_named_ports():

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from server_process import free_port
 
 from kiln.adapters.store import AdapterStore, load_weights
 
@@ -241,7 +242,8 @@ def test_bad_data_parallel_values_are_refused(value, kiln_cache):
     assert proc.returncode != 0 and "KILN_TRAIN_DATA_PARALLEL" in proc.stdout + proc.stderr
 
 
-def test_a_server_over_several_processes_is_refused(kiln_cache):
-    env = mesh_env(kiln_cache, "1", "1", KILN_DISTRIBUTED_NUM_PROCESSES="2")
+def test_a_server_over_several_processes_needs_the_coordinator(kiln_cache):
+    """(A server over two processes is tests/engine/test_tensor_parallel.py's.)"""
+    env = mesh_env(kiln_cache, "1", "1", KILN_DISTRIBUTED_NUM_PROCESSES="2", KILN_SERVER_PORT=str(free_port()))
     proc = subprocess.run([sys.executable, "-m", "kiln.server"], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "distributed.num_processes = 2: a server runs in one process" in proc.stderr
+    assert proc.returncode == 2 and "distributed.num_processes = 2 needs distributed.coordinator" in proc.stderr
