@@ -43,18 +43,23 @@ def _split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _wait_for(address: str, timeout_s: float) -> None:
-    host, port = _split_address(address)
+def connect_within(host: str, port: int, timeout_s: float, what: str) -> socket.socket:
+    """A TCP connection to `what` at host:port, tried again until `timeout_s` has passed; then a
+    ConfigError naming it."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return
+            return socket.create_connection((host, port), timeout=1.0)
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise ConfigError(f"cannot reach the coordinator at distributed.coordinator = {address} within "
-                                  f"{timeout_s:g} s (distributed.timeout_s): {exc.strerror or exc}") from None
+                raise ConfigError(f"cannot reach {what} within {timeout_s:g} s (distributed.timeout_s): "
+                                  f"{exc.strerror or exc}") from None
             time.sleep(0.2)
+
+
+def _wait_for(address: str, timeout_s: float) -> None:
+    host, port = _split_address(address)
+    connect_within(host, port, timeout_s, f"the coordinator at distributed.coordinator = {address}").close()
 
 
 def _native_output_to_stderr() -> None:

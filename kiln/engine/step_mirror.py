@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import msgspec
 import numpy as np
 
+from kiln.distributed import connect_within
 from kiln.engine.buckets import StepBucket
 from kiln.engine.runner import SamplerKey
 from kiln.errors import ConfigError, DeviceLost
@@ -204,16 +205,7 @@ def listen(coordinator: str) -> socket.socket:
 def connect(coordinator: str, index: int, timeout_s: float) -> socket.socket:
     """A follower's connection to process 0, tried until `timeout_s` has passed."""
     host, port = mirror_address(coordinator)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            conn = socket.create_connection((host, port), timeout=5)
-            break
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise ConfigError(f"process {index}: cannot reach process 0's step channel at {host}:{port} within "
-                                  f"{timeout_s:g} s (distributed.timeout_s): {exc.strerror or exc}") from None
-            time.sleep(0.5)
+    conn = connect_within(host, port, timeout_s, f"process 0's step channel at {host}:{port}")
     conn.settimeout(None)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _send(conn, ["follower", index])
