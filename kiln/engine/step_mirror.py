@@ -235,12 +235,17 @@ class Follower:
         log.info("process %d: following process 0's steps", self.index)
         if following is not None:
             following.set()
+        apply = {"build": self._build, "forward": self._forward, "sample": self._sample, "prime": self._prime,
+                 "slot": self._slot, "clear": self._clear, "reset_kv": self.runner.reset_kv}
         try:
             while True:
                 op, *args = _receive(conn)
                 if op == "stop":
                     return
-                getattr(self, f"_{op}")(*args)
+                if op not in apply:
+                    raise ConfigError(f"process {self.index}: process 0 sent an unknown operation {op!r}; run the "
+                                      "same Kiln version in every process")
+                apply[op](*args)
         finally:
             self._builder.shutdown(cancel_futures=True)
 
@@ -286,6 +291,3 @@ class Follower:
 
     def _clear(self, slot: int) -> None:
         self.runner.lora_slots.clear(slot)
-
-    def _reset_kv(self) -> None:
-        self.runner.reset_kv()
