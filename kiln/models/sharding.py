@@ -54,9 +54,10 @@ def serving_mesh(tensor_parallel: int | str, one_device_route: str | None = None
     devices. `one_device_route` names a route that runs on one device."""
     devices = jax.devices()
     n = len(devices) if tensor_parallel == "auto" else int(tensor_parallel)
-    where = "this process has" if jax.process_count() == 1 else f"the server's {jax.process_count()} processes have"
+    processes = jax.process_count()
+    where = "this process has" if processes == 1 else f"the server's {processes} processes have"
     if n > len(devices):
-        raise ConfigError(f"engine.tensor_parallel = {n}, but {where} {len(devices)} local "
+        raise ConfigError(f"engine.tensor_parallel = {n}, but {where} {len(devices)} {'local ' * (processes == 1)}"
                           f"{devices[0].platform} device(s)")
     if len(devices) % n:
         raise ConfigError(f"engine.tensor_parallel = {n} does not divide the {len(devices)} local "
