@@ -24,6 +24,7 @@ Nothing a worker sends can stop the thread: a bad message or event is counted an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -119,7 +120,10 @@ class _Feed:
             self.stats.connected = self.stats.replay_connected = False
             for owner in (sub, probe):
                 if owner is not None:
-                    owner.disable_monitor()
+                    # fails with ETERM once the context is terminating; the sockets must close all the
+                    # same, or the context's term() waits for them forever
+                    with contextlib.suppress(zmq.ZMQError):
+                        owner.disable_monitor()
             for socket in (*watched.values(), sub, probe):
                 if socket is not None:
                     socket.close(linger=0)
@@ -310,6 +314,7 @@ class KVIngest:
         self._own_ctx = context is None
         self._ctx = zmq.Context() if context is None else context
         self._feeds: dict[int, _Feed] = {}
+        self._retired: list[_Feed] = []  # removed feeds, until their thread has ended (stop waits for them)
         self._lock = threading.Lock()
         self._started = self._stopped = False
         for worker in workerset.workers:
@@ -328,7 +333,7 @@ class KVIngest:
             if self._stopped:
                 return
             self._stopped = True
-            feeds = list(self._feeds.values())
+            feeds = [*self._feeds.values(), *self._retired]
         for feed in feeds:
             feed.stopping.set()
         alive = 0
@@ -359,10 +364,14 @@ class KVIngest:
         """Stop following a worker and forget its blocks and stats."""
         with self._lock:
             feed = self._feeds.pop(worker_id_num, None)
+            if feed is not None and feed.thread.ident is not None:
+                self._retired.append(feed)  # a stop() from now on waits for its thread too
         if feed is not None:
             feed.stopping.set()
             if feed.thread.ident is not None:
                 feed.thread.join(5)
+            with self._lock:
+                self._retired = [f for f in self._retired if f.thread.is_alive()]
             self.index.remove_worker(worker_id_num)
 
     def is_evicted(self, worker_id_num: int) -> bool:
