@@ -56,12 +56,11 @@ def serving_mesh(tensor_parallel: int | str, one_device_route: str | None = None
     n = len(devices) if tensor_parallel == "auto" else int(tensor_parallel)
     processes = jax.process_count()
     where = "this process has" if processes == 1 else f"the server's {processes} processes have"
+    found = f"{len(devices)} {'local ' if processes == 1 else ''}{devices[0].platform}"
     if n > len(devices):
-        raise ConfigError(f"engine.tensor_parallel = {n}, but {where} {len(devices)} {'local ' * (processes == 1)}"
-                          f"{devices[0].platform} device(s)")
+        raise ConfigError(f"engine.tensor_parallel = {n}, but {where} {found} device(s)")
     if len(devices) % n:
-        raise ConfigError(f"engine.tensor_parallel = {n} does not divide the {len(devices)} local "
-                          f"{devices[0].platform} devices found")
+        raise ConfigError(f"engine.tensor_parallel = {n} does not divide the {found} devices found")
     if n == 1:
         return None
     if one_device_route:
