@@ -364,15 +364,17 @@ class KVIngest:
         """Stop following a worker and forget its blocks and stats."""
         with self._lock:
             feed = self._feeds.pop(worker_id_num, None)
-            if feed is not None and feed.thread.ident is not None:
+            started = feed is not None and feed.thread.ident is not None
+            if started:
                 self._retired.append(feed)  # a stop() from now on waits for its thread too
-        if feed is not None:
-            feed.stopping.set()
-            if feed.thread.ident is not None:
-                feed.thread.join(5)
+        if feed is None:
+            return
+        feed.stopping.set()
+        if started:
+            feed.thread.join(5)
             with self._lock:
                 self._retired = [f for f in self._retired if f.thread.is_alive()]
-            self.index.remove_worker(worker_id_num)
+        self.index.remove_worker(worker_id_num)
 
     def is_evicted(self, worker_id_num: int) -> bool:
         feed = self._feeds.get(worker_id_num)
