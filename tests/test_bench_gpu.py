@@ -18,7 +18,7 @@ def test_the_dry_run_prints_every_row_of_the_table(kiln_cache):
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
              for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line}
-    for rows in (1, 2, 4):
+    for rows in (1, 4):
         assert float(table[f"decode, {rows} rows (tok/s)"][0]) > 0
         assert table[f"bytes read per step, {rows} rows (MB; GB/s)"][1].startswith("stream ")
         unhidden, host = table[f"host time not hidden / host work per step, {rows} rows (ms)"][0].split(" / ")
