@@ -45,8 +45,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_xdist_auto_num_workers(config):
     """-n auto: a worker per core, at most 4 and one per 8 GiB of memory (a worker holds models and
-    the servers it starts). Most of a test's time is one core compiling, so two cores run two files
-    (not in CI: see README)."""
+    the servers it starts). Not in CI: on two cores it gained nothing (see README)."""
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(len(os.sched_getaffinity(0)), 4, int(memory_gib // 8)))
 
