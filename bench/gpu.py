@@ -137,8 +137,7 @@ def decode(model, rows: int, sizes: Sizes, attention: str = "auto") -> dict:
     kv_bytes = rows * sizes.context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv_item
     read = weight_bytes(core.runner.params) + kv_bytes
     return {"kernel": core.runner.attention, "tok_s": rows / times["engine"], "bare_tok_s": rows / times["bare"],
-            "bytes": read,
-            "bytes_s": read / times["bare"], "unhidden_ms": 1e3 * max(times["added"], 0.0),
+            "bytes": read, "bytes_s": read / times["bare"], "unhidden_ms": 1e3 * max(times["added"], 0.0),
             "host_ms": 1e3 * times["host"]}
 
 
