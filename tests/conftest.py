@@ -6,6 +6,10 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).parent))
 
+from server_process import compile_fast  # noqa: E402
+
+compile_fast()  # before JAX starts its backend (server_process says why)
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -25,20 +25,34 @@ SUITE_ENGINE = {"KILN_ENGINE_DECODE_ROW_BUCKETS": "1,8", "KILN_ENGINE_PREFILL_TO
                 "KILN_ENGINE_MAX_NUM_SEQS": "8", "KILN_ENGINE_MAX_NUM_BATCHED_TOKENS": "64",
                 "KILN_ENGINE_NUM_KV_BLOCKS": "128"}
 
-# a tiny model's server compiles its steps without LLVM's optimizations, about twice as fast to build;
-# its steps are too small for their speed to matter, and no test compares them with in-process steps
-TINY_MODEL_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# the suite's processes compile without LLVM's optimizations, about a quarter less time over the model
+# and engine tests (measured): their programs are small and run a few times each, so building them
+# is most of their cost. conftest adds the flag to this process, and its children inherit it, except
+# a default-model server, which runs compiled as users get it. `SUITE_XLA_FLAGS` is XLA_FLAGS as the
+# suite was started, before conftest added the flag.
+FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
+SUITE_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+
+
+def compile_fast(environ=os.environ) -> None:
+    """Adds the fast-compile flag to `environ`'s XLA_FLAGS unless they set that level already."""
+    flags = environ.get("XLA_FLAGS", "")
+    if "--xla_backend_optimization_level" not in flags:
+        environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_XLA_FLAG}".strip()
 
 
 def suite_env(model_path: str, cache_dir: str, **overrides: str) -> dict[str, str]:
-    """The environment of a Kiln process the suite starts: this one's without its KILN_ settings, the
-    suite's engine settings, and the tiny-model XLA flags unless XLA_FLAGS already sets that level (the
-    flags Kiln adds on import, kiln.xla_flags, are kept either way)."""
+    """The environment of a Kiln process the suite starts: this one's without its KILN_ settings, and
+    the suite's engine settings; a default-model server (no `model_path`) gets XLA_FLAGS as the suite
+    was started (Kiln adds its own flags on import, kiln.xla_flags)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env.update(JAX_PLATFORMS="cpu", KILN_MODEL_PATH=model_path, KILN_CACHE_DIR=cache_dir, **SUITE_ENGINE)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if model_path and "--xla_backend_optimization_level" not in flags:
-        env["XLA_FLAGS"] = f"{flags} {TINY_MODEL_XLA_FLAGS}".strip()
+    if model_path:
+        compile_fast(env)
+    elif SUITE_XLA_FLAGS:
+        env["XLA_FLAGS"] = SUITE_XLA_FLAGS
+    else:
+        env.pop("XLA_FLAGS", None)
     env.update(overrides)
     return env
 
