@@ -71,25 +71,39 @@ class LoadedModel:
 
 def auto_quantization(path: str | Path | None) -> tuple[str, str]:
     """What `quantization = auto` holds a model's layers in, and why: a GGUF file's own format (the
-    default model's too), float for a checkpoint directory. Read beside the file's converted
-    directory once a load has recorded it; otherwise from the file (parsing it takes seconds)."""
+    default model's too), float for a checkpoint directory. Parsing a GGUF file's metadata takes
+    seconds, so the answer is recorded beside its converted directory the first time (by a load or
+    by `kiln config`) and read from there after."""
     if path is None or Path(path).suffix == ".gguf":
         gguf_path = Path(path) if path else default_model_path()
-        recorded = gguf_path.is_file() and _recorded_format(_converted_dir(file_digest(gguf_path)))
-        return recorded or GGUFModel(gguf_path).stored_quantization()
+        if not gguf_path.is_file():
+            return GGUFModel(gguf_path).stored_quantization()  # says the file is not found
+        record = _format_record(_converted_dir(file_digest(gguf_path)))
+        return _recorded_format(record) or _record_format(record, GGUFModel(gguf_path).stored_quantization())
     return "none", "auto: a float checkpoint"
 
 
-# beside a converted GGUF file: its layers' own format (auto's answer), and the layers it stores in
-# a quantized format as Kiln's arrays, so that later loads never parse the file's metadata again
+# beside a converted GGUF file: its layers' own format (auto's answer), and in its converted directory
+# the layers it stores in a quantized format as Kiln's arrays, so that later loads never parse the
+# file's metadata again
 STORED_VERSION = 3  # of what is kept: 2 added the embedding and head, Q4_K, and quantized mixes; 3 float16
 # scales, and int4 layers in the layout they multiply in (quant.for_matmul)
 STORED_FORMAT = f"kiln_stored_format.{STORED_VERSION}.json"
 
 
-def _recorded_format(model_dir: Path) -> tuple[str, str] | None:
-    known = model_dir / STORED_FORMAT
-    return tuple(json.loads(known.read_text())) if known.is_file() else None
+def _format_record(model_dir: Path) -> Path:
+    """Where auto's answer for a GGUF file is kept: beside its converted directory, not in it, so that it
+    can be recorded before the file is converted (a converted directory appears whole or not at all)."""
+    return model_dir.with_name(f"{model_dir.name}.{STORED_FORMAT}")
+
+
+def _recorded_format(record: Path) -> tuple[str, str] | None:
+    return tuple(json.loads(record.read_text())) if record.is_file() else None
+
+
+def _record_format(record: Path, answer: tuple[str, str]) -> tuple[str, str]:
+    _write_atomic(record, json.dumps(answer).encode())
+    return answer
 
 
 def gguf_stored_layers(gguf_path: Path, model_dir: Path, quantization: str) -> tuple[str, str, dict]:
@@ -99,11 +113,10 @@ def gguf_stored_layers(gguf_path: Path, model_dir: Path, quantization: str) -> t
     gguf = None
     reason = "asked"
     if quantization == "auto":
-        recorded = _recorded_format(model_dir)
+        recorded = _recorded_format(_format_record(model_dir))
         if recorded is None:
             gguf = GGUFModel(gguf_path)
-            recorded = gguf.stored_quantization()
-            _write_atomic(model_dir / STORED_FORMAT, json.dumps(recorded).encode())
+            recorded = _record_format(_format_record(model_dir), gguf.stored_quantization())
         quantization, reason = recorded
     if quantization == "none":
         return quantization, reason, {}
@@ -135,6 +148,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
     """Writes `data` to `path` whole or not at all; a cache that cannot be written is skipped (the next
     load parses the file again)."""
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, data)
     except OSError:
         pass

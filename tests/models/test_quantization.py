@@ -463,7 +463,9 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
                       quant=gguf.GGMLQuantizationType.Q4_1)
     first = load_model(path, show_progress=False, quantization="auto")
     converted = kiln_cache / "converted" / file_digest(path)[:32]
-    assert {p.name for p in converted.glob("kiln_stored*")} == {STORED_FORMAT, f"kiln_stored_int4.{STORED_VERSION}.npz"}
+    record = converted.with_name(f"{converted.name}.{STORED_FORMAT}")  # beside the conversion
+    assert record.is_file()
+    assert {p.name for p in converted.glob("kiln_stored*")} == {f"kiln_stored_int4.{STORED_VERSION}.npz"}
     with np.load(converted / f"kiln_stored_int4.{STORED_VERSION}.npz") as kept:  # kept in for_matmul's layout
         for name, along_out in (("gate_proj", True), ("down_proj", False)):
             packed, scale = kept[f"{name}.Int4Weight.packed"], kept[f"{name}.Int4Weight.scale"]
@@ -478,6 +480,21 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
     for a, b in zip(first.params["embed"], again.params["embed"], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the recorded answer is what auto reports from then on
-    (converted / STORED_FORMAT).write_text('["int4", "auto: recorded"]')
+    record.write_text('["int4", "auto: recorded"]')
     assert load_model(path, show_progress=False, quantization="auto").quantization_source == "auto: recorded"
     assert auto_quantization(path) == ("int4", "auto: recorded")
+
+
+def test_a_gguf_files_format_asked_before_any_load_is_recorded_and_the_load_still_converts(tmp_path, kiln_cache):
+    """`kiln config` asks auto's answer of a file no load has converted yet: it records it beside the
+    (not yet made) conversion, and a later load converts the file as usual."""
+    import gguf
+
+    path = write_gguf(make_hf_model("llama", vocab_size=260, seed=8), tmp_path / "m.gguf",
+                      quant=gguf.GGMLQuantizationType.Q4_1)
+    converted = kiln_cache / "converted" / file_digest(path)[:32]
+    assert auto_quantization(path)[0] == "int4"
+    assert converted.with_name(f"{converted.name}.{STORED_FORMAT}").is_file() and not converted.exists()
+    loaded = load_model(path, show_progress=False, quantization="auto")
+    assert (converted / "kiln_source.json").is_file()
+    assert (loaded.quantization, loaded.quantization_source) == auto_quantization(path)

@@ -66,11 +66,18 @@ SPEC_MAINTENANCE = {
 }
 
 
+@pytest.fixture(scope="module")
+def cache_home(tmp_path_factory):
+    """One cache home for the module's `kiln config` runs: the first records the default model's format
+    (parsing its GGUF file takes seconds), the others read it."""
+    return tmp_path_factory.mktemp("xdg")
+
+
 @pytest.fixture
-def kiln(tmp_path):
+def kiln(tmp_path, cache_home):
     """Run `python -m kiln config ...` with no KILN_* variables and a private HOME."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-    base.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    base.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(cache_home))
 
     def run(*args: str, env: dict[str, str] | None = None, check: bool = True):
         proc = subprocess.run(
