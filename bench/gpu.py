@@ -27,7 +27,6 @@ import dataclasses
 import importlib
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -220,8 +219,9 @@ def model_directory(args, out: Path) -> Path:
         path = convert_gguf(path, show_progress=False)[0]
     if not args.dry_run:
         return path
-    subprocess.run([sys.executable, str(HERE / "random_model.py"), str(path), str(out), "--layers",
-                    str(DRY.layers)], check=True, stdout=subprocess.DEVNULL)
+    from random_model import write_random_model  # in this process: torch is imported already (the TRL side)
+
+    write_random_model(path, out, DRY.layers)
     return out
 
 

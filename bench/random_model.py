@@ -18,23 +18,28 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 
+def write_random_model(src: Path, out: Path, layers: int | None = None) -> str:
+    """Writes the checkpoint; returns a line that describes it."""
+    config = AutoConfig.from_pretrained(src)
+    if layers:
+        config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "generation_config", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return (f"{out}: {config.model_type}, {config.num_hidden_layers} layers, "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M random parameters")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, help="fewer layers than the config's (a quick check of the plumbing)")
     args = ap.parse_args()
-    config = AutoConfig.from_pretrained(args.src)
-    if args.layers:
-        config.num_hidden_layers = args.layers
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(args.out)
-    for f in args.src.iterdir():
-        if f.name.startswith(("tokenizer", "generation_config", "special_tokens")):
-            shutil.copy(f, args.out / f.name)
-    print(f"{args.out}: {config.model_type}, {config.num_hidden_layers} layers, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M random parameters")
+    print(write_random_model(args.src, args.out, args.layers))
 
 
 if __name__ == "__main__":
