@@ -113,10 +113,11 @@ def gguf_stored_layers(gguf_path: Path, model_dir: Path, quantization: str) -> t
     gguf = None
     reason = "asked"
     if quantization == "auto":
-        recorded = _recorded_format(_format_record(model_dir))
+        record = _format_record(model_dir)
+        recorded = _recorded_format(record)
         if recorded is None:
             gguf = GGUFModel(gguf_path)
-            recorded = _record_format(_format_record(model_dir), gguf.stored_quantization())
+            recorded = _record_format(record, gguf.stored_quantization())
         quantization, reason = recorded
     if quantization == "none":
         return quantization, reason, {}
