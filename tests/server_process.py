@@ -24,6 +24,9 @@ def free_port() -> int:
 SUITE_ENGINE = {"KILN_ENGINE_DECODE_ROW_BUCKETS": "1,8", "KILN_ENGINE_PREFILL_TOKEN_BUCKETS": "16,64",
                 "KILN_ENGINE_MAX_NUM_SEQS": "8", "KILN_ENGINE_MAX_NUM_BATCHED_TOKENS": "64",
                 "KILN_ENGINE_NUM_KV_BLOCKS": "128"}
+# for servers sent at most four prompts at once, whose starts build slowly (on a mesh, or Pallas in
+# interpret mode): one decode and one prefill bucket, which every step of theirs pads into
+FEW_PROMPT_BUCKETS = {"KILN_ENGINE_DECODE_ROW_BUCKETS": "4", "KILN_ENGINE_PREFILL_TOKEN_BUCKETS": "64"}
 
 # the suite's processes compile without LLVM's optimizations, about a quarter less time over the model
 # and engine tests (measured): their programs are small and run a few times each, so building them

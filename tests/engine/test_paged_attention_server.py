@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import FEW_PROMPT_BUCKETS, ServerProcess
 from tiny_models import served_hf_dir
 
 FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
@@ -14,11 +14,9 @@ PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 5
 
 
 def served(model_dir, kiln_cache, attention: str, **env) -> tuple[str, list]:
-    # one decode and one prefill bucket: the three prompts' rows and chunks pad into them, and each
-    # start builds fewer executables (interpret-mode Pallas builds slowly): 93 s -> 65 s for this file
     server = ServerProcess(str(model_dir), str(kiln_cache), KILN_ENGINE_ATTENTION=attention, **env,
-                           KILN_ENGINE_NUM_KV_BLOCKS="64", KILN_ENGINE_DECODE_ROW_BUCKETS="4",
-                           KILN_ENGINE_PREFILL_TOKEN_BUCKETS="64", KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="64")
+                           **FEW_PROMPT_BUCKETS, KILN_ENGINE_NUM_KV_BLOCKS="64",
+                           KILN_ENGINE_MAX_NUM_BATCHED_TOKENS="64")
     try:
         kernel = httpx.get(server.url + "/v1/config", timeout=30).json()["backend"]["attention"]
         model = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]

@@ -14,13 +14,10 @@ import httpx
 import openai
 import pytest
 from peft_adapters import make_peft_adapter
-from server_process import ServerProcess, free_port, suite_env
+from server_process import FEW_PROMPT_BUCKETS, ServerProcess, free_port, suite_env
 from tiny_models import make_hf_model, served_hf_dir
 
 FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-# one decode and one prefill bucket, which the three prompts' rows and chunks pad into: each start
-# on a mesh builds fewer executables (a partitioned step builds slowly)
-BUCKETS = {"KILN_ENGINE_DECODE_ROW_BUCKETS": "4", "KILN_ENGINE_PREFILL_TOKEN_BUCKETS": "64"}
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 50, 25, 12, 6]]
 NEW_TOKENS = 20
 FOUR_DEVICE_RESULTS: list = []  # one process's tp=4 float results (base, adapted), for the two-process server
@@ -58,7 +55,7 @@ def serve(model_dir, kiln_cache, adapter_dir, tp: str, quantization: str, startu
           while_serving=None, **env: str) -> tuple[dict, list, list]:
     """A server on the mesh: its /v1/config mesh, the base model's results and the adapter's (and its
     step set's start into `startup`); `while_serving(url)` runs last."""
-    env = {"XLA_FLAGS": FOUR_DEVICES, **BUCKETS, **env}
+    env = {"XLA_FLAGS": FOUR_DEVICES, **FEW_PROMPT_BUCKETS, **env}
     server = ServerProcess(str(model_dir), str(kiln_cache), KILN_ENGINE_TENSOR_PARALLEL=tp,
                            KILN_MODEL_QUANTIZATION=quantization, **env)
     try:
@@ -124,7 +121,7 @@ def test_an_adapter_trained_on_a_mesh_serves_on_one_device(model_dir, kiln_cache
     """A fine-tuning job on a tp=2 server trains on the sharded base and its loss falls; its adapter,
     from the shared store, serves the same tokens on a one-device server as on the mesh. (The other
     way round, an adapter made on one device serving on a mesh, is the first test's.)"""
-    env = {"XLA_FLAGS": FOUR_DEVICES, **BUCKETS, "KILN_ADAPTERS_STORE": str(tmp_path / "store"),
+    env = {"XLA_FLAGS": FOUR_DEVICES, **FEW_PROMPT_BUCKETS, "KILN_ADAPTERS_STORE": str(tmp_path / "store"),
            "KILN_TRAIN_DATA_DIR": str(tmp_path / "data"), "KILN_ADAPTERS_MAX_LORA_RANK": "8"}
     chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": "ok!"}]
              for q in ("hi", "why?", "who", "when", "ping", "2+2", "bye", "yes")]
@@ -190,7 +187,7 @@ def test_a_server_over_two_processes_of_two_devices_equals_one_process_of_four(m
     run = {"KILN_DISTRIBUTED_COORDINATOR": f"127.0.0.1:{two_free_ports()}", "KILN_DISTRIBUTED_NUM_PROCESSES": "2"}
     follower_port = free_port()
     env = suite_env(str(model_dir), str(kiln_cache), XLA_FLAGS=two_devices, KILN_ENGINE_TENSOR_PARALLEL="4",
-                    KILN_DISTRIBUTED_PROCESS_ID="1", KILN_SERVER_PORT=str(follower_port), **BUCKETS, **run)
+                    KILN_DISTRIBUTED_PROCESS_ID="1", KILN_SERVER_PORT=str(follower_port), **FEW_PROMPT_BUCKETS, **run)
     follower = subprocess.Popen([sys.executable, "-m", "kiln.server"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
 
