@@ -132,6 +132,18 @@ def other_tokenizer_gguf(tmp_path_factory, kiln_cache):
         tiny_models.SPECIALS = specials
 
 
+@pytest.fixture(scope="session")
+def default_hf_tokenizer():
+    """transformers' tokenizer of the default model, read from its GGUF by transformers' own converter
+    (seconds of work, shared by the tokenizer and default-model tests)."""
+    from transformers import AutoTokenizer
+
+    from kiln.models.loader import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 POLICY_ENGINE = dict(num_kv_blocks=256, block_size=16, max_loras=2, max_lora_rank=8, decode_row_buckets=(8, 16, 32),
                      prefill_token_buckets=(32, 64, 128), max_num_seqs=32, max_num_batched_tokens=128)
 

@@ -49,7 +49,8 @@ class StartProgress:
                 "elapsed_s": round(time.monotonic() - self.started, 1)}
 
     def step(self, done: int, total: int) -> None:
-        self.done, self.total = done, total
+        # the phase changes with the first count, so /health never says "building" without k of n
+        self.phase, self.done, self.total = "building the step set", done, total
 
 
 def start_prewarm(settings: Settings, engine, progress: StartProgress | None = None
@@ -166,7 +167,6 @@ class Start:
         progress.phase = "loading the model"
         engine = build_engine(settings)
         self._built.append(engine.shutdown)
-        progress.phase = "building the step set"
         warming = start_prewarm(settings, engine, progress)
         registry = AdapterRegistry(engine, AdapterStore(settings.adapter_store()),
                                    settings.serving_profile.policy.adapter_weight_transitions)

@@ -26,11 +26,11 @@ def kiln_model(kiln_cache):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def reference(default_hf_tokenizer):
+    from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = default_hf_tokenizer
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     return tok, model
 

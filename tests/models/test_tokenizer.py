@@ -28,11 +28,8 @@ def tok(kiln_cache):
 
 
 @pytest.fixture(scope="module")
-def hf_tok():
-    from transformers import AutoTokenizer
-
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def hf_tok(default_hf_tokenizer):
+    return default_hf_tokenizer
 
 
 def test_custom_template_with_tools_equals_transformers(tok, hf_tok):

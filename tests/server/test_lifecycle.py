@@ -55,7 +55,7 @@ def test_health_answers_from_the_first_second_and_says_starting_until_ready(serv
     assert set(phases) <= {"starting the engine", "loading the model", "building the step set", "loading adapters"}
     progress = [b["startup"] for b in starting if b["startup"]["phase"] == "building the step set"]
     # this start builds 5 executables of its set's 8: the 3 LoRA steps wait for a first adapter
-    assert all(p["total"] == 5 and 0 <= p["done"] <= 5 for p in progress)
+    assert all(p["total"] == 5 and 0 <= p["done"] <= 5 for p in progress), progress
     body = starting[0]
     assert body["serving_profile"]["profile"] == "stable" and body["checks"]["engine_loop"] is False
     # every other route waited, with OpenAI's error body
