@@ -2,6 +2,8 @@
 picks that go out at once, prefix affinity once there is traffic, and adapter affinity (a request for
 an adapter goes to the worker that has it loaded, unless that worker is overloaded)."""
 
+import concurrent.futures
+import threading
 import time
 
 import httpx
@@ -43,7 +45,8 @@ def fleet(tiny_model, kiln_cache, store, tmp_path_factory):
     router = None
     try:
         for n, (zmq, replay) in enumerate(ports):
-            preload = {"KILN_ADAPTERS_LOAD": "math"} if n == 0 else {}
+            # w0 runs two requests at a time, so that more wait there (see the adapter test)
+            preload = {"KILN_ADAPTERS_LOAD": "math", "KILN_ENGINE_MAX_NUM_SEQS": "2"} if n == 0 else {}
             workers.append(ServerProcess(
                 tiny_model.source, str(kiln_cache), KILN_MODEL_SERVED_MODEL_NAME=MODEL, KILN_ADAPTERS_STORE=str(store),
                 KILN_ENGINE_KV_EVENTS_ENDPOINT=f"tcp://*:{zmq}",  # (a wildcard host binds)
@@ -132,13 +135,28 @@ def test_an_adapter_goes_to_the_worker_that_has_it_loaded_unless_it_is_overloade
                  for w in fleet.get("/api/state").json()["workers"]]
         assert picked.worker_id == "w0", (picked, loads)
         send(fleet, picked, "math", messages)
-    # the load is a cost in the prediction, not a filter: requests piling up on w0 (picks with no
-    # feedback yet are in flight there) outweigh it, and w1 gets the next
-    wait_until(idle, 30, "the router to see an idle fleet")  # the last request no longer counts on w0
-    held = [pick(fleet, "math", messages, request_id=f"held-{i}") for i in range(12)]
-    assert held[0].worker_id == "w0" and "w1" in [p.worker_id for p in held], [p.worker_id for p in held]
+    # the load is a cost in the prediction, not a filter: requests waiting on w0 (it runs two at a time)
+    # outweigh it, and w1 gets the next
+    stop = threading.Event()
+
+    def occupy():  # a stream on w0 (the tiny model's whole context), closed (so aborted) once the pick is made
+        body = {"model": "math", "messages": messages, "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"http://{picked.endpoint}/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:  # two run, ten wait (a second or more here)
+        streams = [pool.submit(occupy) for _ in range(12)]
+        try:
+            wait_until(lambda: state_of(fleet, "w0")["waiting"] >= 2, 30, "requests waiting on w0")
+            busy = pick(fleet, "math", messages)
+        finally:
+            stop.set()
+        for f in streams:
+            f.result()
+    assert busy.worker_id == "w1", busy
     view = fleet.get("/api/state").json()
     assert any(w["adapters_unloaded"] == ["math"] for w in view["workers"])
-    for p in held:
-        fleet.router.Feedback(router_pb2.FeedbackRequest(request_id=p.request_id, failed=True), timeout=20)
-
+    fleet.router.Feedback(router_pb2.FeedbackRequest(request_id=busy.request_id, failed=True), timeout=20)
