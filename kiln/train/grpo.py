@@ -515,20 +515,28 @@ class GRPORun(LoraRun):
         t1 = time.perf_counter()
         if self.config.overlap_rollouts and self.step + 1 < self.total_steps:
             self._sample_ahead(self.step + 1)
-        flat = [r for g in groups for r in g]
         self.score(groups, indices)
         t2 = time.perf_counter()
-        try:
-            metrics = self.train_step(groups, ownership)
-        except StepAbandoned:  # stopped between two slices: nothing applied
+        metrics = self._train_timed(groups, ownership, t0)
+        if metrics is None:
             return None
-        t3 = time.perf_counter()
-        tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in flat)
-        metrics.update(step=self.step, rollout_seconds=t1 - t0, reward_seconds=t2 - t1, train_seconds=t3 - t2,
-                       tokens_per_second=tokens / (t3 - t0), rollout_staleness=int(stale))
+        metrics.update(rollout_seconds=t1 - t0, reward_seconds=t2 - t1, rollout_staleness=int(stale))
         if self.validation and (self.step % self.eval_interval == 0 or self.done):
             metrics["valid_reward_mean"] = self.evaluate([p.ids for p in self.validation],
                                                          [p.item for p in self.validation], self.eval_samples)
+        return metrics
+
+    def _train_timed(self, groups: list[list[Rollout]], ownership, started: float) -> dict | None:
+        """`train_step` with the step number, its seconds, and the step's tokens per second since
+        `started`; None when it stopped between two slices (nothing applied)."""
+        t0 = time.perf_counter()
+        try:
+            metrics = self.train_step(groups, ownership)
+        except StepAbandoned:
+            return None
+        t1 = time.perf_counter()
+        tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for g in groups for r in g)
+        metrics.update(step=self.step, train_seconds=t1 - t0, tokens_per_second=tokens / (t1 - started))
         return metrics
 
     def _sample_ahead(self, step: int) -> None:

@@ -25,7 +25,6 @@ from kiln.errors import InvalidRequest
 from kiln.models.config import ModelConfig
 from kiln.train import losses
 from kiln.train.grpo import GRPOConfig, GRPORun, RolloutBatch, completion_logprobs, make_policy_steps
-from kiln.train.slices import StepAbandoned
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,14 +126,10 @@ class OPDRun(GRPORun):
         t0 = time.perf_counter()
         groups = self.sample(self.step_prompts())
         t1 = time.perf_counter()
-        try:
-            metrics = self.train_step(groups, ownership)
-        except StepAbandoned:  # stopped between two slices: nothing applied
+        metrics = self._train_timed(groups, ownership, t0)
+        if metrics is None:
             return None
-        t2 = time.perf_counter()
-        tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for g in groups for r in g)
-        metrics.update(step=self.step, rollout_seconds=t1 - t0, train_seconds=t2 - t1,
-                       tokens_per_second=tokens / (t2 - t0))
+        metrics["rollout_seconds"] = t1 - t0
         for key in ("reward_mean", "reward_std"):
             metrics.pop(key, None)
         return metrics
