@@ -35,6 +35,8 @@ FEW_PROMPT_BUCKETS = {"KILN_ENGINE_DECODE_ROW_BUCKETS": "4", "KILN_ENGINE_PREFIL
 # suite was started, before conftest added the flag.
 FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0"
 SUITE_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+# XLA_FLAGS of the processes that run on a mesh of four forced CPU devices (replace "=4" for another count)
+FOUR_DEVICES = f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_XLA_FLAG}"
 
 
 def compile_fast(environ=os.environ) -> None:

@@ -6,10 +6,9 @@ import asyncio
 
 import httpx
 import pytest
-from server_process import FEW_PROMPT_BUCKETS, ServerProcess
+from server_process import FEW_PROMPT_BUCKETS, FOUR_DEVICES, ServerProcess
 from tiny_models import served_hf_dir
 
-FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 50, 25, 12, 6]]
 
 

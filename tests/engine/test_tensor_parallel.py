@@ -14,10 +14,9 @@ import httpx
 import openai
 import pytest
 from peft_adapters import make_peft_adapter
-from server_process import FEW_PROMPT_BUCKETS, ServerProcess, free_port, suite_env
+from server_process import FEW_PROMPT_BUCKETS, FOUR_DEVICES, ServerProcess, free_port, suite_env
 from tiny_models import make_hf_model, served_hf_dir
 
-FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 50, 25, 12, 6]]
 NEW_TOKENS = 20
 FOUR_DEVICE_RESULTS: list = []  # one process's tp=4 float results (base, adapted), for the two-process server

@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from server_process import FOUR_DEVICES
+
 SCRIPT = textwrap.dedent(
     """
     import sys
@@ -48,8 +50,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_forward_on_four_cpu_devices_matches_one(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
-           "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": FOUR_DEVICES, "JAX_PLATFORMS": "cpu"}
     code = SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]), tmp=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]

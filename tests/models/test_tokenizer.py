@@ -27,16 +27,11 @@ def tok(kiln_cache):
     return KilnTokenizer.from_dir(model_dir)
 
 
-@pytest.fixture(scope="module")
-def hf_tok(default_hf_tokenizer):
-    return default_hf_tokenizer
-
-
-def test_custom_template_with_tools_equals_transformers(tok, hf_tok):
+def test_custom_template_with_tools_equals_transformers(tok, default_hf_tokenizer):
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "Wie ist das Wetter?"}]
     ours = KilnTokenizer(tok.tokenizer, {**tok.config, "chat_template": TOOLS_TEMPLATE})
-    expected = hf_tok.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tools=TOOLS, tokenize=False,
-                                          add_generation_prompt=True)
+    expected = default_hf_tokenizer.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tools=TOOLS,
+                                                        tokenize=False, add_generation_prompt=True)
     assert ours.apply_chat_template(messages, tools=TOOLS) == expected
     assert "Wetter für Orte" in expected  # tojson keeps unicode, as transformers does
 

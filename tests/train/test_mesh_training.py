@@ -13,11 +13,10 @@ import time
 
 import numpy as np
 import pytest
-from server_process import free_port
+from server_process import FOUR_DEVICES, free_port
 
 from kiln.adapters.store import AdapterStore, load_weights
 
-FOUR_DEVICES = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
 CHATS = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "ok, " + q}]}
          for q in ("hi", "why?", "who", "when", "ping", "2+2", "bye", "yes", "no")]
 
