@@ -201,7 +201,8 @@ SCHEMA: tuple[Key, ...] = (
         "pool by KV heads); auto = every local device"),
     Key("engine", "attention", "str", "auto", one_of("auto", "xla", "pallas"),
         "paged attention: pallas (a ragged kernel, each row reading only its own blocks), xla (gathers of "
-        "blocks up to the step's longest context); auto = pallas on CUDA GPUs of compute capability 8.0+"),
+        "blocks up to the step's longest context); auto = pallas on CUDA GPUs of compute capability 8.0+ for a "
+        "model whose head size and block_size are powers of two (16 or more)"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
     Key("adapters", "lora_experts", "bool", False, None,

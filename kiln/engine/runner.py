@@ -121,7 +121,8 @@ class Runner:
                          else on_mesh(kv_sharding(cfg, mesh), replicated(mesh)))
         # the paged attention's kernel: XLA's on IREE routes (over a mesh, Pallas's runs per device on its
         # KV heads: the steps compile under the mesh, see _compile_xla)
-        self.attention = "xla" if backend.is_iree else kernel_for(config.attention)
+        self.attention = ("xla" if backend.is_iree else
+                          kernel_for(config.attention, head_dim=cfg.head_dim, block_size=config.block_size))
         self.params = params
         self.config = config
         self.block_size = config.block_size

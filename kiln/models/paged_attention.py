@@ -9,8 +9,14 @@ outputs have the XLA path's shapes, so the step's compiled shapes, and the bound
 stay the same.
 
 `kernel_for(setting)` chooses: "auto" takes the kernel on a CUDA GPU of compute capability 8.0
-or more (Triton's bfloat16 dot needs it), by capability, never by device name; "xla" never;
-"pallas" always, on other backends in Pallas's interpret mode (slow: for tests).
+or more (Triton's bfloat16 dot needs it), by capability, never by device name, for a model whose
+shapes Triton can tile (`triton_tiles`); "xla" never; "pallas" always, on other backends in Pallas's
+interpret mode (slow: for tests).
+
+The kernel is written for Triton and asks for it (`compiler_params`): JAX lowers a GPU `pallas_call`
+to Mosaic GPU unless told otherwise, and Mosaic stages every block a BlockSpec names in shared
+memory, here a KV head's whole pool (megabytes, where an H100 has 227 KiB), so it cannot lower this
+kernel at all. `tests/models/test_paged_attention_kernel.py` lowers it for CUDA on the CPU.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
+from kiln.errors import ConfigError
 from kiln.models.sharding import AXIS
 
 MIN_ROWS = 16  # Triton's dot takes operands of at least 16 rows
@@ -35,11 +43,25 @@ def gpu_capable(device) -> bool:
         return False
 
 
-def kernel_for(setting: str, device=None) -> str:
-    """The attention the steps run: "pallas" or "xla" (see the module's docstring)."""
+def triton_tiles(head_dim: int, block_size: int) -> bool:
+    """Whether Triton can lower the kernel for these shapes: every array it touches has power-of-two
+    sides (a KV block is [block_size, head_dim]) and its dots take operands of 16 or more."""
+    return all(n >= MIN_ROWS and n & (n - 1) == 0 for n in (head_dim, block_size))
+
+
+def kernel_for(setting: str, device=None, head_dim: int | None = None, block_size: int | None = None) -> str:
+    """The attention the steps run: "pallas" or "xla" (see the module's docstring). Given the model's
+    `head_dim` and the pool's `block_size`, "auto" keeps XLA's path where Triton cannot tile them, and
+    "pallas" on a GPU that cannot is a ConfigError (Pallas's interpret mode, elsewhere, takes any)."""
+    device = device or jax.devices()[0]
+    fits = head_dim is None or triton_tiles(head_dim, block_size)
+    if setting == "pallas" and not fits and device.platform == "gpu":
+        raise ConfigError(f"engine.attention = pallas: the kernel's GPU lowering (Triton) needs a head size and a "
+                          f"KV block size that are powers of two of at least {MIN_ROWS}; this model's head_dim is "
+                          f"{head_dim} and engine.block_size is {block_size}. Use auto or xla")
     if setting in ("xla", "pallas"):
         return setting
-    return "pallas" if gpu_capable(device or jax.devices()[0]) else "xla"
+    return "pallas" if gpu_capable(device) and fits else "xla"
 
 
 def _kernel(scalars_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_ref, acc_ref, *, block_size: int,
@@ -119,6 +141,7 @@ def _call(q_tiles, q_pos, tables, k_pool, v_pool, layer_idx, window, *, softcap,
         out_shape=[jax.ShapeDtypeStruct((KH, NT, rows), jnp.float32)] * 2 +
                   [jax.ShapeDtypeStruct((KH, NT, rows, D), jnp.float32)],
         interpret=interpret,
+        compiler_params=pltriton.CompilerParams(),  # Triton, not Mosaic GPU (the module's docstring)
         name="ragged_paged_attention",
     )(jnp.stack([jnp.asarray(layer_idx, jnp.int32), jnp.asarray(window, jnp.int32)]), tables.astype(jnp.int32),
       q_pos.astype(jnp.int32),

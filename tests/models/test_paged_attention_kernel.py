@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kiln.errors import ConfigError
 from kiln.models import decoder
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import StepInputs, table_width
@@ -94,3 +95,38 @@ def test_the_kernel_is_chosen_by_capability_not_by_name():
     assert kernel_for("auto", Device("gpu", kind="AMD Instinct MI300X")) == "xla"  # no CUDA capability
     assert kernel_for("auto", Device("cpu")) == "xla" and not gpu_capable(Device("cpu"))
     assert kernel_for("xla", Device("gpu", "9.0")) == "xla" and kernel_for("pallas", Device("cpu")) == "pallas"
+    # and by the model's shapes, which Triton must tile (powers of two, 16 or more)
+    assert kernel_for("auto", Device("gpu", "9.0"), head_dim=64, block_size=16) == "pallas"
+    assert kernel_for("auto", Device("gpu", "9.0"), head_dim=80, block_size=16) == "xla"
+    assert kernel_for("auto", Device("gpu", "9.0"), head_dim=64, block_size=8) == "xla"
+    assert kernel_for("pallas", Device("cpu"), head_dim=80, block_size=16) == "pallas"  # interpret mode takes any
+    with pytest.raises(ConfigError, match=r"engine.attention = pallas.*head_dim is 80 and engine.block_size is 16"):
+        kernel_for("pallas", Device("gpu", "9.0"), head_dim=80, block_size=16)
+
+
+def lowered_for_cuda(head_dim: int, block_size: int = BLOCK, kv_heads: int = 3, dtype=jnp.bfloat16,
+                     softcap: float | None = None) -> str:
+    """The kernel lowered for a CUDA GPU on this CPU (no GPU needed): the module's text."""
+    from kiln.models.paged_attention import ragged_paged_attention
+
+    tiles, rows, layers, blocks = 8, 12, 30, 1000
+    args = [jax.ShapeDtypeStruct(shape, t) for shape, t in (
+        ((kv_heads, tiles, rows, head_dim), jnp.float32), ((tiles, rows), jnp.int32), ((tiles, 33), jnp.int32),
+        ((layers, kv_heads, blocks, block_size, head_dim), dtype),
+        ((layers, kv_heads, blocks, block_size, head_dim), dtype), ((), jnp.int32), ((), jnp.int32))]
+    step = jax.jit(lambda *a: ragged_paged_attention(*a, softcap=softcap))
+    return step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_the_kernel_lowers_for_cuda_where_kernel_for_would_pick_it(head_dim):
+    """JAX's default GPU lowering for Pallas (Mosaic GPU) cannot take this kernel, so it asks for
+    Triton; Triton tiles only power-of-two sides, which `kernel_for` checks before it picks the kernel."""
+    gpu = type("Device", (), {"platform": "gpu", "compute_capability": "9.0"})()
+    picked = kernel_for("auto", gpu, head_dim=head_dim, block_size=BLOCK) == "pallas"
+    assert picked == (head_dim != 96)
+    if picked:
+        assert "xla.gpu.triton" in lowered_for_cuda(head_dim, softcap=50.0 if head_dim == 128 else None)
+    else:
+        with pytest.raises(ValueError, match="power of 2"):
+            lowered_for_cuda(head_dim)
