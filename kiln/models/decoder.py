@@ -256,10 +256,14 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
             jnp.zeros((KH, NT, G * QT, D), jnp.float32))
     if kernel == "pallas":
         layer_window = 0 if not window else window if sliding is None else jnp.where(sliding, window, 0)
-        carry = ragged_paged_attention(
-            q_tiles, q_pos.reshape(KH, NT, G * QT)[0], tables, _as_float(k_pool, kv_dtype),
-            _as_float(v_pool, kv_dtype), layer_idx, layer_window, softcap=cfg.attn_logit_softcapping,
-            interpret=jax.default_backend() != "gpu")
+        kernel_args = (q_tiles, q_pos.reshape(KH, NT, G * QT)[0], tables, _as_float(k_pool, kv_dtype),
+                       _as_float(v_pool, kv_dtype), layer_idx, layer_window)
+
+        def attend(interpret: bool):
+            return functools.partial(ragged_paged_attention, softcap=cfg.attn_logit_softcapping, interpret=interpret)
+
+        # compiled for the GPU the step is lowered for, interpreted on any other platform
+        carry = jax.lax.platform_dependent(*kernel_args, cuda=attend(False), rocm=attend(False), default=attend(True))
     else:
         carry = chunk(0, first, init)
         if not dynamic_context:  # every chunk of the table, each masked by position
