@@ -4,7 +4,14 @@ and its samplers. Lowering needs no GPU: it is the step from JAX's program to XL
 that a GPU backend cannot take fails (JAX's default Mosaic GPU lowering could not take the kernel).
 Compiling and running on a GPU is bench/gpu.py's part."""
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
+from server_process import FOUR_DEVICES
 from tiny_models import served_hf_dir
 
 from kiln.engine.config import EngineConfig
@@ -32,3 +39,39 @@ def test_every_step_lowers_for_cuda_with_the_pallas_kernel(variant, tmp_path, ki
         assert "xla.gpu.triton" in text, bucket  # the kernel, as Triton
     for rows in runner.buckets.sampler_rows:
         lowered_for_cuda(runner.step_fns[1], *runner._sampler_args(rows), feed_rows=runner.layout.feed_rows)
+
+
+MESH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    import jax
+    from tiny_models import make_hf_model, write_gguf
+    from kiln.engine.config import EngineConfig
+    from kiln.engine.core import EngineCore
+    from kiln.models.loader import load_model
+
+    # 4 KV heads: each device runs the kernel on its own; 2: on every head, replicated
+    for kv_heads in (4, 2):
+        hf = make_hf_model("llama", vocab_size=260, num_key_value_heads=kv_heads)
+        model = load_model(write_gguf(hf, {tmp!r} + f"/kv{{kv_heads}}.gguf"), show_progress=False)
+        runner = EngineCore(model, EngineConfig(attention="pallas", tensor_parallel=4, **{few!r})).runner
+        params, kv = runner.abstract
+        for bucket in runner.buckets.forwards:
+            inputs = runner._placed(runner.layout.padding_inputs(bucket))
+            with jax.set_mesh(runner.mesh):  # as the runner compiles a step with the kernel over a mesh
+                text = runner.step_fns[0].trace(
+                    params, kv, *inputs[:3], runner._lora_abstract(bucket), inputs[3], cfg=runner.cfg,
+                    prompt_logprobs=bucket.kind == "prefill", attention="pallas",
+                ).lower(lowering_platforms=("cuda",)).as_text()
+            assert "xla.gpu.triton" in text and "sdy.manual_computation" in text, bucket
+    print("OK")
+    """
+)
+
+
+def test_steps_with_the_kernel_lower_for_cuda_over_a_tensor_parallel_mesh(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": FOUR_DEVICES, "JAX_PLATFORMS": "cpu"}
+    code = MESH_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]), tmp=str(tmp_path), few=FEW_BUCKETS)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
