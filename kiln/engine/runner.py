@@ -426,20 +426,37 @@ class Runner:
             return None
         return jax.tree.map(_abstract, self.lora_slots.abstract_state())
 
-    def _compile_forward(self, bucket: StepBucket, abstract=None, gate: bool = True) -> Callable:
-        """The forward executable of one bucket (any thread): loaded from disk, else compiled (and kept).
-        An IREE module is checked by its correctness gate first (`gate`)."""
+    def forward_program(self, bucket: StepBucket, abstract=None) -> tuple[Callable, tuple, dict]:
+        """One bucket's forward step as a compile sees it: the jitted function, its (abstract)
+        arguments and its static arguments."""
         params, kv = abstract or self.abstract
         inputs, last_index, targets, feed = self.layout.padding_inputs(bucket)
         lora = self._lora_abstract(bucket)  # placed as the slots are (over a mesh: split like the weights)
         inputs, last_index, targets, feed = self._placed((inputs, last_index, targets, feed))
-        args = (params, kv, inputs, last_index, targets, lora, feed)
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
         if self.attention != "xla":  # (XLA's is the default: its stored steps keep their keys)
             static["attention"] = self.attention
+        return self.step_fns[0], (params, kv, inputs, last_index, targets, lora, feed), static
+
+    def sampler_program(self, rows: int) -> tuple[Callable, tuple, dict]:
+        """The sampler of `rows` rows as a compile sees it (as `forward_program`)."""
+        return self.step_fns[1], self._placed(self._sampler_args(rows)), {"feed_rows": self.layout.feed_rows}
+
+    def lowered(self, fn, args, static: dict, platforms: tuple[str, ...] | None = None):
+        """A program lowered as the runner compiles it, for this process's platform or `platforms`
+        (lowering for another needs no such device: the tests lower the steps for CUDA on a CPU)."""
+        # a Pallas kernel finds the mesh it is split over in the context (a shard_map per device)
+        under_mesh = self.mesh is not None and static.get("attention", "xla") != "xla"
+        with jax.set_mesh(self.mesh) if under_mesh else contextlib.nullcontext():
+            return fn.trace(*args, **static).lower(lowering_platforms=platforms)
+
+    def _compile_forward(self, bucket: StepBucket, abstract=None, gate: bool = True) -> Callable:
+        """The forward executable of one bucket (any thread): loaded from disk, else compiled (and kept).
+        An IREE module is checked by its correctness gate first (`gate`)."""
+        fn, args, static = self.forward_program(bucket, abstract)
         if self.backend.is_iree:
             return self._compile_iree_forward(bucket, args, check=gate)
-        return self._compile_xla("forward", self.step_fns[0], args, static, bucket)
+        return self._compile_xla("forward", fn, args, static, bucket)
 
     def _placed(self, args):
         """A step's arguments other than params and KV as a compile sees them: as they are on one
@@ -454,18 +471,13 @@ class Runner:
         return row_logits, self.layout.sampling_arrays([], rows)
 
     def _compile_sampler(self, key: SamplerKey) -> Callable:
-        return self._compile_xla("sampler", self.step_fns[1], self._placed(self._sampler_args(key.rows)),
-                                 {"feed_rows": self.layout.feed_rows}, key)
+        return self._compile_xla("sampler", *self.sampler_program(key.rows), key)
 
     def _compile_xla(self, name: str, fn, args, static: dict, key) -> Callable:
         store_key = executable_key(name, args, (key, sorted(static.items(), key=lambda kv: kv[0])))
         executable = self.store.load(store_key)
         if executable is None:
-            # a Pallas kernel finds the mesh it is split over in the context (a shard_map per device)
-            under_mesh = self.mesh is not None and static.get("attention", "xla") != "xla"
-            with jax.set_mesh(self.mesh) if under_mesh else contextlib.nullcontext():
-                lowered = fn.lower(*args, **static)
-            executable = self.store.compile(store_key, lowered)
+            executable = self.store.compile(store_key, self.lowered(fn, args, static))
         if self.mesh is None:
             return executable
         # over a mesh an executable takes its arguments placed as compiled (one loaded from disk does

@@ -22,30 +22,30 @@ FEW_BUCKETS = dict(num_kv_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, 
                    prefill_token_buckets=(64,))
 
 
-def lowered_for_cuda(fn, *args, **static) -> str:
-    return fn.trace(*args, **static).lower(lowering_platforms=("cuda",)).as_text()
+def assert_steps_lower_for_cuda(runner) -> None:
+    """Every forward bucket and sampler of `runner`, lowered as it compiles them but for CUDA; each
+    forward step carries the kernel as Triton."""
+    for bucket in runner.buckets.forwards:
+        text = runner.lowered(*runner.forward_program(bucket), platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text, bucket
+        if runner.mesh is not None:
+            assert "sdy.manual_computation" in text, bucket  # the kernel in its shard_map
+    for rows in runner.buckets.sampler_rows:
+        runner.lowered(*runner.sampler_program(rows), platforms=("cuda",))
 
 
 # grouped-query heads; windowed and global layers with q/k norms; attention sinks and experts
 @pytest.mark.parametrize("variant", ["llama", "gemma3", "gpt-oss"])
 def test_every_step_lowers_for_cuda_with_the_pallas_kernel(variant, tmp_path, kiln_cache, tiny_model):
     model = load_model(str(served_hf_dir(variant, tmp_path / variant, kiln_cache, seed=5)), show_progress=False)
-    runner = EngineCore(model, EngineConfig(attention="pallas", **FEW_BUCKETS)).runner
-    params, kv = runner.abstract
-    for bucket in runner.buckets.forwards:
-        inputs = runner.layout.padding_inputs(bucket)
-        text = lowered_for_cuda(runner.step_fns[0], params, kv, *inputs[:3], runner._lora_abstract(bucket), inputs[3],
-                                cfg=runner.cfg, prompt_logprobs=bucket.kind == "prefill", attention="pallas")
-        assert "xla.gpu.triton" in text, bucket  # the kernel, as Triton
-    for rows in runner.buckets.sampler_rows:
-        lowered_for_cuda(runner.step_fns[1], *runner._sampler_args(rows), feed_rows=runner.layout.feed_rows)
+    assert_steps_lower_for_cuda(EngineCore(model, EngineConfig(attention="pallas", **FEW_BUCKETS)).runner)
 
 
 MESH_SCRIPT = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, {tests!r})
-    import jax
+    sys.path[:0] = [{tests!r}, {tests!r} + "/engine"]
+    from test_gpu_lowering import FEW_BUCKETS, assert_steps_lower_for_cuda
     from tiny_models import make_hf_model, write_gguf
     from kiln.engine.config import EngineConfig
     from kiln.engine.core import EngineCore
@@ -55,16 +55,9 @@ MESH_SCRIPT = textwrap.dedent(
     for kv_heads in (4, 2):
         hf = make_hf_model("llama", vocab_size=260, num_key_value_heads=kv_heads)
         model = load_model(write_gguf(hf, {tmp!r} + f"/kv{{kv_heads}}.gguf"), show_progress=False)
-        runner = EngineCore(model, EngineConfig(attention="pallas", tensor_parallel=4, **{few!r})).runner
-        params, kv = runner.abstract
-        for bucket in runner.buckets.forwards:
-            inputs = runner._placed(runner.layout.padding_inputs(bucket))
-            with jax.set_mesh(runner.mesh):  # as the runner compiles a step with the kernel over a mesh
-                text = runner.step_fns[0].trace(
-                    params, kv, *inputs[:3], runner._lora_abstract(bucket), inputs[3], cfg=runner.cfg,
-                    prompt_logprobs=bucket.kind == "prefill", attention="pallas",
-                ).lower(lowering_platforms=("cuda",)).as_text()
-            assert "xla.gpu.triton" in text and "sdy.manual_computation" in text, bucket
+        runner = EngineCore(model, EngineConfig(attention="pallas", tensor_parallel=4, **FEW_BUCKETS)).runner
+        assert runner.mesh is not None
+        assert_steps_lower_for_cuda(runner)
     print("OK")
     """
 )
@@ -72,6 +65,6 @@ MESH_SCRIPT = textwrap.dedent(
 
 def test_steps_with_the_kernel_lower_for_cuda_over_a_tensor_parallel_mesh(tmp_path):
     env = {**os.environ, "XLA_FLAGS": FOUR_DEVICES, "JAX_PLATFORMS": "cpu"}
-    code = MESH_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]), tmp=str(tmp_path), few=FEW_BUCKETS)
+    code = MESH_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]), tmp=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]

@@ -82,13 +82,16 @@ def test_the_kernel_equals_the_xla_path(case):
         np.testing.assert_allclose(out["pallas"], out["xla"], atol=2e-5, rtol=1e-4)
 
 
-def test_the_kernel_is_chosen_by_capability_not_by_name():
-    class Device:
-        def __init__(self, platform, capability=None, kind="NVIDIA H100 80GB HBM3"):
-            self.platform, self.device_kind = platform, kind
-            if capability is not None:
-                self.compute_capability = capability
+class Device:
+    """What kernel_for reads of a JAX device."""
 
+    def __init__(self, platform, capability=None, kind="NVIDIA H100 80GB HBM3"):
+        self.platform, self.device_kind = platform, kind
+        if capability is not None:
+            self.compute_capability = capability
+
+
+def test_the_kernel_is_chosen_by_capability_not_by_name():
     assert kernel_for("auto", Device("gpu", "9.0")) == "pallas"
     assert kernel_for("auto", Device("gpu", "8.0", kind="anything")) == "pallas"
     assert kernel_for("auto", Device("gpu", "7.5", kind="NVIDIA H100")) == "xla"  # the capability decides
@@ -122,8 +125,7 @@ def lowered_for_cuda(head_dim: int, block_size: int = BLOCK, kv_heads: int = 3, 
 def test_the_kernel_lowers_for_cuda_where_kernel_for_would_pick_it(head_dim):
     """JAX's default GPU lowering for Pallas (Mosaic GPU) cannot take this kernel, so it asks for
     Triton; Triton tiles only power-of-two sides, which `kernel_for` checks before it picks the kernel."""
-    gpu = type("Device", (), {"platform": "gpu", "compute_capability": "9.0"})()
-    picked = kernel_for("auto", gpu, head_dim=head_dim, block_size=BLOCK) == "pallas"
+    picked = kernel_for("auto", Device("gpu", "9.0"), head_dim=head_dim, block_size=BLOCK) == "pallas"
     assert picked == (head_dim != 96)
     if picked:
         assert "xla.gpu.triton" in lowered_for_cuda(head_dim, softcap=50.0 if head_dim == 128 else None)
