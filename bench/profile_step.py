@@ -77,10 +77,10 @@ def main():
     engine = bare + steps["added"]
     flops = step_flops(cfg, args.rows)
     peak = flops / t["chain"]
-    _, args, rs = decode_step_args(core)
+    _, step_args, rs = decode_step_args(core)
     runner = core.runner
     row_logits = jax.ShapeDtypeStruct((shape.rows, cfg.vocab_size), jax.numpy.float32)
-    hlo = (forward_step.lower(runner.params, runner.kv, *args, cfg=cfg, prompt_logprobs=False).compile().as_text()
+    hlo = (forward_step.lower(runner.params, runner.kv, *step_args, cfg=cfg, prompt_logprobs=False).compile().as_text()
            + sample_step.lower(row_logits, rs, feed_rows=runner.layout.feed_rows).compile().as_text())
     scopes, trace = breakdown(hlo, run, args.trace_dir)
     core.close()
