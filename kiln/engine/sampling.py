@@ -99,20 +99,63 @@ def _penalize(x: jax.Array, rs: RowSampling) -> jax.Array:
     return x - rs.frequency[:, None] * out_counts - rs.presence[:, None] * (out_counts > 0)
 
 
+# A row's top-k and top-p cuts are read off its CANDIDATES largest logits (`lax.top_k`) when they lie
+# among them; a batch with a row whose cut lies further down searches that filter's cuts
+# (`_threshold_keys`). Sorting the vocabulary, as the cuts used to, took 300 ms a 32-row step on
+# XLA:CPU; the candidates take 3 ms and a search about 8. With the default model at temperature
+# 0.8, top_p 0.9's nucleus is over 64 tokens in 6% of the steps (over 256 in 1%).
+CANDIDATES = 64
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """int32 keys ordered as the float32 values are (-0.0 just below 0.0)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _threshold_keys(keys: jax.Array, weights, targets: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """Per row, the smallest key t in (lo, hi] whose strictly larger keys weigh less than the target:
+    a bisection over the keys' range (32 halvings span int32), exact where a sort would be."""
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        light = jnp.sum(jnp.where(keys > mid[:, None], weights, 0), axis=-1) < targets
+        return jnp.where(light, lo, mid), jnp.where(light, mid, hi)
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
+
+
 def _filter(scaled: jax.Array, rs: RowSampling) -> jax.Array:
-    """Keeps each row's top-k, top-p and min-p tokens (the rows that ask; the others keep all)."""
-    V = scaled.shape[1]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    """Keeps each row's top-k, top-p and min-p tokens (the rows that ask; the others keep all).
+    top-k keeps values down to the k-th largest; top-p the smallest set of largest values whose
+    mass reaches top_p (the token that crosses it included); ties with the cut value stay."""
+    R, V = scaled.shape
+    keys = _sortable(scaled)
+    lowest = jnp.min(keys, axis=-1) - 1  # below every key: keeps the whole row
     k = jnp.where(rs.top_k > 0, jnp.minimum(rs.top_k, V), V)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    probs_sorted = jax.nn.softmax(sorted_desc, axis=-1)
-    cum = jnp.cumsum(probs_sorted, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (always the first token)
-    cutoff_idx = jnp.sum(cum - probs_sorted < rs.top_p[:, None], axis=-1) - 1
-    top_p_min = jnp.take_along_axis(sorted_desc, jnp.maximum(cutoff_idx, 0)[:, None], axis=-1)
-    min_p_min = sorted_desc[:, :1] + jnp.log(jnp.maximum(rs.min_p, 1e-30))[:, None]
-    threshold = jnp.maximum(jnp.maximum(kth, top_p_min), jnp.where(rs.min_p[:, None] > 0, min_p_min, -jnp.inf))
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    wants_p = rs.top_p < 1.0
+    log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    C = min(CANDIDATES, V)
+    # [R, C], largest first. The barrier keeps XLA's top-k call: merged with a later slice of its
+    # values, the sort it is lowered through is no longer matched back to one, and sorts the vocabulary.
+    top, _ = jax.lax.optimization_barrier(jax.lax.top_k(scaled, C))
+    probs = jnp.exp(top - log_norm)
+    cum = jnp.cumsum(probs, axis=-1)
+    crossing = jnp.sum(cum - probs < rs.top_p[:, None], axis=-1) - 1  # the token whose mass reaches top_p
+    kth = jnp.where(k == V, lowest, _sortable(jnp.take_along_axis(top, (jnp.minimum(k, C) - 1)[:, None], -1)[:, 0]))
+    top_p_key = _sortable(jnp.take_along_axis(top, jnp.clip(crossing, 0, C - 1)[:, None], -1)[:, 0])
+    # rows whose cut lies below the candidates: the k-th largest (k = V keeps every token), or a
+    # top_p the candidates' mass falls short of; their filter's cuts are searched, batch-wide
+    deep_k = (k > C) & (k < V)
+    deep_p = wants_p & (cum[:, -1] < rs.top_p)
+    highest = jnp.max(keys, axis=-1)
+    kth = jax.lax.cond(jnp.any(deep_k), lambda: jnp.where(
+        deep_k, _threshold_keys(keys, jnp.int32(1), k, lowest, highest), kth), lambda: kth)
+    weights = jnp.exp(scaled - log_norm)
+    top_p_key = jax.lax.cond(jnp.any(deep_p), lambda: jnp.where(
+        deep_p, _threshold_keys(keys, weights, rs.top_p, lowest, highest), top_p_key), lambda: top_p_key)
+    cut = jnp.maximum(kth, jnp.where(wants_p, top_p_key, lowest))
+    min_p_min = jnp.where(rs.min_p > 0, top[:, 0] + jnp.log(jnp.maximum(rs.min_p, 1e-30)), -jnp.inf)
+    return jnp.where((keys >= cut[:, None]) & (scaled >= min_p_min[:, None]), scaled, -jnp.inf)
 
 
 def sample(logits: jax.Array, rs: RowSampling, basic: bool = False) -> Sampled:

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kiln.engine import sampling
 from kiln.engine.params import SamplingParams
 from kiln.engine.sampling import RowSampling, sample
 from kiln.errors import InvalidRequest
@@ -69,6 +70,44 @@ def test_filters_restrict_support():
     assert set(draw(rows(n, min_p=np.full(n, 0.5), **base)).tolist()) == {0, 1}  # p >= 0.2
     freq = np.bincount(full, minlength=V) / n
     assert abs(freq[0] - 0.4) < 0.08 and abs(freq[1] - 0.25) < 0.08
+
+
+def reference_keep(x, top_k, top_p, min_p):
+    """The filters by their definition: a full sort of each row, masses in float64."""
+    keep = np.ones(x.shape, bool)
+    for i, row in enumerate(x.astype(np.float64)):
+        desc = np.sort(row)[::-1]
+        if 0 < top_k[i] < len(row):
+            keep[i] &= row >= desc[top_k[i] - 1]
+        if top_p[i] < 1.0:
+            p = np.exp(desc - np.logaddexp.reduce(desc))
+            keep[i] &= row >= desc[np.sum(np.cumsum(p) - p < top_p[i]) - 1]  # the token that reaches top_p stays
+        if min_p[i] > 0:
+            keep[i] &= row >= desc[0] + np.log(min_p[i])
+    return keep
+
+
+@pytest.mark.parametrize("searched", [False, True])
+def test_filters_without_a_sort_keep_what_a_sort_keeps(searched):
+    # 300 tokens, ties among the largest, a row with banned (-inf) tokens. Peaked rows with small
+    # top-k read their cuts off the largest CANDIDATES logits; a larger top-k or a flat row's top-p
+    # makes the batch search that filter's cuts.
+    rng = np.random.default_rng(7)
+    S, n = 16, 300
+    x = rng.standard_normal((S, n)).astype(np.float32) * (0.3 if searched else 1.0)
+    x[:, :30] += 0 if searched else rng.uniform(6, 9, (S, 30)).astype(np.float32)
+    x[:, 5:10] = x[:, :5]
+    x[3, 100:200] = -np.inf
+    top_k = rng.choice([0, 1, 3, 40, 64] + ([65, 250, n, n + 9] if searched else []), S)
+    top_p = rng.choice([0.05, 0.5, 0.9, 0.99, 1.0], S).astype(np.float32)
+    min_p = rng.choice([0.0, 0.0, 0.02], S).astype(np.float32)
+    top = -np.sort(-x, axis=1)[:, :sampling.CANDIDATES]
+    mass = np.exp(top - np.logaddexp.reduce(x.astype(np.float64), axis=1, keepdims=True)).sum(1)
+    within = (top_k <= sampling.CANDIDATES) & ((top_p >= 1.0) | (mass >= top_p))
+    assert within.all() != searched
+    rs = rows(S, top_k=top_k, top_p=top_p, min_p=min_p)
+    kept = np.asarray(jax.jit(sampling._filter)(jnp.asarray(x), rs)) > -np.inf
+    np.testing.assert_array_equal(kept, reference_keep(x, top_k, top_p, min_p))
 
 
 def test_seed_and_step_make_draws_reproducible():
