@@ -1,7 +1,10 @@
-"""The KV pool's size from a memory budget, and on the CPU its untouched pages left to the OS."""
+"""The KV pool's size from a memory budget, on the CPU its untouched pages left to the OS, and the
+host allocator's settings for step-sized allocations."""
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 from test_engine import SMALL, prompts_of, run
@@ -110,3 +113,30 @@ def test_a_server_whose_budget_is_too_small_stops_at_start_naming_it(tiny_model,
     said = str(caught.value)
     assert "kiln: error: [engine] kv_cache_memory: a KV pool of 64.0 KiB" in said and "needs 17 blocks" in said
     assert "Traceback" not in said
+
+
+WHERE_64_MIB_GOES = """
+import ctypes, sys
+if sys.argv[1] == "kiln":
+    import kiln
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+block = libc.malloc(64 << 20)
+for line in open("/proc/self/maps"):
+    fields = line.split()
+    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+    if lo <= block < hi:
+        print(fields[5] if len(fields) > 5 else "a mapping of its own")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+@pytest.mark.parametrize("env,imports,where", [({}, "nothing", "a mapping of its own"), ({}, "kiln", "[heap]"),
+                                               ({"MALLOC_ARENA_MAX": "2"}, "kiln", "a mapping of its own")])
+def test_importing_kiln_keeps_step_sized_allocations_on_the_heap(env, imports, where):
+    # glibc maps an allocation this size afresh each time (a step's temporaries page-fault in at every
+    # run); once kiln is imported it comes from the heap, unless the user set malloc's options
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"} | env
+    out = subprocess.run([sys.executable, "-c", WHERE_64_MIB_GOES, imports], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == where
