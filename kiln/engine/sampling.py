@@ -135,9 +135,7 @@ def _filter(scaled: jax.Array, rs: RowSampling) -> jax.Array:
     wants_p = rs.top_p < 1.0
     log_norm = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
     C = min(CANDIDATES, V)
-    # [R, C], largest first. The barrier keeps XLA's top-k call: merged with a later slice of its
-    # values, the sort it is lowered through is no longer matched back to one, and sorts the vocabulary.
-    top, _ = jax.lax.optimization_barrier(jax.lax.top_k(scaled, C))
+    top, _ = jax.lax.top_k(scaled, C)  # [R, C], largest first
     probs = jnp.exp(top - log_norm)
     cum = jnp.cumsum(probs, axis=-1)
     crossing = jnp.sum(cum - probs < rs.top_p[:, None], axis=-1) - 1  # the token whose mass reaches top_p
@@ -154,7 +152,9 @@ def _filter(scaled: jax.Array, rs: RowSampling) -> jax.Array:
     top_p_key = jax.lax.cond(jnp.any(deep_p), lambda: jnp.where(
         deep_p, _threshold_keys(keys, weights, rs.top_p, lowest, highest), top_p_key), lambda: top_p_key)
     cut = jnp.maximum(kth, jnp.where(wants_p, top_p_key, lowest))
-    min_p_min = jnp.where(rs.min_p > 0, top[:, 0] + jnp.log(jnp.maximum(rs.min_p, 1e-30)), -jnp.inf)
+    # (the row's largest from a reduction: a slice of `top` merged into the slice XLA lowers top-k
+    # through, and the sort under it was no longer matched back to a top-k call: 300 ms)
+    min_p_min = jnp.where(rs.min_p > 0, jnp.max(scaled, axis=-1) + jnp.log(jnp.maximum(rs.min_p, 1e-30)), -jnp.inf)
     return jnp.where((keys >= cut[:, None]) & (scaled >= min_p_min[:, None]), scaled, -jnp.inf)
 
 

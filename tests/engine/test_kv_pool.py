@@ -115,13 +115,13 @@ def test_a_server_whose_budget_is_too_small_stops_at_start_naming_it(tiny_model,
     assert "Traceback" not in said
 
 
-WHERE_64_MIB_GOES = """
+WHERE_48_MIB_GOES = """
 import ctypes, sys
 if sys.argv[1] == "kiln":
     import kiln
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-block = libc.malloc(64 << 20)
+block = libc.malloc(48 << 20)
 for line in open("/proc/self/maps"):
     fields = line.split()
     lo, hi = (int(x, 16) for x in fields[0].split("-"))
@@ -137,6 +137,6 @@ def test_importing_kiln_keeps_step_sized_allocations_on_the_heap(env, imports, w
     # glibc maps an allocation this size afresh each time (a step's temporaries page-fault in at every
     # run); once kiln is imported it comes from the heap, unless the user set malloc's options
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"} | env
-    out = subprocess.run([sys.executable, "-c", WHERE_64_MIB_GOES, imports], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", WHERE_48_MIB_GOES, imports], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == where
