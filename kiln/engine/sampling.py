@@ -128,7 +128,7 @@ def _filter(scaled: jax.Array, rs: RowSampling) -> jax.Array:
     """Keeps each row's top-k, top-p and min-p tokens (the rows that ask; the others keep all).
     top-k keeps values down to the k-th largest; top-p the smallest set of largest values whose
     mass reaches top_p (the token that crosses it included); ties with the cut value stay."""
-    R, V = scaled.shape
+    V = scaled.shape[1]
     keys = _sortable(scaled)
     lowest = jnp.min(keys, axis=-1) - 1  # below every key: keeps the whole row
     k = jnp.where(rs.top_k > 0, jnp.minimum(rs.top_k, V), V)
@@ -142,15 +142,14 @@ def _filter(scaled: jax.Array, rs: RowSampling) -> jax.Array:
     kth = jnp.where(k == V, lowest, _sortable(jnp.take_along_axis(top, (jnp.minimum(k, C) - 1)[:, None], -1)[:, 0]))
     top_p_key = _sortable(jnp.take_along_axis(top, jnp.clip(crossing, 0, C - 1)[:, None], -1)[:, 0])
     # rows whose cut lies below the candidates: the k-th largest (k = V keeps every token), or a
-    # top_p the candidates' mass falls short of; their filter's cuts are searched, batch-wide
-    deep_k = (k > C) & (k < V)
-    deep_p = wants_p & (cum[:, -1] < rs.top_p)
-    highest = jnp.max(keys, axis=-1)
-    kth = jax.lax.cond(jnp.any(deep_k), lambda: jnp.where(
-        deep_k, _threshold_keys(keys, jnp.int32(1), k, lowest, highest), kth), lambda: kth)
-    weights = jnp.exp(scaled - log_norm)
-    top_p_key = jax.lax.cond(jnp.any(deep_p), lambda: jnp.where(
-        deep_p, _threshold_keys(keys, weights, rs.top_p, lowest, highest), top_p_key), lambda: top_p_key)
+    # top_p the candidates' mass falls short of; their filter's cuts are searched, batch-wide, and
+    # only in a batch that has such a row (the search's inputs included)
+    def searched(deep, weights, targets, cut):
+        return jax.lax.cond(jnp.any(deep), lambda: jnp.where(
+            deep, _threshold_keys(keys, weights(), targets, lowest, jnp.max(keys, axis=-1)), cut), lambda: cut)
+
+    kth = searched((k > C) & (k < V), lambda: jnp.int32(1), k, kth)
+    top_p_key = searched(wants_p & (cum[:, -1] < rs.top_p), lambda: jnp.exp(scaled - log_norm), rs.top_p, top_p_key)
     cut = jnp.maximum(kth, jnp.where(wants_p, top_p_key, lowest))
     # (the row's largest from a reduction: a slice of `top` merged into the slice XLA lowers top-k
     # through, and the sort under it was no longer matched back to a top-k call: 300 ms)
