@@ -8,7 +8,11 @@ Times, in one run and at the same rows and context:
 Then traces the bare step with jax.profiler (a Perfetto trace) and attributes XLA's thunk time
 to the model's named scopes (qkv, attention, o_proj, mlp, lm_head, sampling, ...).
 
-    python bench/profile_step.py [--rows 32] [--context 64] [--trace-dir /tmp/kiln-trace]
+The weights are in the server's format unless told (`--quantization`: the default model's GGUF
+layers are int4), and every timing runs at `--context` (the engine's own steps, timed in between,
+lengthen the rows; the bare step is built before them).
+
+    python bench/profile_step.py [--rows 32] [--context 64] [--quantization auto] [--trace-dir /tmp/kiln-trace]
 """
 
 from __future__ import annotations
@@ -37,11 +41,20 @@ def scope_of(op_name: str) -> str:
 
 def breakdown(hlo_text: str, run, trace_dir: str, steps: int = 5) -> tuple[dict[str, float], str]:
     """Thread-milliseconds per step by scope (threads overlap: the sum exceeds the wall time)."""
-    op_scope = {}
+    op_scope, operands, module = {}, {}, ""
     for line in hlo_text.splitlines():
+        if line.startswith("HloModule "):  # op names repeat across programs: key them by (module, op)
+            module = line.split()[1].rstrip(",")
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = \S+ [\w\-]+\(([^)]*)\)", line)
+        if m:
+            operands[module, m.group(1)] = re.findall(r"%([\w.\-]+)", m.group(2))
         m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{op_name=\"([^\"]*)\"", line)
         if m:
-            op_scope[m.group(1)] = scope_of(m.group(2))
+            op_scope[module, m.group(1)] = scope_of(m.group(2))
+    for (module, op), args in operands.items():  # an op XLA left without metadata (a rewritten dot): its operands'
+        if (module, op) not in op_scope:
+            known = [op_scope[module, a] for a in args if op_scope.get((module, a), "other") != "other"]
+            op_scope[module, op] = known[-1] if known else "other"
     shutil.rmtree(trace_dir, ignore_errors=True)
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     for _ in range(steps):
@@ -51,9 +64,11 @@ def breakdown(hlo_text: str, run, trace_dir: str, steps: int = 5) -> tuple[dict[
     data = json.load(gzip.open(path))
     totals: collections.Counter = collections.Counter()
     for e in data["traceEvents"] if isinstance(data, dict) else data:
-        op = (e.get("args") or {}).get("hlo_op")
-        if e.get("ph") == "X" and op and not e["name"].startswith("end:"):
-            totals[op_scope.get(op, "other")] += e["dur"] / steps / 1e3
+        args = e.get("args") or {}
+        op = args.get("hlo_op")
+        if e.get("ph") == "X" and op and not e["name"].startswith("end:") and not op.startswith("while"):
+            # a while loop's event spans its body's, which are counted by their own scopes
+            totals[op_scope.get((args.get("hlo_module"), op), "other")] += e["dur"] / steps / 1e3
     return dict(totals), path
 
 
@@ -64,20 +79,22 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--trace-dir", default="/tmp/kiln-trace")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto", help="the weights' format, as [model] quantization (auto: "
+                    "the GGUF file's own, as the server loads it)")
     args = ap.parse_args()
 
-    model = load_model(show_progress=False, dtype=args.dtype)
+    model = load_model(show_progress=False, dtype=args.dtype, quantization=args.quantization)
     cfg = model.config
     core = decoding_core(model, args.rows, args.context)
+    run, shape = bare_step(core)  # at the rows' context now: the engine's steps below lengthen it
+    _, step_args, rs = decode_step_args(core)
     steps = engine_step_times(core)
-    run, shape = bare_step(core)
     chain = matmul_chain(cfg, args.rows, float_dtype(model.params))
     t = timed({"bare": run, "chain": chain}, args.repeats)  # round-robin: the step's share of the matmul peak
     bare = t["bare"]
     engine = bare + steps["added"]
     flops = step_flops(cfg, args.rows)
     peak = flops / t["chain"]
-    _, step_args, rs = decode_step_args(core)
     runner = core.runner
     row_logits = jax.ShapeDtypeStruct((shape.rows, cfg.vocab_size), jax.numpy.float32)
     hlo = (forward_step.lower(runner.params, runner.kv, *step_args, cfg=cfg, prompt_logprobs=False).compile().as_text()
@@ -85,8 +102,9 @@ def main():
     scopes, trace = breakdown(hlo, run, args.trace_dir)
     core.close()
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}; "
-          f"{args.rows} rows at ~{args.context} tokens of context; step bucket {shape.describe()}")
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {model.model_id} {model.dtype}, "
+          f"{args.quantization} weights; {args.rows} rows at ~{args.context} tokens of context; "
+          f"step bucket {shape.describe()}")
     print(f"{'':32} {'ms':>8} {'tok/s':>8}")
     print(f"{'bare jitted step':32} {bare * 1e3:8.1f} {args.rows / bare:8.1f}")
     print(f"{'engine step (host included)':32} {engine * 1e3:8.1f} {args.rows / engine:8.1f}")
