@@ -205,6 +205,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="auto",
                     help="Kiln's weights and KV; transformers runs in the same dtype (auto: float32 on a CPU)")
+    ap.add_argument("--kv-cache-dtype", default=os.environ.get("KILN_ENGINE_KV_CACHE_DTYPE", "auto"),
+                    help="Kiln's [engine] kv_cache_dtype (auto: the model's; bfloat16: half the KV bytes)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-cold", action="store_true", help="skip the cold start (an empty executable cache)")
     ap.add_argument("--server-log-level", default="warning", help="info shows the server's startup and steps")
@@ -212,6 +214,7 @@ def main():
     levels = [int(c) for c in args.concurrency.split(",")]
     new = args.new_tokens
     big = max(levels)
+    os.environ["KILN_ENGINE_KV_CACHE_DTYPE"] = args.kv_cache_dtype  # every server this bench starts
 
     global MODEL_ID
     model = load_model(os.environ.get("KILN_MODEL_PATH") or None, show_progress=False, dtype=args.dtype)
@@ -221,11 +224,12 @@ def main():
     prompt_len = statistics.median(len(render(q)) for q in questions(1, big))
     context = int(prompt_len + new // 2)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({os.cpu_count()} cpus); {model.model_id} "
-          f"{model.dtype}; chat prompts of ~{prompt_len:.0f} tokens, {new} new tokens, greedy", flush=True)
+          f"{model.dtype}, KV pool {args.kv_cache_dtype}; chat prompts of ~{prompt_len:.0f} tokens, {new} new tokens, "
+          "greedy", flush=True)
 
     step, fraction = {}, None
     for c in levels:
-        core = decoding_core(model, c, context)
+        core = decoding_core(model, c, context, kv_cache_dtype=args.kv_cache_dtype)
         run, _ = bare_step(core)
         fns = {"step": run}
         if c == big:

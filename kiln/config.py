@@ -180,6 +180,9 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "kv_cache_memory", "str", "auto", memory_amount,
         "KV pool budget: bytes (\"8GiB\"), a fraction (\"0.5\") of the memory free after the weights, or auto "
         "(0.9 of it on accelerators; on the CPU at most 2 GiB, taken as blocks are written)"),
+    Key("engine", "kv_cache_dtype", "str", "auto", one_of("auto", "bfloat16"),
+        "the KV pool's values: auto = the model's dtype; bfloat16 = half a float32 model's KV bytes (keys and "
+        "values rounded to bfloat16, attention still computed in float32)"),
     Key("engine", "max_num_seqs", "int", 32, at_least(1), "most running sequences per step"),
     Key("engine", "max_num_batched_tokens", "int", 512, at_least(1), "token budget per step"),
     Key("engine", "max_model_len", "int", 0, at_least(0), "context limit; 0 = derive from the model"),

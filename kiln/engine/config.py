@@ -11,6 +11,7 @@ from kiln.config import Settings, setting_default
 class EngineConfig:
     num_kv_blocks: int = setting_default("engine.num_kv_blocks")  # 0: sized from kv_cache_memory
     kv_cache_memory: str = setting_default("engine.kv_cache_memory")  # auto | a fraction | bytes
+    kv_cache_dtype: str = setting_default("engine.kv_cache_dtype")  # auto (the model's) | bfloat16
     block_size: int = setting_default("engine.block_size")
     max_num_seqs: int = setting_default("engine.max_num_seqs")
     max_num_batched_tokens: int = setting_default("engine.max_num_batched_tokens")
@@ -36,7 +37,8 @@ class EngineConfig:
     def from_settings(cls, settings: Settings) -> EngineConfig:
         e, a = settings.engine, settings.adapters
         return cls(
-            num_kv_blocks=e.num_kv_blocks, kv_cache_memory=e.kv_cache_memory, block_size=e.block_size,
+            num_kv_blocks=e.num_kv_blocks, kv_cache_memory=e.kv_cache_memory, kv_cache_dtype=e.kv_cache_dtype,
+            block_size=e.block_size,
             max_num_seqs=e.max_num_seqs,
             max_num_batched_tokens=e.max_num_batched_tokens, max_model_len=e.max_model_len,
             enable_prefix_caching=e.enable_prefix_caching, async_scheduling=e.async_scheduling,

@@ -34,7 +34,7 @@ from kiln.engine.backends import XLA, Backend
 from kiln.engine.block_pool import BlockPool
 from kiln.engine.config import EngineConfig
 from kiln.engine.grammar import GrammarCompiler
-from kiln.engine.kv_pool import DeviceHeap, size_pool
+from kiln.engine.kv_pool import DeviceHeap, pool_dtype, size_pool
 from kiln.engine.lora_slots import AdapterWeights, LoraSlots
 from kiln.engine.metrics import EngineMetrics
 from kiln.engine.ownership import Ownership
@@ -77,10 +77,11 @@ class EngineCore:
         slot_shardings = None if self.mesh is None else functools.partial(lora_slot_shardings, cfg=cfg, mesh=self.mesh)
         self.lora_slots = LoraSlots(cfg, config.max_loras, config.max_lora_rank, self.ownership, model.dtype,
                                     config.lora_experts, slot_shardings)
-        self.kv_pool = size_pool(cfg, config, model.dtype, config.max_model_len or cfg.max_position_embeddings,
+        kv_dtype = pool_dtype(config.kv_cache_dtype, model.dtype, on_iree=backend.is_iree)
+        self.kv_pool = size_pool(cfg, config, kv_dtype, config.max_model_len or cfg.max_position_embeddings,
                                  on_host=backend.is_iree, heap=self._device_heap(backend))
-        log.info("KV pool: %d blocks of %d tokens, %.0f MiB (%s)", self.kv_pool.blocks, config.block_size,
-                 self.kv_pool.blocks * self.kv_pool.block_bytes / (1 << 20), self.kv_pool.reason)
+        log.info("KV pool: %d blocks of %d tokens, %.0f MiB of %s (%s)", self.kv_pool.blocks, config.block_size,
+                 self.kv_pool.blocks * self.kv_pool.block_bytes / (1 << 20), self.kv_pool.dtype, self.kv_pool.reason)
         self.config = config = dataclasses.replace(config, num_kv_blocks=self.kv_pool.blocks)
         capacity = (config.num_kv_blocks - 1) * config.block_size
         self.max_model_len = min(cfg.max_position_embeddings, capacity, config.max_model_len or capacity)
@@ -98,7 +99,7 @@ class EngineCore:
                               config.enable_prefix_caching and backend.reuses_prefixes,
                               on_stored=self._on_stored if self.publisher else None,
                               on_removed=self._on_removed if self.publisher else None)
-        self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, model.dtype,
+        self.runner = Runner(cfg, model.params, config, self.max_model_len, self.eos_ids, self.lora_slots, kv_dtype,
                              backend, self.mesh)
         self.scheduler = Scheduler(config, self.pool, self.lora_slots, max_model_len=self.max_model_len,
                                    tokenizer=model.tokenizer, eos_ids=self.eos_ids, step_cost=self.runner.step_cost,

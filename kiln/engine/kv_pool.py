@@ -15,6 +15,11 @@ The pool is sized from `[engine] kv_cache_memory` unless `[engine] num_kv_blocks
   buffers); a pool set larger than that buffer is a startup error.
 `auto` never exceeds what `max_num_seqs` sequences of the longest length can fill. A budget that
 cannot hold one longest sequence is a startup error.
+
+The pool's values are the model's float type, or with `[engine] kv_cache_dtype = bfloat16` bfloat16
+for a float32 model (`pool_dtype`): half the bytes per block, so twice the tokens in a budget, and
+half the bytes attention gathers per key. Keys and values are rounded to bfloat16 when written;
+attention still computes in float32.
 """
 
 from __future__ import annotations
@@ -32,12 +37,28 @@ DEVICE_POOL_SHARE = 0.5  # of a Vulkan device's heap left after the weights (the
 BLOCK_ROUNDING = 64  # budget-sized pools round down to this many blocks, so that a start's step shapes repeat
 
 
+def pool_dtype(setting: str, model_dtype, on_iree: bool = False):
+    """The float type of the pool's values for `[engine] kv_cache_dtype`: the model's for auto, else
+    bfloat16, which only a float32 model on an XLA route takes (a 16-bit model's pool is already 16-bit,
+    and `decoder.kv_float_dtype` reads a float16 model's 16-bit pool as float16)."""
+    model_dtype = jax.numpy.dtype(model_dtype)
+    if setting == "auto" or model_dtype == jax.numpy.bfloat16:
+        return model_dtype
+    if model_dtype != jax.numpy.float32:
+        raise ConfigError(f"[engine] kv_cache_dtype = {setting}: the model is {model_dtype.name}, and its KV pool "
+                          f"holds {model_dtype.name} already; use auto")
+    if on_iree:
+        raise ConfigError(f"[engine] kv_cache_dtype = {setting} runs on XLA routes only; use auto on an IREE route")
+    return jax.numpy.dtype(setting)
+
+
 @dataclasses.dataclass(frozen=True)
 class KVPoolSize:
     blocks: int  # block 0 included (the padding target)
     block_size: int  # tokens per block
     block_bytes: int  # every layer's K and V of one block
     reason: str
+    dtype: str = "float32"  # the float type of its values (`pool_dtype`)
 
     @property
     def tokens(self) -> int:
@@ -45,7 +66,8 @@ class KVPoolSize:
 
     def to_json(self) -> dict:
         return {"blocks": self.blocks, "block_size": self.block_size, "tokens": self.tokens,
-                "bytes": self.blocks * self.block_bytes, "block_bytes": self.block_bytes, "reason": self.reason}
+                "bytes": self.blocks * self.block_bytes, "block_bytes": self.block_bytes, "dtype": self.dtype,
+                "reason": self.reason}
 
 
 def block_bytes(cfg, block_size: int, kv_dtype) -> int:
@@ -88,7 +110,7 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool, heap: DeviceHe
                 f"[engine] num_kv_blocks: {config.num_kv_blocks} blocks make K and V arrays of "
                 f"{_size(config.num_kv_blocks * (per_block // 2))} each, and the device binds at most "
                 f"{_size(heap.max_buffer)} as one buffer ({most} blocks)")
-        return KVPoolSize(config.num_kv_blocks, bs, per_block, "[engine] num_kv_blocks")
+        return KVPoolSize(config.num_kv_blocks, bs, per_block, "[engine] num_kv_blocks", jax.numpy.dtype(kv_dtype).name)
     one_sequence = -(-max_len // bs) + 1
     setting = config.kv_cache_memory
     if setting == "auto":
@@ -133,7 +155,7 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool, heap: DeviceHe
             f"[engine] kv_cache_memory: a KV pool of {_size(budget)} ({why}) holds {blocks} blocks of "
             f"{_size(per_block)}, but one {max_len}-token sequence needs {one_sequence} blocks "
             f"({_size(one_sequence * per_block)}); raise kv_cache_memory or lower [engine] max_model_len")
-    return KVPoolSize(blocks, bs, per_block, why)
+    return KVPoolSize(blocks, bs, per_block, why, jax.numpy.dtype(kv_dtype).name)
 
 
 def _size(n: int) -> str:

@@ -36,8 +36,8 @@ class KVCache(NamedTuple):
     Heads lead blocks so that one KV head's gathered blocks are contiguous rows of a batched
     matmul: attention reads them with no transpose. A 16-bit float pool is held as its uint16
     bits: XLA:CPU widens the whole operand of a 16-bit float scatter to float32 and back (every
-    layer, every step), while an integer scatter updates in place. Its float type is the
-    model's (`kv_float_dtype`)."""
+    layer, every step), while an integer scatter updates in place. Its float type is a 16-bit
+    model's own, or bfloat16 under a float32 model (`kv_float_dtype`)."""
 
     k: jax.Array
     v: jax.Array
@@ -100,8 +100,12 @@ def init_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.
 
 
 def kv_float_dtype(kv: KVCache, params: Params):
-    """The float type of the pool's values: its own, or for uint16 bits the model's 16-bit type."""
-    return float_dtype(params) if kv.k.dtype == jnp.uint16 else kv.k.dtype
+    """The float type of the pool's values: its own, or for uint16 bits the model's 16-bit type
+    (bfloat16 under a float32 model: `[engine] kv_cache_dtype`)."""
+    if kv.k.dtype != jnp.uint16:
+        return kv.k.dtype
+    model = float_dtype(params)
+    return model if jnp.dtype(model).itemsize == 2 else jnp.bfloat16
 
 
 def float_dtype(params: Params):

@@ -1,18 +1,21 @@
 """The KV pool's size from a memory budget, on the CPU its untouched pages left to the OS, and the
 host allocator's settings for step-sized allocations."""
 
+import asyncio
 import dataclasses
 import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from test_engine import SMALL, prompts_of, run
 
 from kiln.config import resolve_settings
 from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
-from kiln.engine.kv_pool import BLOCK_ROUNDING, DeviceHeap, block_bytes, size_pool
+from kiln.engine.kv_pool import BLOCK_ROUNDING, DeviceHeap, block_bytes, pool_dtype, size_pool
 from kiln.engine.params import SamplingParams
 from kiln.errors import ConfigError
 
@@ -102,6 +105,55 @@ def test_untouched_pool_pages_take_no_memory_and_written_blocks_read_back(tiny_m
         assert got == [ids for ids, _, _ in run(small, prompts, params)]
     finally:
         small.shutdown()
+
+
+def test_the_pool_dtype_setting_resolves_against_the_model_and_route():
+    assert resolve_settings(env={}).engine.kv_cache_dtype == "auto"
+    assert resolve_settings(env={"KILN_ENGINE_KV_CACHE_DTYPE": "BFloat16"}).engine.kv_cache_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="engine.kv_cache_dtype"):
+        resolve_settings(env={"KILN_ENGINE_KV_CACHE_DTYPE": "fp8"})
+    assert pool_dtype("auto", "float32") == jnp.float32 and pool_dtype("auto", "float16") == jnp.float16
+    assert pool_dtype("bfloat16", "float32") == jnp.bfloat16 and pool_dtype("bfloat16", "bfloat16") == jnp.bfloat16
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype = bfloat16: the model is float16"):
+        pool_dtype("bfloat16", "float16")
+    with pytest.raises(ConfigError, match="XLA routes only"):
+        pool_dtype("bfloat16", "float32", on_iree=True)
+
+
+def test_a_bfloat16_pool_holds_twice_the_tokens_and_serves_what_the_float_pool_does(tiny_model):
+    """Under a float32 model a bfloat16 pool takes half the bytes per block (twice the blocks in one
+    budget) and, its keys and values rounded to bfloat16, gives the float pool's greedy tokens with
+    logprobs within the rounding's reach."""
+    cfg = tiny_model.config
+    assert block_bytes(cfg, 16, jnp.bfloat16) * 2 == block_bytes(cfg, 16, jnp.float32)
+    budget = str(200 * block_bytes(cfg, 16, jnp.float32))
+    prompts = prompts_of(8, seed=5)
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=0, ignore_eos=True)
+
+    async def streams(eng):
+        async def one(i, prompt):
+            deltas = [d async for d in eng.generate(f"bf16-{i}", prompt, params)]
+            return [t for d in deltas for t in d.token_ids], [lp.logprob for d in deltas for lp in d.logprobs or []]
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    results = {}
+    for dtype in ("auto", "bfloat16"):
+        eng = AsyncEngine(tiny_model, EngineConfig(kv_cache_memory=budget, kv_cache_dtype=dtype, **SMALL))
+        try:
+            stored = eng.at_boundary(lambda e=eng: e._core.runner.kv.k.dtype).result(10)
+            assert stored == (jnp.uint16 if dtype == "bfloat16" else jnp.float32)  # 16-bit values held as bits
+            results[dtype] = (eng.kv_pool, asyncio.run(streams(eng)))
+        finally:
+            eng.shutdown()
+    (float_pool, float_out), (half_pool, half_out) = results["auto"], results["bfloat16"]
+    assert (float_pool.dtype, half_pool.dtype) == ("float32", "bfloat16")
+    assert half_pool.blocks == 2 * float_pool.blocks
+    same = [a[0] == b[0] for a, b in zip(float_out, half_out, strict=True)]
+    assert sum(same) >= 7, same
+    # where the tokens agree, so do their logprobs, up to the keys' and values' rounding
+    gaps = [np.max(np.abs(np.subtract(a[1], b[1]))) for a, b in zip(float_out, half_out, strict=True) if a[0] == b[0]]
+    assert max(gaps) < 0.01, gaps
+    print("bfloat16 pool: same tokens in", sum(same), "of", len(same), "prompts; largest logprob gap", max(gaps))
 
 
 def test_a_server_whose_budget_is_too_small_stops_at_start_naming_it(tiny_model, kiln_cache):

@@ -236,6 +236,7 @@ def test_health_and_config(server):
                                             "source": "auto: the GGUF file's layers are F32, held as float"}
     pool = cfg["kv_pool"]  # the suite's servers name a block count
     assert (pool["blocks"], pool["blocks_now"], pool["reason"]) == (128, 128, "[engine] num_kv_blocks")
+    assert pool["dtype"] == "float32" and cfg["settings"]["engine"]["kv_cache_dtype"]["value"] == "auto"
     assert pool["bytes"] == 128 * pool["block_bytes"] and 0 < pool["resident_bytes"] <= pool["bytes"]
 
 
