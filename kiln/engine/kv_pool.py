@@ -58,7 +58,7 @@ class KVPoolSize:
     block_size: int  # tokens per block
     block_bytes: int  # every layer's K and V of one block
     reason: str
-    dtype: str = "float32"  # the float type of its values (`pool_dtype`)
+    dtype: str  # the float type of its values (`pool_dtype`)
 
     @property
     def tokens(self) -> int:
@@ -102,6 +102,7 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool, heap: DeviceHe
     `heap`: the pool lives on a device that reports only its heap size."""
     bs = config.block_size
     per_block = block_bytes(cfg, bs, kv_dtype)
+    dtype = jax.numpy.dtype(kv_dtype).name
     # the most blocks whose K (and V) array fits the largest buffer the device binds
     most = heap.max_buffer // (per_block // 2) if heap is not None else None
     if config.num_kv_blocks > 0:
@@ -110,7 +111,7 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool, heap: DeviceHe
                 f"[engine] num_kv_blocks: {config.num_kv_blocks} blocks make K and V arrays of "
                 f"{_size(config.num_kv_blocks * (per_block // 2))} each, and the device binds at most "
                 f"{_size(heap.max_buffer)} as one buffer ({most} blocks)")
-        return KVPoolSize(config.num_kv_blocks, bs, per_block, "[engine] num_kv_blocks", jax.numpy.dtype(kv_dtype).name)
+        return KVPoolSize(config.num_kv_blocks, bs, per_block, "[engine] num_kv_blocks", dtype)
     one_sequence = -(-max_len // bs) + 1
     setting = config.kv_cache_memory
     if setting == "auto":
@@ -155,7 +156,7 @@ def size_pool(cfg, config, kv_dtype, max_len: int, on_host: bool, heap: DeviceHe
             f"[engine] kv_cache_memory: a KV pool of {_size(budget)} ({why}) holds {blocks} blocks of "
             f"{_size(per_block)}, but one {max_len}-token sequence needs {one_sequence} blocks "
             f"({_size(one_sequence * per_block)}); raise kv_cache_memory or lower [engine] max_model_len")
-    return KVPoolSize(blocks, bs, per_block, why, jax.numpy.dtype(kv_dtype).name)
+    return KVPoolSize(blocks, bs, per_block, why, dtype)
 
 
 def _size(n: int) -> str:
