@@ -466,8 +466,9 @@ def test_a_gguf_files_stored_layers_are_read_once_then_kept_beside_its_conversio
     record = converted.with_name(f"{converted.name}.{STORED_FORMAT}")  # beside the conversion
     assert record.is_file()
     assert {p.name for p in converted.glob("kiln_stored*")} == {f"kiln_stored_int4.{STORED_VERSION}.npz"}
-    with np.load(converted / f"kiln_stored_int4.{STORED_VERSION}.npz") as kept:  # kept in for_matmul's layout
-        for name, along_out in (("gate_proj", True), ("down_proj", False)):
+    with np.load(converted / f"kiln_stored_int4.{STORED_VERSION}.npz") as kept:  # kept fused, in for_matmul's layout
+        assert not any(key.startswith(("q_proj.", "gate_proj.", "up_proj.")) for key in kept.files)
+        for name, along_out in (("gate_up_proj", True), ("qkv_proj", True), ("down_proj", False)):
             packed, scale = kept[f"{name}.Int4Weight.packed"], kept[f"{name}.Int4Weight.scale"]
             assert (packed.shape[-1] != scale.shape[-1]) == along_out
     again = load_model(path, show_progress=False, quantization="auto")
