@@ -147,9 +147,11 @@ def prefill(model, sizes: Sizes) -> dict:
     from kiln.engine.config import EngineConfig
     from kiln.engine.core import EngineCore
     from kiln.engine.params import SamplingParams
+    from kiln.engine.warmup import build_step_set
 
     cfg, n, length = model.config, sizes.prefill_prompts, sizes.prefill_tokens
     core = EngineCore(model, EngineConfig(num_kv_blocks=n * (length // 16 + 2) + 16, max_num_seqs=n))
+    build_step_set(core.runner, show_progress=False, defer_lora=True)  # every bucket, as a server has
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def run(round_: int) -> None:
@@ -161,7 +163,7 @@ def prefill(model, sizes: Sizes) -> dict:
             core.step()
         core.flush()
 
-    run(0)  # compiles the prefill steps (and caches nothing the timed rounds reuse: other prompts)
+    run(0)  # primes the steps (and caches nothing the timed rounds reuse: other prompts)
     seconds = statistics.median(_timed(lambda r=r: run(r)) for r in (1, 2, 3))
     tokens = n * length
     attention = n * 2 * 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * length / 2

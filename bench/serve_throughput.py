@@ -57,6 +57,7 @@ from common import (
 from kiln.engine.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.params import SamplingParams
+from kiln.engine.warmup import build_step_set
 from kiln.models.decoder import float_dtype
 from kiln.models.loader import DEFAULT_MODEL_ID, load_model
 
@@ -155,8 +156,12 @@ def prefix_ttft(url: str, tok) -> tuple[float, float]:
 
 def prefill_fraction(model, n: int = 32) -> tuple[float, float, float]:
     """Prefill of n short chat prompts through an engine core (default settings, no prefix cache):
-    (GFLOP/s of the prompts' FLOPs per token, the matmul peak at prefill shapes, seconds)."""
+    (GFLOP/s of the prompts' FLOPs per token, the matmul peak at prefill shapes, seconds). The core
+    builds its step set first, as a server does before it is ready: without it the first steps would
+    build only the buckets they need, and the last chunk, which a smaller bucket serves, would run
+    padded in the largest one already built."""
     core = EngineCore(model, EngineConfig(enable_prefix_caching=False))
+    build_step_set(core.runner, show_progress=False, defer_lora=True)
     prompts = chat_prompts(model.tokenizer, n)
     greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
