@@ -12,7 +12,7 @@ import uuid
 from typing import Any, ClassVar
 
 from kiln.engine.grammar import GrammarCompiler
-from kiln.engine.params import SamplingParams, ThinkingBudget
+from kiln.engine.params import MAX_TOP_LOGPROBS, SamplingParams, ThinkingBudget
 from kiln.engine.request import Delta, TokenLogprob
 from kiln.errors import InvalidRequest
 from kiln.models.tokenizer import KilnTokenizer
@@ -51,7 +51,14 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
 
 
 def render_chat(tok: KilnTokenizer, req, messages) -> list[int]:
-    """Prompt ids of a chat body (the template places BOS and special tokens itself)."""
+    """Prompt ids of a chat body (the template places BOS and special tokens itself). Content parts
+    other than text (images, audio, files) are refused, naming the part: the models read text only,
+    and a part dropped in silence would answer a question the client did not ask."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+            if part.type not in ("text", "refusal"):
+                raise InvalidRequest(f"only text content parts are supported, not {part.type!r}: the model reads "
+                                     "text only", param=f"messages[{i}].content[{j}].type")
     text = tok.apply_chat_template(message_dicts(messages), add_generation_prompt=req.add_generation_prompt,
                                    tools=req.tools, **(req.chat_template_kwargs or {}))
     return tok.encode(text, add_special_tokens=False)
@@ -123,6 +130,8 @@ def chat_logprob_count(req: ChatCompletionRequest) -> int | None:
         if req.top_logprobs:
             raise InvalidRequest("top_logprobs requires logprobs=true", param="top_logprobs")
         return None
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:  # (named as chat names it)
+        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="top_logprobs")
     return req.top_logprobs or 0
 
 

@@ -83,6 +83,11 @@ def test_completions_echo_logprobs_and_stop(client):
         (lambda c: c.chat.completions.create(model=MODEL, messages=CHAT, temperature=-1), 400, "temperature"),
         (lambda c: c.chat.completions.create(model=MODEL, messages=CHAT, logit_bias={"999999": 1}), 400, "logit_bias"),
         (lambda c: c.chat.completions.create(model=MODEL, messages=[]), 400, "messages"),
+        (lambda c: c.chat.completions.create(model=MODEL, messages=CHAT, logprobs=True, top_logprobs=21), 400,
+         "top_logprobs"),
+        (lambda c: c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+         400, "messages[0].content[1].type"),
         (lambda c: c.completions.create(model=MODEL, prompt=[]), 400, "prompt"),
     ],
 )
