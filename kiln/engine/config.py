@@ -26,6 +26,7 @@ class EngineConfig:
     seed: int = setting_default("engine.seed")
     tensor_parallel: int | str = setting_default("engine.tensor_parallel")  # devices of the tp mesh, or "auto"
     attention: str = setting_default("engine.attention")  # auto | xla | pallas (kiln.models.paged_attention)
+    cpu_kernels: str = setting_default("engine.cpu_kernels")  # auto | off (kiln.kernels.cpu)
     max_loras: int = setting_default("adapters.max_loras")
     max_lora_rank: int = setting_default("adapters.max_lora_rank")
     lora_experts: bool = setting_default("adapters.lora_experts")  # slots hold a mixture's experts' LoRA too
@@ -45,7 +46,8 @@ class EngineConfig:
             decode_row_buckets=tuple(e.decode_row_buckets),
             prefill_token_buckets=tuple(e.prefill_token_buckets), kv_events_endpoint=e.kv_events_endpoint,
             kv_events_replay_endpoint=e.kv_events_replay_endpoint, kv_events_encoding=e.kv_events_encoding,
-            seed=e.seed, tensor_parallel=e.tensor_parallel, attention=e.attention, max_loras=a.max_loras,
+            seed=e.seed, tensor_parallel=e.tensor_parallel, attention=e.attention, cpu_kernels=e.cpu_kernels,
+            max_loras=a.max_loras,
             max_lora_rank=a.max_lora_rank,
             lora_experts=a.lora_experts,
             allow_live_compile=settings.serving_profile.policy.live_graph_capture,

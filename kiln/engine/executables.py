@@ -25,6 +25,7 @@ import jax
 import jaxlib
 
 from kiln.atomic_file import write_atomic
+from kiln.kernels import cpu as cpu_kernels
 
 log = logging.getLogger("kiln.engine")
 
@@ -39,8 +40,8 @@ def _count_jax_cache_hits(event: str, **_) -> None:
 jax.monitoring.register_event_listener(_count_jax_cache_hits)
 
 # the sources whose code becomes a step executable
-_SOURCES = ("models/config.py", "models/decoder.py", "models/lora.py", "models/quant.py", "models/rope.py",
-            "engine/sampling.py", "engine/steps.py")
+_SOURCES = ("kernels/cpu.py", "models/config.py", "models/decoder.py", "models/lora.py", "models/quant.py",
+            "models/rope.py", "engine/sampling.py", "engine/steps.py")
 
 
 @functools.cache
@@ -65,7 +66,7 @@ def _environment() -> str:
 def executable_key(name: str, abstract_args, static) -> str:
     leaves, tree = jax.tree.flatten(abstract_args)
     described = [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]
-    text = "\n".join([_environment(), name, repr(static), str(tree), repr(described)])
+    text = "\n".join([_environment(), cpu_kernels.state(), name, repr(static), str(tree), repr(described)])
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -56,6 +56,7 @@ from kiln.engine.steps import (
     sample_step,
 )
 from kiln.errors import BackendCannotRun, GraphCaptureDisabled, RequestFailed
+from kiln.kernels import cpu as cpu_kernels
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, init_kv_cache, table_width
 from kiln.models.lora import EXPERT_MODULES, module_shapes
@@ -125,6 +126,9 @@ class Runner:
                           kernel_for(config.attention, head_dim=cfg.head_dim, block_size=config.block_size))
         self.params = params
         self.config = config
+        # the CPU kernel for few-row int4 products: registered before any step is traced or loaded
+        self.cpu_kernels = (config.cpu_kernels == "auto" and not backend.is_iree and mesh is None
+                            and jax.default_backend() == "cpu" and cpu_kernels.enable())
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks
         self.eos_ids = eos_ids
@@ -436,6 +440,8 @@ class Runner:
         static = {"cfg": self.cfg, "prompt_logprobs": bucket.kind == "prefill"}
         if self.attention != "xla":  # (XLA's is the default: its stored steps keep their keys)
             static["attention"] = self.attention
+        if self.cpu_kernels:
+            static["int4_kernel"] = True
         return self.step_fns[0], (params, kv, inputs, last_index, targets, lora, feed), static
 
     def sampler_program(self, rows: int) -> tuple[Callable, tuple, dict]:

@@ -102,10 +102,10 @@ def _prompt_logprobs(params, hidden: jax.Array, targets: jax.Array, cfg: ModelCo
 
 
 def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, feed: TokenFeed | None,
-             cfg: ModelConfig, prompt_logprobs: bool, attention: str):
+             cfg: ModelConfig, prompt_logprobs: bool, attention: str, int4_kernel: bool):
     with _trace_lock:
         COUNTER.traces += 1  # runs at trace time only
-    hidden, kv = forward_hidden(params, kv, _fed(inputs, feed), cfg, lora, attention=attention)
+    hidden, kv = forward_hidden(params, kv, _fed(inputs, feed), cfg, lora, attention=attention, int4_kernel=int4_kernel)
     with jax.named_scope("lm_head"):
         row_logits = logits(params, hidden[last_index], cfg)
     prompt = None
@@ -118,14 +118,18 @@ def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets
     return row_logits, prompt, kv
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "prompt_logprobs", "attention"), donate_argnames=("kv",))
+FORWARD_STATIC = ("cfg", "prompt_logprobs", "attention", "int4_kernel")
+
+
+@functools.partial(jax.jit, static_argnames=FORWARD_STATIC, donate_argnames=("kv",))
 def forward_step(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, feed: TokenFeed | None,
-                 *, cfg: ModelConfig, prompt_logprobs: bool, attention: str = "xla"):
+                 *, cfg: ModelConfig, prompt_logprobs: bool, attention: str = "xla", int4_kernel: bool = False):
     """Row logits [R, V] of the tokens at `last_index`, prompt logprobs (prefill steps, computed
     only when some target is set) and the new KV state. `feed`: tokens taken from the previous
     step's sampler (None: the inputs hold every token). `attention`: "xla" or "pallas" (see
-    kiln.models.paged_attention)."""
-    return _forward(params, kv, inputs, last_index, prompt_targets, lora, feed, cfg, prompt_logprobs, attention)
+    kiln.models.paged_attention); `int4_kernel`: few-row int4 products in Kiln's CPU kernel."""
+    return _forward(params, kv, inputs, last_index, prompt_targets, lora, feed, cfg, prompt_logprobs, attention,
+                    int4_kernel)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
@@ -152,7 +156,7 @@ def on_mesh(kv: NamedSharding, replicated: NamedSharding) -> tuple:
     """`forward_step` and `sample_step` for a tensor-parallel mesh: the KV state keeps its sharding,
     every other output is replicated, so that one executable's logits and token feed are placed as
     the next one takes them (the inputs' placements come from the compiles' abstract arguments)."""
-    forward = jax.jit(forward_step, static_argnames=("cfg", "prompt_logprobs", "attention"), donate_argnames=("kv",),
+    forward = jax.jit(forward_step, static_argnames=FORWARD_STATIC, donate_argnames=("kv",),
                       out_shardings=(replicated, replicated, kv))
     sampler = jax.jit(sample_step, static_argnames=("feed_rows",), out_shardings=replicated)
     return forward, sampler

@@ -153,13 +153,15 @@ def _as_operand(x: jax.Array, w: jax.Array) -> jax.Array:
     return x.astype(w.dtype)
 
 
-def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight | quant.Int4Weight, dtype=jnp.float32) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight | quant.Int4Weight, dtype=jnp.float32,
+           int4_kernel: bool = False) -> jax.Array:
     """x @ w in w's dtype with float32 accumulation and result: activations stay float32 and a
     bfloat16 weight is read as is (XLA:CPU multiplies bfloat16 operands into float32 fast, while
     mixed or all-bfloat16 products take slow paths). A quantized weight dequantizes in the step and
-    multiplies in `dtype`: the model's float type in training, serving's `quant.product_dtype`."""
+    multiplies in `dtype`: the model's float type in training, serving's `quant.product_dtype`
+    (`int4_kernel`: see `quant.matmul`)."""
     if quant.is_quantized(w):
-        return quant.matmul(x, w, dtype)
+        return quant.matmul(x, w, dtype, int4_kernel)
     return jnp.matmul(_as_operand(x, w), w, preferred_element_type=jnp.float32)[: x.shape[0]]
 
 
@@ -466,12 +468,14 @@ def forward_hidden(
     unroll: int | bool = 1,
     dynamic_context: bool = True,
     attention: str = "xla",
+    int4_kernel: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder; returns final-normed hidden states [T, hidden] and the updated cache.
 
     `lora`: a slot state ({"scale": [n], "layers": ...}, see `lora.py`); every token applies its
     row's slot (inputs.adapters), all n slots in one matmul each. `dynamic_context`, `attention` (its
-    kernel): see `_attention`."""
+    kernel): see `_attention`. `int4_kernel`: int4 products of a few rows run in Kiln's CPU kernel
+    (registered: kiln.kernels.cpu)."""
     inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
     kv_dtype = kv_float_dtype(kv, params)
     h = embed_tokens(params, inputs.tokens, cfg)
@@ -493,7 +497,7 @@ def forward_hidden(
                                   sliding, layer.get("sinks"), attention), (k_pool, v_pool)
 
         def base(x, name):
-            return matmul(x, layer[name], quant.product_dtype(x.shape[0], layer_dtype(layer)))
+            return matmul(x, layer[name], quant.product_dtype(x.shape[0], layer_dtype(layer)), int4_kernel)
 
         def delta(x, name):  # the adapter slots' (see `lora.lora_delta`)
             return None if lora_layer is None or name not in lora_layer else lora_delta(x, lora_layer[name],

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kiln.errors import ConfigError
+from kiln.kernels import cpu as cpu_kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")  # and "auto" (kiln.models.loader): a GGUF file's own
 GROUP = 32  # input rows per scale (and offset): GGUF's Q8_0/Q4_0/Q4_1 block
@@ -181,13 +182,54 @@ def product_dtype(rows: int, dtype=jnp.float32):
     return dtype if rows >= MIN_ROWS_16BIT and jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
-def matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype=jnp.float32) -> jax.Array:
+def matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype=jnp.float32, int4_kernel: bool = False) -> jax.Array:
     """x [T, in] @ w with float32 sums and result, the weight dequantized inside the step (an
     elementwise op XLA fuses) in float32, then cast to the operands' type `dtype` (serving's is
     `product_dtype`).
     int8 with one group applies its scale to the product (one multiply per output, not per weight);
     int4 dequantizes each nibble's half of the weight and multiplies it apart (`for_matmul`): by the
-    matching (even or odd) columns of x, or into its half of the output columns."""
+    matching (even or odd) columns of x, or into its half of the output columns. With `int4_kernel`
+    (a step for the CPU, the kernel registered: kiln.kernels.cpu) an int4 product of a few float32
+    rows runs in Kiln's kernel instead."""
+    if int4_kernel and _kernel_takes(x, w, dtype):
+        return _kernel_int4(x, w)
+    return _dequantized_matmul(x, w, dtype)
+
+
+def _kernel_takes(x: jax.Array, w, dtype) -> bool:
+    if not isinstance(w, Int4Weight):
+        return False
+    n_in, n_out = x.shape[-1], w.scale.shape[-1]
+    columns = n_out // 2 if _paired_along_out(w) else n_out
+    return (x.ndim == 2 and w.packed.ndim == 2 and 1 <= x.shape[0] <= cpu_kernels.INT4_MAX_ROWS
+            and jnp.dtype(dtype) == jnp.float32 and w.scale.dtype == w.offset.dtype
+            and w.scale.dtype in (jnp.float16, jnp.float32) and (n_in // w.scale.shape[-2]) % 2 == 0
+            and columns % 16 == 0)
+
+
+@jax.custom_vjp
+def _kernel_int4(x: jax.Array, w: Int4Weight) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], w.scale.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call(cpu_kernels.INT4_TARGET, out)(x.astype(jnp.float32), w.packed, w.scale, w.offset)
+
+
+def _kernel_int4_forward(x, w):
+    return _kernel_int4(x, w), (x, w)
+
+
+def _kernel_int4_backward(saved, dy):
+    """The gradient through XLA's path (a frozen base: the weight's cotangents are zeros)."""
+    x, w = saved
+    dx = jax.vjp(lambda x: _dequantized_matmul(x, w, jnp.float32), x)[1](dy)[0]
+    return dx.astype(x.dtype), jax.tree.map(
+        lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a),
+        w)
+
+
+_kernel_int4.defvjp(_kernel_int4_forward, _kernel_int4_backward)
+
+
+def _dequantized_matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype) -> jax.Array:
     x = x.astype(dtype)
     if isinstance(w, Int4Weight) and _paired_along_out(w):
         half = w.packed.shape[-1]

@@ -15,6 +15,7 @@ from kiln.engine.client import AsyncEngine
 from kiln.engine.config import EngineConfig
 from kiln.engine.params import SamplingParams
 from kiln.errors import ConfigError
+from kiln.kernels import cpu as cpu_kernel_build
 from kiln.models.batch import RowWork, build_step_inputs
 from kiln.models.decoder import init_kv_cache
 from kiln.models.generate import greedy_generate
@@ -321,11 +322,20 @@ def test_unknown_quantization_is_refused(model_file):
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_the_engine_serves_quantized_weights_as_the_reference_decodes_them(model_file, kiln_cache, quantization):
-    """Served greedy tokens of the quantized model are its reference's, row for row in a batch."""
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_the_engine_serves_quantized_weights_as_the_reference_decodes_them(model_file, kiln_cache, quantization,
+                                                                          cpu_kernels):
+    """Served greedy tokens of the quantized model are its reference's, row for row in a batch, with
+    the one-row decode steps' int4 products in Kiln's CPU kernel (auto) or in XLA's path (off)."""
     q8 = load_model(model_file, show_progress=False, quantization=quantization)
     engine = AsyncEngine(q8, EngineConfig(num_kv_blocks=64, block_size=16, decode_row_buckets=(1, 4),
-                                          prefill_token_buckets=(32, 64), max_num_seqs=4, max_num_batched_tokens=64))
+                                          prefill_token_buckets=(32, 64), max_num_seqs=4, max_num_batched_tokens=64,
+                                          cpu_kernels=cpu_kernels))
+    runner = engine._core.runner
+    assert runner.cpu_kernels == (cpu_kernels == "auto" and cpu_kernel_build.enable())  # (a C++ compiler: CI has one)
+    one_row = next(b for b in runner.buckets.forwards if b.kind == "decode" and b.rows == 1 and not b.lora)
+    kernel_called = "kiln_int4_matmul" in runner.lowered(*runner.forward_program(one_row)).as_text()
+    assert kernel_called == (runner.cpu_kernels and quantization == "int4")
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 260, int(n)).tolist() for n in rng.integers(5, 40, 4)]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -1,0 +1,310 @@
+// x [T, in] @ an int4 weight, for the few rows of a decode step on a CPU, without the float32 copy of
+// the weight that XLA:CPU writes and reads back before its matrix multiply (kiln/kernels/cpu.py).
+//
+// The weight is Kiln's Int4Weight (kiln/models/quant.py): levels q in 0..15, two per byte, one
+// float32 scale s and offset m per group of G input rows and output column, w = q * s + m. Pairs run
+// along `in` (packed [in / 2, out]: row 2j in the low nibble, 2j + 1 in the high) or along `out`
+// (packed [in, out / 2]: column j in the low nibble, out / 2 + j in the high). For each group,
+//     y[t, o] += s[g, o] * sum_k x[t, k] q[k, o] + m[g, o] * sum_k x[t, k]
+// with float32 sums. Output columns are split into blocks across XLA's intra-op threads.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 64;  // output columns a block keeps in registers (four AVX-512 vectors)
+constexpr int64_t kTail = 16;   // the last columns' blocks: every width is a multiple of this
+constexpr int64_t kMaxRows = 4;
+
+template <typename S>  // the scales' and offsets' type: float16 (GGUF's own) or float32
+struct Problem {
+  const float* x;        // [T, in]
+  const uint8_t* packed;  // [in / 2, out] or [in, out / 2]
+  const S* scale;        // [groups, out]
+  const S* offset;       // [groups, out]
+  float* y;              // [T, out]
+  int64_t rows, in, out, groups;
+  bool along_out;
+};
+
+// W output columns from o0 of pairs along `in`, for R rows: the partial sums stay in registers.
+template <int R, int W, typename S>
+void AlongIn(const Problem<S>& p, int64_t o0) {
+  const int64_t per_group = p.in / p.groups;  // input rows per group (even)
+  float acc[R][W] = {};
+  for (int64_t g = 0; g < p.groups; ++g) {
+    float part[R][W] = {};
+    float xsum[R] = {};
+    for (int64_t r = g * per_group / 2; r < (g + 1) * per_group / 2; ++r) {
+      const uint8_t* b = p.packed + r * p.out + o0;
+      for (int t = 0; t < R; ++t) {
+        const float x0 = p.x[t * p.in + 2 * r], x1 = p.x[t * p.in + 2 * r + 1];
+        xsum[t] += x0 + x1;
+        for (int j = 0; j < W; ++j) {
+          part[t][j] += x0 * static_cast<float>(b[j] & 15) + x1 * static_cast<float>(b[j] >> 4);
+        }
+      }
+    }
+    const S* s = p.scale + g * p.out + o0;
+    const S* m = p.offset + g * p.out + o0;
+    for (int t = 0; t < R; ++t) {
+      for (int j = 0; j < W; ++j) {
+        acc[t][j] += static_cast<float>(s[j]) * part[t][j] + static_cast<float>(m[j]) * xsum[t];
+      }
+    }
+  }
+  for (int t = 0; t < R; ++t) std::memcpy(p.y + t * p.out + o0, acc[t], W * sizeof(float));
+}
+
+// W packed columns from c0 of pairs along `out`: outputs c0.. (low nibbles) and out / 2 + c0.. (high).
+template <int R, int W, typename S>
+void AlongOut(const Problem<S>& p, int64_t c0) {
+  const int64_t half = p.out / 2, per_group = p.in / p.groups;
+  float acc_lo[R][W] = {}, acc_hi[R][W] = {};
+  for (int64_t g = 0; g < p.groups; ++g) {
+    float part_lo[R][W] = {}, part_hi[R][W] = {};
+    float xsum[R] = {};
+    for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
+      const uint8_t* b = p.packed + k * half + c0;
+      for (int t = 0; t < R; ++t) {
+        const float xk = p.x[t * p.in + k];
+        xsum[t] += xk;
+        for (int j = 0; j < W; ++j) {
+          part_lo[t][j] += xk * static_cast<float>(b[j] & 15);
+          part_hi[t][j] += xk * static_cast<float>(b[j] >> 4);
+        }
+      }
+    }
+    const S* s = p.scale + g * p.out;
+    const S* m = p.offset + g * p.out;
+    for (int t = 0; t < R; ++t) {
+      for (int j = 0; j < W; ++j) {
+        acc_lo[t][j] += static_cast<float>(s[c0 + j]) * part_lo[t][j] + static_cast<float>(m[c0 + j]) * xsum[t];
+        acc_hi[t][j] += static_cast<float>(s[half + c0 + j]) * part_hi[t][j] +
+                        static_cast<float>(m[half + c0 + j]) * xsum[t];
+      }
+    }
+  }
+  for (int t = 0; t < R; ++t) {
+    std::memcpy(p.y + t * p.out + c0, acc_lo[t], W * sizeof(float));
+    std::memcpy(p.y + t * p.out + half + c0, acc_hi[t], W * sizeof(float));
+  }
+}
+
+// Columns [lo, hi) (a multiple of kTail): blocks of kBlock, then of kTail.
+template <int R, typename S>
+void RunRows(const Problem<S>& p, int64_t lo, int64_t hi) {
+  int64_t c = lo;
+  for (; c + kBlock <= hi; c += kBlock) p.along_out ? AlongOut<R, kBlock>(p, c) : AlongIn<R, kBlock>(p, c);
+  for (; c < hi; c += kTail) p.along_out ? AlongOut<R, kTail>(p, c) : AlongIn<R, kTail>(p, c);
+}
+
+#if defined(__AVX512F__)
+// With AVX-512 the levels are widened 16 bytes at a time straight into 32-bit lanes (one shuffle per
+// 32 levels, where the compiler's own widening of 64 bytes takes three), and the high nibble is
+// masked in place (16 q) and multiplied by x / 16: each 16 bytes cost a widening, two masks, two
+// conversions and two multiply-adds per row.
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load16(const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// V vectors of 16 output columns from o0 (pairs along `in`) for R rows.
+template <int R, int V, typename S>
+void AlongInAvx512(const Problem<S>& p, int64_t o0) {
+  const int64_t pairs = p.in / p.groups / 2;
+  const __m512i low = _mm512_set1_epi32(15), high = _mm512_set1_epi32(0xF0);
+  __m512 acc[R][V];
+  for (int t = 0; t < R; ++t)
+    for (int v = 0; v < V; ++v) acc[t][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 part[R][V];
+    for (int t = 0; t < R; ++t)
+      for (int v = 0; v < V; ++v) part[t][v] = _mm512_setzero_ps();
+    float xsum[R] = {};
+    for (int64_t r = g * pairs; r < (g + 1) * pairs; ++r) {
+      __m512 x0[R], x1[R];
+      for (int t = 0; t < R; ++t) {
+        const float a = p.x[t * p.in + 2 * r], b = p.x[t * p.in + 2 * r + 1];
+        xsum[t] += a + b;
+        x0[t] = _mm512_set1_ps(a);
+        x1[t] = _mm512_set1_ps(b * 0.0625f);
+      }
+      const uint8_t* row = p.packed + r * p.out + o0;
+      for (int v = 0; v < V; ++v) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+        const __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+        const __m512 qh = _mm512_cvtepi32_ps(_mm512_and_si512(q, high));
+        for (int t = 0; t < R; ++t) part[t][v] = _mm512_fmadd_ps(qh, x1[t], _mm512_fmadd_ps(ql, x0[t], part[t][v]));
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      const __m512 sv = Load16(p.scale + g * p.out + o0 + 16 * v), mv = Load16(p.offset + g * p.out + o0 + 16 * v);
+      for (int t = 0; t < R; ++t) {
+        acc[t][v] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[t]), _mm512_fmadd_ps(sv, part[t][v], acc[t][v]));
+      }
+    }
+  }
+  for (int t = 0; t < R; ++t)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(p.y + t * p.out + o0 + 16 * v, acc[t][v]);
+}
+
+// V vectors of 16 packed columns from c0 (pairs along `out`: outputs c0.. and out / 2 + c0..) for R rows.
+template <int R, int V, typename S>
+void AlongOutAvx512(const Problem<S>& p, int64_t c0) {
+  const int64_t half = p.out / 2, per_group = p.in / p.groups;
+  const __m512i low = _mm512_set1_epi32(15), high = _mm512_set1_epi32(0xF0);
+  __m512 acc_lo[R][V], acc_hi[R][V];
+  for (int t = 0; t < R; ++t)
+    for (int v = 0; v < V; ++v) acc_lo[t][v] = acc_hi[t][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 part_lo[R][V], part_hi[R][V];
+    for (int t = 0; t < R; ++t)
+      for (int v = 0; v < V; ++v) part_lo[t][v] = part_hi[t][v] = _mm512_setzero_ps();
+    float xsum[R] = {};
+    for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) {
+      __m512 xl[R], xh[R];
+      for (int t = 0; t < R; ++t) {
+        const float a = p.x[t * p.in + k];
+        xsum[t] += a;
+        xl[t] = _mm512_set1_ps(a);
+        xh[t] = _mm512_set1_ps(a * 0.0625f);
+      }
+      const uint8_t* row = p.packed + k * half + c0;
+      for (int v = 0; v < V; ++v) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+        const __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(q, low));
+        const __m512 qh = _mm512_cvtepi32_ps(_mm512_and_si512(q, high));
+        for (int t = 0; t < R; ++t) {
+          part_lo[t][v] = _mm512_fmadd_ps(ql, xl[t], part_lo[t][v]);
+          part_hi[t][v] = _mm512_fmadd_ps(qh, xh[t], part_hi[t][v]);
+        }
+      }
+    }
+    const S* s = p.scale + g * p.out;
+    const S* m = p.offset + g * p.out;
+    for (int v = 0; v < V; ++v) {
+      const __m512 sl = Load16(s + c0 + 16 * v), ml = Load16(m + c0 + 16 * v);
+      const __m512 sh = Load16(s + half + c0 + 16 * v), mh = Load16(m + half + c0 + 16 * v);
+      for (int t = 0; t < R; ++t) {
+        const __m512 xs = _mm512_set1_ps(xsum[t]);
+        acc_lo[t][v] = _mm512_fmadd_ps(ml, xs, _mm512_fmadd_ps(sl, part_lo[t][v], acc_lo[t][v]));
+        acc_hi[t][v] = _mm512_fmadd_ps(mh, xs, _mm512_fmadd_ps(sh, part_hi[t][v], acc_hi[t][v]));
+      }
+    }
+  }
+  for (int t = 0; t < R; ++t) {
+    for (int v = 0; v < V; ++v) {
+      _mm512_storeu_ps(p.y + t * p.out + c0 + 16 * v, acc_lo[t][v]);
+      _mm512_storeu_ps(p.y + t * p.out + half + c0 + 16 * v, acc_hi[t][v]);
+    }
+  }
+}
+
+// Columns [lo, hi) (a multiple of 16) for R rows: blocks of V vectors, then single vectors.
+template <int R, int V, typename S>
+void RunRowsAvx512(const Problem<S>& p, int64_t lo, int64_t hi) {
+  int64_t c = lo;
+  for (; c + 16 * V <= hi; c += 16 * V) p.along_out ? AlongOutAvx512<R, V>(p, c) : AlongInAvx512<R, V>(p, c);
+  for (; c < hi; c += 16) p.along_out ? AlongOutAvx512<R, 1>(p, c) : AlongInAvx512<R, 1>(p, c);
+}
+#endif
+
+template <typename S>
+void Run(const Problem<S>& p, int64_t lo, int64_t hi) {
+#if defined(__AVX512F__)
+  switch (p.rows) {  // (blocks narrower as rows grow: every sum stays in a register)
+    case 1: return RunRowsAvx512<1, 4>(p, lo, hi);
+    case 2: return RunRowsAvx512<2, 2>(p, lo, hi);
+    case 3: return RunRowsAvx512<3, 1>(p, lo, hi);
+    case 4: return RunRowsAvx512<4, 1>(p, lo, hi);
+    default: break;
+  }
+#endif
+  switch (p.rows) {
+    case 1: return RunRows<1>(p, lo, hi);
+    case 2: return RunRows<2>(p, lo, hi);
+    case 3: return RunRows<3>(p, lo, hi);
+    default: return RunRows<4>(p, lo, hi);
+  }
+}
+
+template <typename S>
+ffi::Error Multiply(ffi::ThreadPool& pool, const Problem<S>& p) {
+  // Blocks of output columns (packed columns along `out`) are taken one at a time from a shared
+  // counter by this thread and by tasks on XLA's intra-op pool; the call returns once every block is
+  // done. A task that starts after that finds no block left and touches nothing (its state is shared,
+  // not on this stack), so a busy pool only costs parallelism, never a deadlock.
+  struct Shared {
+    Problem<S> p;
+    int64_t columns, blocks;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->p = p;
+  shared->columns = p.along_out ? p.out / 2 : p.out;
+  shared->blocks = (shared->columns + kBlock - 1) / kBlock;
+  auto work = [](Shared& sh) {
+    for (int64_t b; (b = sh.next.fetch_add(1, std::memory_order_relaxed)) < sh.blocks;) {
+      Run(sh.p, b * kBlock, std::min(sh.columns, (b + 1) * kBlock));
+      sh.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->blocks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, work] { work(*shared); });
+  work(*shared);
+  while (shared->done.load(std::memory_order_acquire) < shared->blocks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
+                      ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), pd = packed.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || pd.size() != 2 || sd.size() != 2 || scale.element_type() != offset.element_type()) {
+    return ffi::Error::InvalidArgument("int4 matmul: x, packed and scale must be 2-D, scale and offset alike");
+  }
+  const int64_t rows = xd[0], in = xd[1], out = sd[1], groups = sd[0];
+  const bool along_out = pd[1] != sd[1];
+  const int64_t columns = along_out ? out / 2 : out;
+  if (rows < 1 || rows > kMaxRows || in % groups || (in / groups) % 2 || (along_out && out % 2) || columns % kTail) {
+    return ffi::Error::InvalidArgument("int4 matmul: unsupported shape");
+  }
+  switch (scale.element_type()) {
+    case ffi::DataType::F16:
+      return Multiply(pool, Problem<_Float16>{x.typed_data(), packed.typed_data(),
+                                              static_cast<const _Float16*>(scale.untyped_data()),
+                                              static_cast<const _Float16*>(offset.untyped_data()), y->typed_data(),
+                                              rows, in, out, groups, along_out});
+    case ffi::DataType::F32:
+      return Multiply(pool, Problem<float>{x.typed_data(), packed.typed_data(),
+                                           static_cast<const float*>(scale.untyped_data()),
+                                           static_cast<const float*>(offset.untyped_data()), y->typed_data(),
+                                           rows, in, out, groups, along_out});
+    default:
+      return ffi::Error::InvalidArgument("int4 matmul: scales must be float16 or float32");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KilnInt4Matmul, Int4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
