@@ -207,8 +207,9 @@ SCHEMA: tuple[Key, ...] = (
         "blocks up to the step's longest context); auto = pallas on CUDA GPUs of compute capability 8.0+ for a "
         "model whose head size and block_size are powers of two (16 or more)"),
     Key("engine", "cpu_kernels", "str", "auto", one_of("auto", "off"),
-        "Kiln's CPU kernel for int4 products of one or two rows (a decode step's), built with the system's C++ "
-        "compiler at the first start; auto = used where it builds, off = XLA's dequantize-then-multiply only"),
+        "Kiln's CPU kernels for quantized products of one to four rows (a decode step's int4 layers and int8 "
+        "head), built with the system's C++ compiler at the first start; auto = used where they build, off = "
+        "XLA's dequantize-then-multiply only"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
     Key("adapters", "lora_experts", "bool", False, None,

@@ -25,7 +25,7 @@ import jax
 import jaxlib
 
 from kiln.atomic_file import write_atomic
-from kiln.kernels import cpu as cpu_kernels
+from kiln.kernels import cpu as kernels
 
 log = logging.getLogger("kiln.engine")
 
@@ -66,7 +66,7 @@ def _environment() -> str:
 def executable_key(name: str, abstract_args, static) -> str:
     leaves, tree = jax.tree.flatten(abstract_args)
     described = [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]
-    text = "\n".join([_environment(), cpu_kernels.state(), name, repr(static), str(tree), repr(described)])
+    text = "\n".join([_environment(), kernels.state(), name, repr(static), str(tree), repr(described)])
     return hashlib.sha256(text.encode()).hexdigest()
 
 

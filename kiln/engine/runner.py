@@ -56,7 +56,8 @@ from kiln.engine.steps import (
     sample_step,
 )
 from kiln.errors import BackendCannotRun, GraphCaptureDisabled, RequestFailed
-from kiln.kernels import cpu as cpu_kernels
+from kiln.kernels import cpu as kernels
+from kiln.models import quant
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, init_kv_cache, table_width
 from kiln.models.lora import EXPERT_MODULES, module_shapes
@@ -128,7 +129,7 @@ class Runner:
         self.config = config
         # the CPU kernel for few-row int4 products: registered before any step is traced or loaded
         self.cpu_kernels = (config.cpu_kernels == "auto" and not backend.is_iree and mesh is None
-                            and jax.default_backend() == "cpu" and cpu_kernels.enable())
+                            and jax.default_backend() == "cpu" and quant.holds_quantized(params) and kernels.enable())
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks
         self.eos_ids = eos_ids
@@ -441,7 +442,7 @@ class Runner:
         if self.attention != "xla":  # (XLA's is the default: its stored steps keep their keys)
             static["attention"] = self.attention
         if self.cpu_kernels:
-            static["int4_kernel"] = True
+            static["cpu_kernels"] = True
         return self.step_fns[0], (params, kv, inputs, last_index, targets, lora, feed), static
 
     def sampler_program(self, rows: int) -> tuple[Callable, tuple, dict]:

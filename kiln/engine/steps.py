@@ -102,12 +102,12 @@ def _prompt_logprobs(params, hidden: jax.Array, targets: jax.Array, cfg: ModelCo
 
 
 def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, feed: TokenFeed | None,
-             cfg: ModelConfig, prompt_logprobs: bool, attention: str, int4_kernel: bool):
+             cfg: ModelConfig, prompt_logprobs: bool, attention: str, cpu_kernels: bool):
     with _trace_lock:
         COUNTER.traces += 1  # runs at trace time only
-    hidden, kv = forward_hidden(params, kv, _fed(inputs, feed), cfg, lora, attention=attention, int4_kernel=int4_kernel)
+    hidden, kv = forward_hidden(params, kv, _fed(inputs, feed), cfg, lora, attention=attention, cpu_kernels=cpu_kernels)
     with jax.named_scope("lm_head"):
-        row_logits = logits(params, hidden[last_index], cfg)
+        row_logits = logits(params, hidden[last_index], cfg, cpu_kernels=cpu_kernels)
     prompt = None
     if prompt_logprobs:
         T, K = hidden.shape[0], min(MAX_TOP_LOGPROBS, cfg.vocab_size)
@@ -118,18 +118,18 @@ def _forward(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets
     return row_logits, prompt, kv
 
 
-FORWARD_STATIC = ("cfg", "prompt_logprobs", "attention", "int4_kernel")
+FORWARD_STATIC = ("cfg", "prompt_logprobs", "attention", "cpu_kernels")
 
 
 @functools.partial(jax.jit, static_argnames=FORWARD_STATIC, donate_argnames=("kv",))
 def forward_step(params, kv: KVCache, inputs: StepInputs, last_index, prompt_targets, lora, feed: TokenFeed | None,
-                 *, cfg: ModelConfig, prompt_logprobs: bool, attention: str = "xla", int4_kernel: bool = False):
+                 *, cfg: ModelConfig, prompt_logprobs: bool, attention: str = "xla", cpu_kernels: bool = False):
     """Row logits [R, V] of the tokens at `last_index`, prompt logprobs (prefill steps, computed
     only when some target is set) and the new KV state. `feed`: tokens taken from the previous
     step's sampler (None: the inputs hold every token). `attention`: "xla" or "pallas" (see
-    kiln.models.paged_attention); `int4_kernel`: few-row int4 products in Kiln's CPU kernel."""
+    kiln.models.paged_attention); `cpu_kernels`: few-row quantized products in Kiln's CPU kernels."""
     return _forward(params, kv, inputs, last_index, prompt_targets, lora, feed, cfg, prompt_logprobs, attention,
-                    int4_kernel)
+                    cpu_kernels)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))

@@ -1,20 +1,22 @@
-"""A CPU kernel for the few-row products of a decode step with int4 weights, built from source on the
-machine that runs it and called from the compiled step as an XLA FFI custom call.
+"""CPU kernels for the few-row products of a decode step with quantized weights, built from source on
+the machine that runs them and called from the compiled step as XLA FFI custom calls: int4 layers
+(`INT4_TARGET`) and an int8 table as the LM head (`INT8_TABLE_TARGET`, the default model's Q8_0
+embedding).
 
 XLA:CPU multiplies by a quantized weight in two steps: a fusion writes the weight's float32 copy,
 then a library matmul reads it back. With one to a few rows that copy is nearly all of the work: the
 default model's one-row decode step writes and reads about 320 MB of float32 weights per token for a
-file of 94 MB. `int4_matmul.cc` reads the packed levels and their float16 scales once and keeps its
-sums in registers (1.5-1.7x faster for the default model's MLP at one row, measured round-robin
-against XLA's path in one process). XLA's path stays for more rows, where its matrix multiply wins,
-for training's products (the kernel has no gradient of its own; see `kiln.models.quant`), and on
-every other backend.
+file of 94 MB. `quantized_products.cc` reads the levels and their float16 scales once and keeps its
+sums in registers (with AVX-512: the default model's MLP 2.1-2.4x faster at one row, measured
+round-robin against XLA's path in one process; a portable loop elsewhere). XLA's path stays for more
+rows, where its matrix multiply wins, for training's products (a gradient through a kernel is taken
+through XLA's path: `kiln.models.quant`), and on every other backend.
 
-The kernel is compiled once per machine, source and jaxlib with the system's C++ compiler (`CXX`,
+The kernels are compiled once per machine, source and jaxlib with the system's C++ compiler (`CXX`,
 else `c++`; about 5 s) into a cache directory, and registered with XLA for the CPU platform. Where
 that fails (no compiler, another architecture's build error) the failure is logged once and XLA's
 path serves: `[engine] cpu_kernels = off` skips the build. A step's executables record whether the
-kernel was in them (`state`), so a stored step is never loaded where the kernel is not registered.
+kernels were in them (`state`), so a stored step is never loaded where they are not registered.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ import jaxlib
 
 log = logging.getLogger("kiln.kernels")
 
-SOURCE = Path(__file__).with_name("int4_matmul.cc")
+SOURCE = Path(__file__).with_name("quantized_products.cc")
 INT4_TARGET = "kiln_int4_matmul"
+INT8_TABLE_TARGET = "kiln_int8_table_logits"
 INT4_MAX_ROWS = 4  # rows the kernel takes: beyond four, XLA's dequantize-then-multiply is as fast or faster
 
 _lock = threading.Lock()
@@ -92,19 +95,21 @@ def _build_and_register() -> bool:
 
         handle = ctypes.cdll.LoadLibrary(str(library))
         jax.ffi.register_ffi_target(INT4_TARGET, jax.ffi.pycapsule(handle.KilnInt4Matmul), platform="cpu")
+        jax.ffi.register_ffi_target(INT8_TABLE_TARGET, jax.ffi.pycapsule(handle.KilnInt8TableLogits), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
         log.warning("CPU kernels off: %s; int4 products use XLA's path", str(exc).strip().splitlines()[-1][:300])
         return False
-    log.info("CPU kernels: int4 products of up to %d rows (%s)", INT4_MAX_ROWS, library.name)
+    log.info("CPU kernels: int4 and int8-table products of up to %d rows (%s)", INT4_MAX_ROWS, library.name)
     return True
 
 
-def _compile(compiler: str, library: Path) -> None:
-    """Compiles the kernels into `library`, whole or not at all."""
+def _compile(compiler: str, library: Path, arch: tuple[str, ...] = ("-march=native",)) -> None:
+    """Compiles the kernels into `library`, whole or not at all, for the CPU `arch` flags name (this
+    one's: its widest vectors)."""
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         out = Path(tmp) / library.name
-        cmd = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
+        cmd = [compiler, "-O3", *arch, "-std=c++17", "-shared", "-fPIC", "-w",
                f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:

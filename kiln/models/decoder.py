@@ -154,14 +154,14 @@ def _as_operand(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def matmul(x: jax.Array, w: jax.Array | quant.Int8Weight | quant.Int4Weight, dtype=jnp.float32,
-           int4_kernel: bool = False) -> jax.Array:
+           cpu_kernels: bool = False) -> jax.Array:
     """x @ w in w's dtype with float32 accumulation and result: activations stay float32 and a
     bfloat16 weight is read as is (XLA:CPU multiplies bfloat16 operands into float32 fast, while
     mixed or all-bfloat16 products take slow paths). A quantized weight dequantizes in the step and
     multiplies in `dtype`: the model's float type in training, serving's `quant.product_dtype`
-    (`int4_kernel`: see `quant.matmul`)."""
+    (`cpu_kernels`: see `quant.matmul`)."""
     if quant.is_quantized(w):
-        return quant.matmul(x, w, dtype, int4_kernel)
+        return quant.matmul(x, w, dtype, cpu_kernels)
     return jnp.matmul(_as_operand(x, w), w, preferred_element_type=jnp.float32)[: x.shape[0]]
 
 
@@ -468,13 +468,13 @@ def forward_hidden(
     unroll: int | bool = 1,
     dynamic_context: bool = True,
     attention: str = "xla",
-    int4_kernel: bool = False,
+    cpu_kernels: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the decoder; returns final-normed hidden states [T, hidden] and the updated cache.
 
     `lora`: a slot state ({"scale": [n], "layers": ...}, see `lora.py`); every token applies its
     row's slot (inputs.adapters), all n slots in one matmul each. `dynamic_context`, `attention` (its
-    kernel): see `_attention`. `int4_kernel`: int4 products of a few rows run in Kiln's CPU kernel
+    kernel): see `_attention`. `cpu_kernels`: quantized products of a few rows run in Kiln's CPU kernels
     (registered: kiln.kernels.cpu)."""
     inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
     kv_dtype = kv_float_dtype(kv, params)
@@ -497,7 +497,7 @@ def forward_hidden(
                                   sliding, layer.get("sinks"), attention), (k_pool, v_pool)
 
         def base(x, name):
-            return matmul(x, layer[name], quant.product_dtype(x.shape[0], layer_dtype(layer)), int4_kernel)
+            return matmul(x, layer[name], quant.product_dtype(x.shape[0], layer_dtype(layer)), cpu_kernels)
 
         def delta(x, name):  # the adapter slots' (see `lora.lora_delta`)
             return None if lora_layer is None or name not in lora_layer else lora_delta(x, lora_layer[name],
@@ -521,14 +521,17 @@ def forward_hidden(
     return rms_norm(h, params["final_norm"], cfg), KVCache(k_all, v_all)
 
 
-def logits(params: Params, hidden: jax.Array, cfg: ModelConfig, training: bool = False) -> jax.Array:
+def logits(params: Params, hidden: jax.Array, cfg: ModelConfig, training: bool = False,
+           cpu_kernels: bool = False) -> jax.Array:
     """Vocabulary logits in float32 for hidden states [T, hidden] (soft-capped where configured). A
-    quantized head multiplies in serving's `quant.product_dtype`, or in `training` the model's type."""
+    quantized head multiplies in serving's `quant.product_dtype`, or in `training` the model's type
+    (`cpu_kernels`: see `quant.table_logits`)."""
     head = params.get("lm_head")
     table = params["embed"] if head is None else head
     if quant.is_table(table):  # rows padded to whole chunks of its loop
         dtype = float_dtype(params) if training else quant.product_dtype(hidden.shape[0], float_dtype(params))
-        return softcap(quant.table_logits(hidden, table, dtype)[:, : cfg.vocab_size], cfg.final_logit_softcapping)
+        return softcap(quant.table_logits(hidden, table, dtype, cpu_kernels)[:, : cfg.vocab_size],
+                       cfg.final_logit_softcapping)
     if head is not None:
         return softcap(matmul(hidden, head), cfg.final_logit_softcapping)
     embed = params["embed"]

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kiln.errors import ConfigError
-from kiln.kernels import cpu as cpu_kernels
+from kiln.kernels import cpu as kernels
 
 QUANTIZATIONS = ("none", "int8", "int4")  # and "auto" (kiln.models.loader): a GGUF file's own
 GROUP = 32  # input rows per scale (and offset): GGUF's Q8_0/Q4_0/Q4_1 block
@@ -182,16 +182,16 @@ def product_dtype(rows: int, dtype=jnp.float32):
     return dtype if rows >= MIN_ROWS_16BIT and jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
-def matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype=jnp.float32, int4_kernel: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype=jnp.float32, cpu_kernels: bool = False) -> jax.Array:
     """x [T, in] @ w with float32 sums and result, the weight dequantized inside the step (an
     elementwise op XLA fuses) in float32, then cast to the operands' type `dtype` (serving's is
     `product_dtype`).
     int8 with one group applies its scale to the product (one multiply per output, not per weight);
     int4 dequantizes each nibble's half of the weight and multiplies it apart (`for_matmul`): by the
-    matching (even or odd) columns of x, or into its half of the output columns. With `int4_kernel`
+    matching (even or odd) columns of x, or into its half of the output columns. With `cpu_kernels`
     (a step for the CPU, the kernel registered: kiln.kernels.cpu) an int4 product of a few float32
     rows runs in Kiln's kernel instead."""
-    if int4_kernel and _kernel_takes(x, w, dtype):
+    if cpu_kernels and _kernel_takes(x, w, dtype):
         return _kernel_int4(x, w)
     return _dequantized_matmul(x, w, dtype)
 
@@ -201,7 +201,7 @@ def _kernel_takes(x: jax.Array, w, dtype) -> bool:
         return False
     n_in, n_out = x.shape[-1], w.scale.shape[-1]
     columns = n_out // 2 if _paired_along_out(w) else n_out
-    return (x.ndim == 2 and w.packed.ndim == 2 and 1 <= x.shape[0] <= cpu_kernels.INT4_MAX_ROWS
+    return (x.ndim == 2 and w.packed.ndim == 2 and 1 <= x.shape[0] <= kernels.INT4_MAX_ROWS
             and jnp.dtype(dtype) == jnp.float32 and w.scale.dtype == w.offset.dtype
             and w.scale.dtype in (jnp.float16, jnp.float32) and (n_in // w.scale.shape[-2]) % 2 == 0
             and columns % 16 == 0)
@@ -210,7 +210,7 @@ def _kernel_takes(x: jax.Array, w, dtype) -> bool:
 @jax.custom_vjp
 def _kernel_int4(x: jax.Array, w: Int4Weight) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], w.scale.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call(cpu_kernels.INT4_TARGET, out)(x.astype(jnp.float32), w.packed, w.scale, w.offset)
+    return jax.ffi.ffi_call(kernels.INT4_TARGET, out)(x.astype(jnp.float32), w.packed, w.scale, w.offset)
 
 
 def _kernel_int4_forward(x, w):
@@ -221,7 +221,12 @@ def _kernel_int4_backward(saved, dy):
     """The gradient through XLA's path (a frozen base: the weight's cotangents are zeros)."""
     x, w = saved
     dx = jax.vjp(lambda x: _dequantized_matmul(x, w, jnp.float32), x)[1](dy)[0]
-    return dx.astype(x.dtype), jax.tree.map(
+    return dx.astype(x.dtype), _no_cotangent(w)
+
+
+def _no_cotangent(w):
+    """Zero cotangents of a frozen quantized weight (float0 for its integer levels)."""
+    return jax.tree.map(
         lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a),
         w)
 
@@ -273,6 +278,13 @@ def quantize_params(params: dict, quantization: str) -> dict:
 
 def is_quantized(w) -> bool:
     return isinstance(w, (Int8Weight, Int4Weight))
+
+
+def holds_quantized(params: dict) -> bool:
+    """Whether a param tree holds quantized layers or tables (what Kiln's CPU kernels multiply)."""
+    layers = params.get("layers", {})
+    layer_values = [v for layer in (layers if isinstance(layers, (list, tuple)) else [layers]) for v in layer.values()]
+    return any(is_quantized(w) for w in layer_values) or any(is_table(params.get(n)) for n in ("embed", "lm_head"))
 
 
 def fuse_projections(layers: dict) -> dict:
@@ -408,14 +420,18 @@ def table_rows(t: Int8Table | Int4Table, ids: jax.Array) -> jax.Array:
     return dequantize_rows(picked).reshape(*ids.shape, -1)
 
 
-def table_logits(x: jax.Array, t: Int8Table | Int4Table, dtype=jnp.float32) -> jax.Array:
+def table_logits(x: jax.Array, t: Int8Table | Int4Table, dtype=jnp.float32, cpu_kernels: bool = False) -> jax.Array:
     """x [T, cols] against every row of the table: float32 [T, rows] (padding included), the
-    operands in `dtype` (as `matmul`).
+    operands in `dtype` (as `matmul`). With `cpu_kernels`, an int8 table against a few float32 rows
+    runs in Kiln's CPU kernel (kiln.kernels.cpu; as `matmul`).
 
     A loop over chunks of rows, each dequantized and multiplied in turn: a whole vocabulary's float
     copy would be a temporary as large as the float32 head, written and read back at every step
     (on XLA:CPU 3.5x slower than the float head for 32 rows). Each chunk is rematerialized under
     differentiation, so training keeps no float copy of the head either."""
+    if (cpu_kernels and isinstance(t, Int8Table) and x.ndim == 2 and 1 <= x.shape[0] <= kernels.INT4_MAX_ROWS
+            and jnp.dtype(dtype) == jnp.float32 and t.scale.dtype in (jnp.float16, jnp.float32)):
+        return _kernel_table_logits(x, t)
     x = x.astype(dtype)
     rows = t[0].shape[0]
     chunks, per_chunk = table_chunks(rows)
@@ -438,6 +454,25 @@ def table_logits(x: jax.Array, t: Int8Table | Int4Table, dtype=jnp.float32) -> j
 
     _, out = jax.lax.scan(lambda carry, part: (carry, jax.checkpoint(chunk)(part)), None, parts)
     return jnp.moveaxis(out, 0, 1).reshape(x.shape[0], chunks * per_chunk)
+
+
+@jax.custom_vjp
+def _kernel_table_logits(x: jax.Array, t: Int8Table) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], t.q.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(kernels.INT8_TABLE_TARGET, out)(x.astype(jnp.float32), t.q, t.scale)
+
+
+def _kernel_table_logits_forward(x, t):
+    return _kernel_table_logits(x, t), (x, t)
+
+
+def _kernel_table_logits_backward(saved, dy):
+    x, t = saved
+    dx = jax.vjp(lambda x: table_logits(x, t), x)[1](dy)[0]
+    return dx.astype(x.dtype), _no_cotangent(t)
+
+
+_kernel_table_logits.defvjp(_kernel_table_logits_forward, _kernel_table_logits_backward)
 
 
 def _rows_dot(x: jax.Array, rows: jax.Array) -> jax.Array:

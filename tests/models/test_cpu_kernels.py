@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kiln.kernels import cpu as cpu_kernels
+from kiln.kernels import cpu as kernels
 from kiln.models import quant
 
 pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", 
 
 @pytest.fixture(scope="module")
 def kernel():
-    assert cpu_kernels.enable(), "the CPU kernel did not build or register (see the kiln.kernels log)"
+    assert kernels.enable(), "the CPU kernel did not build or register (see the kiln.kernels log)"
 
 
 def int4_weight(shape, scales, seed=0):
@@ -29,9 +29,9 @@ def int4_weight(shape, scales, seed=0):
     return w
 
 
-@functools.partial(jax.jit, static_argnames=("int4_kernel",))
-def product(x, w, int4_kernel):
-    return quant.matmul(x, w, jnp.float32, int4_kernel)
+@functools.partial(jax.jit, static_argnames=("cpu_kernels",))
+def product(x, w, cpu_kernels):
+    return quant.matmul(x, w, jnp.float32, cpu_kernels)
 
 
 @pytest.mark.parametrize("scales", ["float16", "float32"])
@@ -41,22 +41,22 @@ def test_kernel_products_are_xla_products(kernel, shape, rows, scales):
     w = int4_weight(shape, scales)
     x = np.random.default_rng(1).standard_normal((rows, shape[0])).astype(np.float32)
     assert quant._paired_along_out(w) == (shape[1] > shape[0])
-    assert "kiln_int4_matmul" in product.lower(x, w, int4_kernel=True).as_text()
-    got, want = product(x, w, int4_kernel=True), product(x, w, int4_kernel=False)
+    assert "kiln_int4_matmul" in product.lower(x, w, cpu_kernels=True).as_text()
+    got, want = product(x, w, cpu_kernels=True), product(x, w, cpu_kernels=False)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
 def test_the_kernel_is_used_only_where_asked_and_for_few_rows(kernel):
     w = int4_weight((64, 256), "float16")
-    for rows, asked, used in ((1, False, False), (cpu_kernels.INT4_MAX_ROWS, True, True),
-                              (cpu_kernels.INT4_MAX_ROWS + 1, True, False), (32, True, False)):
+    for rows, asked, used in ((1, False, False), (kernels.INT4_MAX_ROWS, True, True),
+                              (kernels.INT4_MAX_ROWS + 1, True, False), (32, True, False)):
         x = np.ones((rows, 64), np.float32)
-        assert ("kiln_int4_matmul" in product.lower(x, w, int4_kernel=asked).as_text()) == used, (rows, asked)
+        assert ("kiln_int4_matmul" in product.lower(x, w, cpu_kernels=asked).as_text()) == used, (rows, asked)
     x = np.ones((1, 64), np.float32)
     mixed = w._replace(offset=w.offset.astype(np.float32))  # scales and offsets of two types: XLA's path
-    assert "kiln_int4_matmul" not in product.lower(x, mixed, int4_kernel=True).as_text()
+    assert "kiln_int4_matmul" not in product.lower(x, mixed, cpu_kernels=True).as_text()
     odd = int4_weight((64, 40), "float16")  # 40 output columns: not whole 16-column blocks
-    assert "kiln_int4_matmul" not in product.lower(np.ones((1, 64), np.float32), odd, int4_kernel=True).as_text()
+    assert "kiln_int4_matmul" not in product.lower(np.ones((1, 64), np.float32), odd, cpu_kernels=True).as_text()
 
 
 def test_gradients_through_the_kernel_are_xla_gradients(kernel):
@@ -64,15 +64,71 @@ def test_gradients_through_the_kernel_are_xla_gradients(kernel):
     w = int4_weight((64, 256), "float16")
     x = np.random.default_rng(2).standard_normal((2, 64)).astype(np.float32)
 
-    def loss(x, int4_kernel):
-        return jnp.sum(jnp.sin(quant.matmul(x, w, jnp.float32, int4_kernel)))
+    def loss(x, cpu_kernels):
+        return jnp.sum(jnp.sin(quant.matmul(x, w, jnp.float32, cpu_kernels)))
 
-    got = jax.jit(jax.grad(functools.partial(loss, int4_kernel=True)))(x)
-    want = jax.jit(jax.grad(functools.partial(loss, int4_kernel=False)))(x)
+    got = jax.jit(jax.grad(functools.partial(loss, cpu_kernels=True)))(x)
+    want = jax.jit(jax.grad(functools.partial(loss, cpu_kernels=False)))(x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-4 * float(np.abs(want).max()))
 
 
 def test_a_built_kernel_is_reused_and_named_in_stored_steps_keys(kernel):
-    assert cpu_kernels.enable()  # a second call does nothing more
-    assert cpu_kernels.state().startswith("int4:")
-    assert list(cpu_kernels._cache_dir().glob("kiln_kernels_*.so"))
+    assert kernels.enable()  # a second call does nothing more
+    assert kernels.state().startswith("int4:")
+    assert list(kernels._cache_dir().glob("kiln_kernels_*.so"))
+
+
+def int8_table(rows, cols, scales, seed=3):
+    t = quant.quantize_table(np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32))
+    return t._replace(scale=t.scale.astype(np.float32)) if scales == "float32" else t
+
+
+@functools.partial(jax.jit, static_argnames=("cpu_kernels",))
+def head(x, t, cpu_kernels):
+    return quant.table_logits(x, t, jnp.float32, cpu_kernels)
+
+
+@pytest.mark.parametrize("scales", ["float16", "float32"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_kernel_head_logits_are_xla_logits(kernel, rows, scales):
+    """An int8 table as the LM head (the default model's Q8_0 embedding): every row, padding included."""
+    t = int8_table(300, 96, scales)
+    x = np.random.default_rng(4).standard_normal((rows, 96)).astype(np.float32)
+    assert "kiln_int8_table_logits" in head.lower(x, t, cpu_kernels=True).as_text()
+    got, want = head(x, t, cpu_kernels=True), head(x, t, cpu_kernels=False)
+    assert got.shape == want.shape == (rows, t.q.shape[0])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    many = np.ones((kernels.INT4_MAX_ROWS + 1, 96), np.float32)
+    assert "kiln_int8_table_logits" not in head.lower(many, t, cpu_kernels=True).as_text()
+    dx = jax.grad(lambda x: jnp.sum(jnp.tanh(head(x, t, cpu_kernels=True))))(x)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(jax.grad(lambda x: jnp.sum(jnp.tanh(head(x, t, False))))(x)),
+                               rtol=1e-3, atol=1e-4 * float(np.abs(dx).max()))
+
+
+def test_the_portable_build_computes_what_the_vectorized_one_does(kernel, tmp_path):
+    """A CPU without AVX-512 runs the kernels' portable loops: built here for a plain x86-64 (or this
+    machine's architecture elsewhere), registered under other names, and held against XLA's path."""
+    import ctypes
+    import platform
+
+    compiler = next(shutil.which(c) for c in ("c++", "g++", "clang++") if shutil.which(c))
+    arch = ("-march=x86-64-v2",) if platform.machine() in ("x86_64", "AMD64") else ()
+    library = tmp_path / "kiln_kernels_portable.so"
+    kernels._compile(compiler, library, arch)
+    handle = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target("test_portable_int4", jax.ffi.pycapsule(handle.KilnInt4Matmul), platform="cpu")
+    jax.ffi.register_ffi_target("test_portable_table", jax.ffi.pycapsule(handle.KilnInt8TableLogits), platform="cpu")
+    for shape in ((64, 256), (256, 64)):
+        w = int4_weight(shape, "float16")
+        for rows in (1, 3):
+            x = np.random.default_rng(5).standard_normal((rows, shape[0])).astype(np.float32)
+            got = jax.ffi.ffi_call("test_portable_int4", jax.ShapeDtypeStruct((rows, shape[1]), jnp.float32))(
+                x, w.packed, w.scale, w.offset)
+            want = product(x, w, cpu_kernels=False)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                                       atol=1e-5 * float(np.abs(want).max()))
+    t = int8_table(40, 64, "float16")
+    x = np.random.default_rng(6).standard_normal((2, 64)).astype(np.float32)
+    got = jax.ffi.ffi_call("test_portable_table", jax.ShapeDtypeStruct((2, 40), jnp.float32))(x, t.q, t.scale)
+    want = head(x, t, cpu_kernels=False)[:, :40]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))

@@ -5,6 +5,7 @@ within `drain_timeout_s` end as usual, the rest end with that error as their las
 `[DONE]`, and the process exits 0 without a traceback."""
 
 import json
+import shutil
 import signal
 import threading
 import time
@@ -65,6 +66,9 @@ def test_health_answers_from_the_first_second_and_says_starting_until_ready(serv
                                       "param": None}
     r = httpx.post(server.url + "/v1/chat/completions", json=chat(4, stream=False), timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    # the default model's int4 layers and int8 head: its one-row steps' products run in Kiln's CPU kernels
+    compiler = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+    assert httpx.get(server.url + "/v1/config", timeout=30).json()["backend"]["cpu_kernels"] is compiler
 
 
 def _stream(url: str, max_tokens: int, events: list, started: threading.Event) -> None:

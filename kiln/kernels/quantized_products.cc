@@ -1,8 +1,9 @@
-// x [T, in] @ an int4 weight, for the few rows of a decode step on a CPU, without the float32 copy of
-// the weight that XLA:CPU writes and reads back before its matrix multiply (kiln/kernels/cpu.py).
+// Few-row products with quantized weights, for a decode step on a CPU, without the float32 copy of the
+// weight that XLA:CPU writes and reads back before its matrix multiply (kiln/kernels/cpu.py): x [T, in]
+// @ an int4 weight (the layers' projections), and x against an int8 table's rows (the LM head).
 //
 // The weight is Kiln's Int4Weight (kiln/models/quant.py): levels q in 0..15, two per byte, one
-// float32 scale s and offset m per group of G input rows and output column, w = q * s + m. Pairs run
+// scale s and offset m (float16 or float32) per group of G input rows and output column, w = q * s + m. Pairs run
 // along `in` (packed [in / 2, out]: row 2j in the low nibble, 2j + 1 in the high) or along `out`
 // (packed [in, out / 2]: column j in the low nibble, out / 2 + j in the high). For each group,
 //     y[t, o] += s[g, o] * sum_k x[t, k] q[k, o] + m[g, o] * sum_k x[t, k]
@@ -242,32 +243,144 @@ void Run(const Problem<S>& p, int64_t lo, int64_t hi) {
   }
 }
 
-template <typename S>
-ffi::Error Multiply(ffi::ThreadPool& pool, const Problem<S>& p) {
-  // Blocks of output columns (packed columns along `out`) are taken one at a time from a shared
-  // counter by this thread and by tasks on XLA's intra-op pool; the call returns once every block is
-  // done. A task that starts after that finds no block left and touches nothing (its state is shared,
-  // not on this stack), so a busy pool only costs parallelism, never a deadlock.
+// Runs job(b) for b in [0, blocks): blocks are taken one at a time from a shared counter by this
+// thread and by tasks on XLA's intra-op pool, and the call returns once every block is done. A task
+// that starts after that finds no block left and touches nothing (its state is shared, not on this
+// stack), so a busy pool only costs parallelism, never a deadlock.
+template <typename Job>
+void Parallel(ffi::ThreadPool& pool, int64_t blocks, Job job) {
   struct Shared {
-    Problem<S> p;
-    int64_t columns, blocks;
+    Job job;
+    int64_t blocks;
     std::atomic<int64_t> next{0}, done{0};
+    Shared(Job j, int64_t n) : job(std::move(j)), blocks(n) {}
   };
-  auto shared = std::make_shared<Shared>();
-  shared->p = p;
-  shared->columns = p.along_out ? p.out / 2 : p.out;
-  shared->blocks = (shared->columns + kBlock - 1) / kBlock;
+  auto shared = std::make_shared<Shared>(std::move(job), blocks);
   auto work = [](Shared& sh) {
     for (int64_t b; (b = sh.next.fetch_add(1, std::memory_order_relaxed)) < sh.blocks;) {
-      Run(sh.p, b * kBlock, std::min(sh.columns, (b + 1) * kBlock));
+      sh.job(b);
       sh.done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), shared->blocks) - 1;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), blocks) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, work] { work(*shared); });
   work(*shared);
-  while (shared->done.load(std::memory_order_acquire) < shared->blocks) std::this_thread::yield();
+  while (shared->done.load(std::memory_order_acquire) < blocks) std::this_thread::yield();
+}
+
+template <typename S>
+ffi::Error Multiply(ffi::ThreadPool& pool, const Problem<S>& p) {
+  const int64_t columns = p.along_out ? p.out / 2 : p.out;  // blocks of output (or packed) columns
+  Parallel(pool, (columns + kBlock - 1) / kBlock,
+           [p, columns](int64_t b) { Run(p, b * kBlock, std::min(columns, (b + 1) * kBlock)); });
   return ffi::Error::Success();
+}
+
+// ---- the LM head: x [T, cols] against every row of an int8 table (GGUF's Q8_0 rows) ------------------
+//
+// logits[t, v] = sum_g s[v, g] * sum_{k in g} x[t, k] q[v, k], float32 sums, one scale per group of
+// G columns of a row. A row's levels are contiguous, so each row is a dot product: its group sums in
+// one vector, scaled into the row's vector, summed across lanes at the end.
+
+template <typename S>
+struct TableProblem {
+  const float* x;    // [T, cols]
+  const int8_t* q;   // [rows, cols]
+  const S* scale;    // [rows, groups]
+  float* y;          // [T, rows]
+  int64_t t_rows, rows, cols, groups;
+};
+
+constexpr int64_t kTableBlock = 256;  // table rows a thread takes at a time
+
+template <typename S>
+void TableRowsPortable(const TableProblem<S>& p, int64_t lo, int64_t hi) {
+  const int64_t per_group = p.cols / p.groups;
+  for (int64_t v = lo; v < hi; ++v) {
+    const int8_t* q = p.q + v * p.cols;
+    for (int64_t t = 0; t < p.t_rows; ++t) {
+      const float* x = p.x + t * p.cols;
+      float total = 0.0f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        float part = 0.0f;
+        for (int64_t k = g * per_group; k < (g + 1) * per_group; ++k) part += x[k] * static_cast<float>(q[k]);
+        total += static_cast<float>(p.scale[v * p.groups + g]) * part;
+      }
+      p.y[t * p.rows + v] = total;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// Groups of 32 columns (two vectors of 16 levels each), for R rows of x.
+template <int R, typename S>
+void TableRowsAvx512(const TableProblem<S>& p, int64_t lo, int64_t hi) {
+  for (int64_t v = lo; v < hi; ++v) {
+    const int8_t* q = p.q + v * p.cols;
+    __m512 row[R];
+    for (int t = 0; t < R; ++t) row[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const int64_t k = 32 * g;
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+      const __m512 q1 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+      const __m512 s = _mm512_set1_ps(static_cast<float>(p.scale[v * p.groups + g]));
+      for (int t = 0; t < R; ++t) {
+        const float* x = p.x + t * p.cols + k;
+        const __m512 part = _mm512_fmadd_ps(q1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(x)));
+        row[t] = _mm512_fmadd_ps(s, part, row[t]);
+      }
+    }
+    for (int t = 0; t < R; ++t) p.y[t * p.rows + v] = _mm512_reduce_add_ps(row[t]);
+  }
+}
+#endif
+
+template <typename S>
+void TableRows(const TableProblem<S>& p, int64_t lo, int64_t hi) {
+#if defined(__AVX512F__)
+  if (p.cols / p.groups == 32) {
+    switch (p.t_rows) {
+      case 1: return TableRowsAvx512<1>(p, lo, hi);
+      case 2: return TableRowsAvx512<2>(p, lo, hi);
+      case 3: return TableRowsAvx512<3>(p, lo, hi);
+      case 4: return TableRowsAvx512<4>(p, lo, hi);
+      default: break;
+    }
+  }
+#endif
+  TableRowsPortable(p, lo, hi);
+}
+
+template <typename S>
+ffi::Error TableLogits(ffi::ThreadPool& pool, const TableProblem<S>& p) {
+  Parallel(pool, (p.rows + kTableBlock - 1) / kTableBlock,
+           [p](int64_t b) { TableRows(p, b * kTableBlock, std::min(p.rows, (b + 1) * kTableBlock)); });
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8TableLogits(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                           ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || xd[1] != qd[1] || sd[0] != qd[0]) {
+    return ffi::Error::InvalidArgument("int8 table logits: x [T, cols], q [rows, cols], scale [rows, groups]");
+  }
+  const int64_t t_rows = xd[0], rows = qd[0], cols = qd[1], groups = sd[1];
+  if (t_rows < 1 || t_rows > kMaxRows || groups < 1 || cols % groups) {
+    return ffi::Error::InvalidArgument("int8 table logits: unsupported shape");
+  }
+  switch (scale.element_type()) {
+    case ffi::DataType::F16:
+      return TableLogits(pool, TableProblem<_Float16>{x.typed_data(), q.typed_data(),
+                                                      static_cast<const _Float16*>(scale.untyped_data()),
+                                                      y->typed_data(), t_rows, rows, cols, groups});
+    case ffi::DataType::F32:
+      return TableLogits(pool, TableProblem<float>{x.typed_data(), q.typed_data(),
+                                                   static_cast<const float*>(scale.untyped_data()), y->typed_data(),
+                                                   t_rows, rows, cols, groups});
+    default:
+      return ffi::Error::InvalidArgument("int8 table logits: scales must be float16 or float32");
+  }
 }
 
 ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
@@ -306,5 +419,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KilnInt4Matmul, Int4Matmul,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KilnInt8TableLogits, Int8TableLogits,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
