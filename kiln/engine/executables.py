@@ -52,14 +52,9 @@ def _environment() -> str:
         h.update(name.encode())
         h.update((kiln_root / name).read_bytes())
     device = jax.devices()[0]
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        cpu = platform.processor()
     parts = (h.hexdigest(), jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
-             getattr(device.client, "platform_version", ""), platform.machine(), cpu, os.environ.get("XLA_FLAGS", ""))
+             getattr(device.client, "platform_version", ""), platform.machine(), kernels.cpu_flags(),
+             os.environ.get("XLA_FLAGS", ""))
     return "\n".join(map(str, parts))
 
 

@@ -21,6 +21,7 @@ kernels were in them (`state`), so a stored step is never loaded where they are 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -61,7 +62,8 @@ def state() -> str:
     return f"int4:{_source_digest()}" if _ready else "none"
 
 
-def _source_digest() -> str:
+@functools.cache
+def _source_digest() -> str:  # (read once: every stored step's key asks for it)
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
@@ -72,7 +74,10 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "kiln" / "kernels"
 
 
-def _cpu_flags() -> str:
+@functools.cache
+def cpu_flags() -> str:
+    """This CPU's feature flags (/proc/cpuinfo), what code built for it depends on: Kiln's kernels
+    and XLA's stored executables."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith("flags")), "")
@@ -83,10 +88,10 @@ def _cpu_flags() -> str:
 def _build_and_register() -> bool:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if compiler is None:
-        log.warning("CPU kernels off: no C++ compiler found (set CXX); int4 products use XLA's path")
+        log.warning("CPU kernels off: no C++ compiler found (set CXX); quantized products use XLA's path")
         return False
     key = hashlib.sha256("\n".join([_source_digest(), jaxlib.__version__, compiler, platform.machine(),
-                                    _cpu_flags()]).encode()).hexdigest()[:24]
+                                    cpu_flags()]).encode()).hexdigest()[:24]
     library = _cache_dir() / f"kiln_kernels_{key}.so"
     try:
         if not library.is_file():
@@ -97,7 +102,8 @@ def _build_and_register() -> bool:
         jax.ffi.register_ffi_target(INT4_TARGET, jax.ffi.pycapsule(handle.KilnInt4Matmul), platform="cpu")
         jax.ffi.register_ffi_target(INT8_TABLE_TARGET, jax.ffi.pycapsule(handle.KilnInt8TableLogits), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        log.warning("CPU kernels off: %s; int4 products use XLA's path", str(exc).strip().splitlines()[-1][:300])
+        log.warning("CPU kernels off: %s; quantized products use XLA's path",
+                    str(exc).strip().splitlines()[-1][:300])
         return False
     log.info("CPU kernels: int4 and int8-table products of up to %d rows (%s)", INT4_MAX_ROWS, library.name)
     return True

@@ -14,7 +14,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -359,6 +361,17 @@ ffi::Error TableLogits(ffi::ThreadPool& pool, const TableProblem<S>& p) {
   return ffi::Error::Success();
 }
 
+// Calls f with a null pointer of the scales' element type, float16 (GGUF's own) or float32, so that
+// f builds its problem for that type; any other type is an error naming the kernel.
+template <typename F>
+ffi::Error ByScaleType(ffi::DataType type, const char* kernel, F&& f) {
+  switch (type) {
+    case ffi::DataType::F16: return f(static_cast<const _Float16*>(nullptr));
+    case ffi::DataType::F32: return f(static_cast<const float*>(nullptr));
+    default: return ffi::Error::InvalidArgument(std::string(kernel) + ": scales must be float16 or float32");
+  }
+}
+
 ffi::Error Int8TableLogits(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
                            ffi::AnyBuffer scale, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
@@ -369,18 +382,11 @@ ffi::Error Int8TableLogits(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   if (t_rows < 1 || t_rows > kMaxRows || groups < 1 || cols % groups) {
     return ffi::Error::InvalidArgument("int8 table logits: unsupported shape");
   }
-  switch (scale.element_type()) {
-    case ffi::DataType::F16:
-      return TableLogits(pool, TableProblem<_Float16>{x.typed_data(), q.typed_data(),
-                                                      static_cast<const _Float16*>(scale.untyped_data()),
-                                                      y->typed_data(), t_rows, rows, cols, groups});
-    case ffi::DataType::F32:
-      return TableLogits(pool, TableProblem<float>{x.typed_data(), q.typed_data(),
-                                                   static_cast<const float*>(scale.untyped_data()), y->typed_data(),
-                                                   t_rows, rows, cols, groups});
-    default:
-      return ffi::Error::InvalidArgument("int8 table logits: scales must be float16 or float32");
-  }
+  return ByScaleType(scale.element_type(), "int8 table logits", [&](auto type) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+    return TableLogits(pool, TableProblem<S>{x.typed_data(), q.typed_data(), static_cast<const S*>(scale.untyped_data()),
+                                             y->typed_data(), t_rows, rows, cols, groups});
+  });
 }
 
 ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> packed,
@@ -395,20 +401,12 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (rows < 1 || rows > kMaxRows || in % groups || (in / groups) % 2 || (along_out && out % 2) || columns % kTail) {
     return ffi::Error::InvalidArgument("int4 matmul: unsupported shape");
   }
-  switch (scale.element_type()) {
-    case ffi::DataType::F16:
-      return Multiply(pool, Problem<_Float16>{x.typed_data(), packed.typed_data(),
-                                              static_cast<const _Float16*>(scale.untyped_data()),
-                                              static_cast<const _Float16*>(offset.untyped_data()), y->typed_data(),
-                                              rows, in, out, groups, along_out});
-    case ffi::DataType::F32:
-      return Multiply(pool, Problem<float>{x.typed_data(), packed.typed_data(),
-                                           static_cast<const float*>(scale.untyped_data()),
-                                           static_cast<const float*>(offset.untyped_data()), y->typed_data(),
-                                           rows, in, out, groups, along_out});
-    default:
-      return ffi::Error::InvalidArgument("int4 matmul: scales must be float16 or float32");
-  }
+  return ByScaleType(scale.element_type(), "int4 matmul", [&](auto type) {
+    using S = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+    return Multiply(pool, Problem<S>{x.typed_data(), packed.typed_data(), static_cast<const S*>(scale.untyped_data()),
+                                     static_cast<const S*>(offset.untyped_data()), y->typed_data(), rows, in, out,
+                                     groups, along_out});
+  });
 }
 
 }  // namespace

@@ -29,6 +29,7 @@ float weights would be (`product_dtype`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -196,42 +197,46 @@ def matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype=jnp.float32, cpu_kern
     return _dequantized_matmul(x, w, dtype)
 
 
+def _kernel_rows(x: jax.Array, dtype, scale: jax.Array) -> bool:
+    """Whether Kiln's CPU kernels take these rows: a few float32 ones, against float16 or float32 scales."""
+    return (x.ndim == 2 and 1 <= x.shape[0] <= kernels.INT4_MAX_ROWS and jnp.dtype(dtype) == jnp.float32
+            and scale.dtype in (jnp.float16, jnp.float32))
+
+
 def _kernel_takes(x: jax.Array, w, dtype) -> bool:
     if not isinstance(w, Int4Weight):
         return False
     n_in, n_out = x.shape[-1], w.scale.shape[-1]
     columns = n_out // 2 if _paired_along_out(w) else n_out
-    return (x.ndim == 2 and w.packed.ndim == 2 and 1 <= x.shape[0] <= kernels.INT4_MAX_ROWS
-            and jnp.dtype(dtype) == jnp.float32 and w.scale.dtype == w.offset.dtype
-            and w.scale.dtype in (jnp.float16, jnp.float32) and (n_in // w.scale.shape[-2]) % 2 == 0
-            and columns % 16 == 0)
+    return (_kernel_rows(x, dtype, w.scale) and w.packed.ndim == 2 and w.scale.dtype == w.offset.dtype
+            and (n_in // w.scale.shape[-2]) % 2 == 0 and columns % 16 == 0)
 
 
-@jax.custom_vjp
+def _differentiated_as(reference: Callable):
+    """A kernel call f(x, w) made differentiable: its gradient with respect to x is `reference`'s
+    (XLA's path), and a frozen quantized weight's cotangents are zeros (float0 for its levels)."""
+    def wrap(kernel: Callable) -> Callable:
+        def forward(x, w):
+            return kernel(x, w), (x, w)
+
+        def backward(saved, dy):
+            x, w = saved
+            dx = jax.vjp(lambda x: reference(x, w), x)[1](dy)[0]
+            zeros = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0)
+                                 if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a), w)
+            return dx.astype(x.dtype), zeros
+
+        differentiable = jax.custom_vjp(kernel)
+        differentiable.defvjp(forward, backward)
+        return differentiable
+
+    return wrap
+
+
+@_differentiated_as(lambda x, w: _dequantized_matmul(x, w, jnp.float32))
 def _kernel_int4(x: jax.Array, w: Int4Weight) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], w.scale.shape[-1]), jnp.float32)
     return jax.ffi.ffi_call(kernels.INT4_TARGET, out)(x.astype(jnp.float32), w.packed, w.scale, w.offset)
-
-
-def _kernel_int4_forward(x, w):
-    return _kernel_int4(x, w), (x, w)
-
-
-def _kernel_int4_backward(saved, dy):
-    """The gradient through XLA's path (a frozen base: the weight's cotangents are zeros)."""
-    x, w = saved
-    dx = jax.vjp(lambda x: _dequantized_matmul(x, w, jnp.float32), x)[1](dy)[0]
-    return dx.astype(x.dtype), _no_cotangent(w)
-
-
-def _no_cotangent(w):
-    """Zero cotangents of a frozen quantized weight (float0 for its integer levels)."""
-    return jax.tree.map(
-        lambda a: np.zeros(a.shape, jax.dtypes.float0) if jnp.issubdtype(a.dtype, jnp.integer) else jnp.zeros_like(a),
-        w)
-
-
-_kernel_int4.defvjp(_kernel_int4_forward, _kernel_int4_backward)
 
 
 def _dequantized_matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype) -> jax.Array:
@@ -429,8 +434,7 @@ def table_logits(x: jax.Array, t: Int8Table | Int4Table, dtype=jnp.float32, cpu_
     copy would be a temporary as large as the float32 head, written and read back at every step
     (on XLA:CPU 3.5x slower than the float head for 32 rows). Each chunk is rematerialized under
     differentiation, so training keeps no float copy of the head either."""
-    if (cpu_kernels and isinstance(t, Int8Table) and x.ndim == 2 and 1 <= x.shape[0] <= kernels.INT4_MAX_ROWS
-            and jnp.dtype(dtype) == jnp.float32 and t.scale.dtype in (jnp.float16, jnp.float32)):
+    if cpu_kernels and isinstance(t, Int8Table) and _kernel_rows(x, dtype, t.scale):
         return _kernel_table_logits(x, t)
     x = x.astype(dtype)
     rows = t[0].shape[0]
@@ -456,23 +460,10 @@ def table_logits(x: jax.Array, t: Int8Table | Int4Table, dtype=jnp.float32, cpu_
     return jnp.moveaxis(out, 0, 1).reshape(x.shape[0], chunks * per_chunk)
 
 
-@jax.custom_vjp
+@_differentiated_as(lambda x, t: table_logits(x, t))
 def _kernel_table_logits(x: jax.Array, t: Int8Table) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], t.q.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(kernels.INT8_TABLE_TARGET, out)(x.astype(jnp.float32), t.q, t.scale)
-
-
-def _kernel_table_logits_forward(x, t):
-    return _kernel_table_logits(x, t), (x, t)
-
-
-def _kernel_table_logits_backward(saved, dy):
-    x, t = saved
-    dx = jax.vjp(lambda x: table_logits(x, t), x)[1](dy)[0]
-    return dx.astype(x.dtype), _no_cotangent(t)
-
-
-_kernel_table_logits.defvjp(_kernel_table_logits_forward, _kernel_table_logits_backward)
 
 
 def _rows_dot(x: jax.Array, rows: jax.Array) -> jax.Array:
