@@ -28,7 +28,7 @@ import shutil
 import jax
 from common import bare_step, decode_step_args, decoding_core, engine_step_times, matmul_chain, step_flops, timed
 
-from kiln.engine.steps import forward_step, sample_step
+from kiln.engine.steps import sample_step
 from kiln.models.decoder import float_dtype
 from kiln.models.loader import load_model
 
@@ -97,7 +97,8 @@ def main():
     peak = flops / t["chain"]
     runner = core.runner
     row_logits = jax.ShapeDtypeStruct((shape.rows, cfg.vocab_size), jax.numpy.float32)
-    hlo = (forward_step.lower(runner.params, runner.kv, *step_args, cfg=cfg, prompt_logprobs=False).compile().as_text()
+    # the programs the step runs (their static arguments too: the attention kernel, Kiln's CPU kernels)
+    hlo = (runner.lowered(*runner.forward_program(shape)).compile().as_text()
            + sample_step.lower(row_logits, rs, feed_rows=runner.layout.feed_rows).compile().as_text())
     scopes, trace = breakdown(hlo, run, args.trace_dir)
     core.close()

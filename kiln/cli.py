@@ -106,6 +106,7 @@ def mesh_choice(settings: Settings, backend: dict) -> dict:
     over (this process's devices: a run over several processes spans theirs too), or why they cannot;
     and the paged attention's kernel."""
     from kiln.errors import KilnError
+    from kiln.kernels import cpu as kernels
     from kiln.models.paged_attention import kernel_for
     from kiln.models.sharding import AXIS, DATA, serving_mesh, training_mesh
 
@@ -116,6 +117,9 @@ def mesh_choice(settings: Settings, backend: dict) -> dict:
         iree = backend["available"] and backend["route"] != "xla"
         serving = serving_mesh(settings.engine.tensor_parallel, backend["route"] if iree else None)
         training = training_mesh(settings.train.data_parallel, settings.engine.tensor_parallel)
+        # Kiln's CPU kernels where a server would build them (one device, a C++ compiler)
+        cpu_kernels = settings.engine.cpu_kernels == "auto" and serving is None and kernels.compiler() is not None
+        attention = "xla" if iree else kernel_for(settings.engine.attention, cpu_kernels=cpu_kernels)
     except KilnError as exc:
         return {"error": str(exc)}
     return {
@@ -123,7 +127,7 @@ def mesh_choice(settings: Settings, backend: dict) -> dict:
                     "devices": devices(serving)},
         "training": {"data_parallel": training.shape[DATA] if training else 1,
                      "tensor_parallel": training.shape[AXIS] if training else 1, "devices": devices(training)},
-        "attention": "xla" if iree else kernel_for(settings.engine.attention),
+        "attention": attention,
     }
 
 

@@ -202,14 +202,15 @@ SCHEMA: tuple[Key, ...] = (
     Key("engine", "tensor_parallel", "int|auto", 1, count_or_auto,
         "devices the model is split over (a tp mesh axis: attention by heads, the MLP by its width, the KV "
         "pool by KV heads); auto = every local device"),
-    Key("engine", "attention", "str", "auto", one_of("auto", "xla", "pallas"),
-        "paged attention: pallas (a ragged kernel, each row reading only its own blocks), xla (gathers of "
-        "blocks up to the step's longest context); auto = pallas on CUDA GPUs of compute capability 8.0+ for a "
-        "model whose head size and block_size are powers of two (16 or more)"),
+    Key("engine", "attention", "str", "auto", one_of("auto", "xla", "pallas", "cpu"),
+        "paged attention: pallas (a ragged kernel, each row reading only its own blocks), cpu (Kiln's CPU "
+        "kernel for decode tiles, the same reads), xla (gathers of blocks up to the step's longest context); "
+        "auto = pallas on CUDA GPUs of compute capability 8.0+ for a model whose head size and block_size are "
+        "powers of two (16 or more), cpu on a CPU where Kiln's CPU kernels are built"),
     Key("engine", "cpu_kernels", "str", "auto", one_of("auto", "off"),
-        "Kiln's CPU kernels for quantized products of one to four rows (a decode step's int4 layers and int8 "
-        "head), built with the system's C++ compiler at the first start; auto = used where they build, off = "
-        "XLA's dequantize-then-multiply only"),
+        "Kiln's CPU kernels for a decode step: attention over few-query tiles and quantized products of one "
+        "to four rows (int4 layers, int8 head), built with the system's C++ compiler at the first start; auto "
+        "= used where they build, off = XLA's paths only"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
     Key("adapters", "lora_experts", "bool", False, None,

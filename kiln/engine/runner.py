@@ -57,7 +57,6 @@ from kiln.engine.steps import (
 )
 from kiln.errors import BackendCannotRun, GraphCaptureDisabled, RequestFailed
 from kiln.kernels import cpu as kernels
-from kiln.models import quant
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import CHUNK_KEYS, FIRST_KEYS, KVCache, init_kv_cache, table_width
 from kiln.models.lora import EXPERT_MODULES, module_shapes
@@ -121,15 +120,17 @@ class Runner:
         self.mesh = mesh
         self.step_fns = ((forward_step, sample_step) if mesh is None
                          else on_mesh(kv_sharding(cfg, mesh), replicated(mesh)))
+        # Kiln's CPU kernels (decode attention, few-row quantized products): registered before any step
+        # is traced or loaded
+        self.cpu_kernels = (config.cpu_kernels == "auto" and not backend.is_iree and mesh is None
+                            and jax.default_backend() == "cpu" and kernels.enable())
         # the paged attention's kernel: XLA's on IREE routes (over a mesh, Pallas's runs per device on its
         # KV heads: the steps compile under the mesh, see _compile_xla)
         self.attention = ("xla" if backend.is_iree else
-                          kernel_for(config.attention, head_dim=cfg.head_dim, block_size=config.block_size))
+                          kernel_for(config.attention, head_dim=cfg.head_dim, block_size=config.block_size,
+                                     cpu_kernels=self.cpu_kernels))
         self.params = params
         self.config = config
-        # the CPU kernel for few-row int4 products: registered before any step is traced or loaded
-        self.cpu_kernels = (config.cpu_kernels == "auto" and not backend.is_iree and mesh is None
-                            and jax.default_backend() == "cpu" and quant.holds_quantized(params) and kernels.enable())
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks
         self.eos_ids = eos_ids

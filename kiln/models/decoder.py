@@ -25,7 +25,7 @@ import numpy as np
 from kiln.models import quant, rope
 from kiln.models.config import ModelConfig
 from kiln.models.lora import layer_weights, lora_delta, slot_weights
-from kiln.models.paged_attention import ragged_paged_attention
+from kiln.models.paged_attention import cpu_kernel_takes, cpu_paged_attention, ragged_paged_attention
 
 Params = dict
 
@@ -220,7 +220,8 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     `sliding`: the layer's flag where layers differ (the window applies where it is set). `sinks`
     [H]: each head's logit that joins the softmax's normalizer without a value (gpt-oss). `kernel`
     "pallas": the same online softmax in kiln.models.paged_attention's kernel, each tile reading only
-    its own row's blocks (within its window, on a windowed layer)."""
+    its own row's blocks (within its window, on a windowed layer); "cpu": the same in Kiln's CPU kernel
+    for tiles of a few query rows (a decode step's), XLA's path for longer ones."""
     T = q.shape[0]
     NT, QT = inputs.tile_tokens.shape
     KH, D = cfg.num_kv_heads, cfg.head_dim
@@ -260,11 +261,12 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     first, size = _chunk_blocks(FIRST_KEYS, B), _chunk_blocks(CHUNK_KEYS, B)
     init = (jnp.full((KH, NT, G * QT), -1e30, jnp.float32), jnp.zeros((KH, NT, G * QT), jnp.float32),
             jnp.zeros((KH, NT, G * QT, D), jnp.float32))
-    if kernel == "pallas":
-        layer_window = 0 if not window else window if sliding is None else jnp.where(sliding, window, 0)
-        kernel_args = (q_tiles, q_pos.reshape(KH, NT, G * QT)[0], tables, _as_float(k_pool, kv_dtype),
-                       _as_float(v_pool, kv_dtype), layer_idx, layer_window)
-
+    layer_window = 0 if not window else window if sliding is None else jnp.where(sliding, window, 0)
+    kernel_args = (q_tiles, q_pos.reshape(KH, NT, G * QT)[0], tables, _as_float(k_pool, kv_dtype),
+                   _as_float(v_pool, kv_dtype), layer_idx, layer_window)
+    if kernel == "cpu" and cpu_kernel_takes(G * QT, B):
+        carry = cpu_paged_attention(*kernel_args, softcap=cfg.attn_logit_softcapping)
+    elif kernel == "pallas":
         def attend(interpret: bool):
             return functools.partial(ragged_paged_attention, softcap=cfg.attn_logit_softcapping, interpret=interpret)
 
@@ -487,6 +489,7 @@ def forward_hidden(
     def layer_fn(carry, xs):
         h, k_all, v_all, idx = carry
         layer, lora_layer = xs
+        layer = {**layer, **{name: quant.LayerOf(w, idx) for name, w in held.items()}}
 
         def paged_attention(q, k, v, sliding):
             with jax.named_scope("kv_write"):
@@ -508,6 +511,11 @@ def forward_hidden(
         return (h, k_all, v_all, idx + 1), None
 
     layers = params["layers"]
+    # stacked int4 weights a kernel multiplies stay out of the scan's slicing: it reads each layer in place
+    held = {} if isinstance(layers, (list, tuple)) or not cpu_kernels else {
+        name: w for name, w in layers.items() if isinstance(w, quant.Int4Weight) and w.packed.ndim == 3}
+    if held:
+        layers = {name: w for name, w in layers.items() if name not in held}
     if isinstance(layers, (list, tuple)):  # one array per layer: unrolled, no per-layer weight slicing
         carry = (h, kv.k, kv.v, 0)
         for i, layer in enumerate(layers):

@@ -1,4 +1,5 @@
-"""Ragged paged attention as a Pallas kernel, for GPUs (Triton), with XLA's path as the fallback.
+"""Ragged paged attention as a Pallas kernel, for GPUs (Triton), and as Kiln's CPU kernel for decode
+tiles, with XLA's path as the fallback.
 
 The XLA path (`decoder._attention`) reads every tile's blocks up to the step's longest context,
 one gather of a chunk of blocks at a time: its cost follows the longest row, and on GPUs the
@@ -10,7 +11,9 @@ stay the same.
 
 `kernel_for(setting)` chooses: "auto" takes the kernel on a CUDA GPU of compute capability 8.0
 or more (Triton's bfloat16 dot needs it), by capability, never by device name, for a model whose
-shapes Triton can tile (`triton_tiles`); "xla" never; "pallas" always, on other backends in Pallas's
+shapes Triton can tile (`triton_tiles`), and on a CPU where Kiln's CPU kernels are built its "cpu"
+kernel (`cpu_paged_attention`: the same reads and online softmax in C++, for tiles of a few query
+rows, XLA's path for longer ones); "xla" never; "pallas" always, on other backends in Pallas's
 interpret mode (slow: for tests).
 
 The kernel is written for Triton and asks for it (`compiler_params`): JAX lowers a GPU `pallas_call`
@@ -25,11 +28,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.sharding import PartitionSpec as P
 
 from kiln.errors import ConfigError
+from kiln.kernels import cpu as kernels
 from kiln.models.sharding import AXIS
 
 MIN_ROWS = 16  # Triton's dot takes operands of at least 16 rows
@@ -49,19 +54,27 @@ def triton_tiles(head_dim: int, block_size: int) -> bool:
     return all(n >= MIN_ROWS and n & (n - 1) == 0 for n in (head_dim, block_size))
 
 
-def kernel_for(setting: str, device=None, head_dim: int | None = None, block_size: int | None = None) -> str:
-    """The attention the steps run: "pallas" or "xla" (see the module's docstring). Given the model's
-    `head_dim` and the pool's `block_size`, "auto" keeps XLA's path where Triton cannot tile them, and
-    "pallas" on a GPU that cannot is a ConfigError (Pallas's interpret mode, elsewhere, takes any)."""
+def kernel_for(setting: str, device=None, head_dim: int | None = None, block_size: int | None = None,
+               cpu_kernels: bool = False) -> str:
+    """The attention the steps run: "pallas", "cpu" or "xla" (see the module's docstring). Given the
+    model's `head_dim` and the pool's `block_size`, "auto" keeps XLA's path where Triton cannot tile them,
+    and "pallas" on a GPU that cannot is a ConfigError (Pallas's interpret mode, elsewhere, takes any).
+    "auto" on a CPU with Kiln's CPU kernels registered (`cpu_kernels`) is "cpu"; "cpu" without them is
+    a ConfigError."""
     device = device or jax.devices()[0]
     fits = head_dim is None or triton_tiles(head_dim, block_size)
     if setting == "pallas" and not fits and device.platform == "gpu":
         raise ConfigError(f"engine.attention = pallas: the kernel's GPU lowering (Triton) needs a head size and a "
                           f"KV block size that are powers of two of at least {MIN_ROWS}; this model's head_dim is "
                           f"{head_dim} and engine.block_size is {block_size}. Use auto or xla")
-    if setting in ("xla", "pallas"):
+    if setting == "cpu" and not (cpu_kernels and device.platform == "cpu"):
+        raise ConfigError("engine.attention = cpu: Kiln's CPU kernel serves steps on the CPU, where Kiln's CPU "
+                          "kernels are built (engine.cpu_kernels = auto and a C++ compiler). Use auto or xla")
+    if setting in ("xla", "pallas", "cpu"):
         return setting
-    return "pallas" if gpu_capable(device) and fits else "xla"
+    if gpu_capable(device) and fits:
+        return "pallas"
+    return "cpu" if cpu_kernels and device.platform == "cpu" else "xla"
 
 
 def _kernel(scalars_ref, tables_ref, pos_ref, q_ref, k_ref, v_ref, m_ref, norm_ref, acc_ref, *, block_size: int,
@@ -147,3 +160,22 @@ def _call(q_tiles, q_pos, tables, k_pool, v_pool, layer_idx, window, *, softcap,
       q_pos.astype(jnp.int32),
       q_tiles, k_pool, v_pool)
     return m[:, :, :R], norm[:, :, :R], acc[:, :, :R]
+
+
+def cpu_kernel_takes(rows: int, block_size: int) -> bool:
+    """Whether Kiln's CPU attention kernel takes tiles of `rows` query rows (a decode step's few)."""
+    return rows <= kernels.ATTENTION_MAX_ROWS and block_size <= kernels.ATTENTION_MAX_BLOCK
+
+
+def cpu_paged_attention(q_tiles: jax.Array, q_pos: jax.Array, tables: jax.Array, k_pool: jax.Array,
+                        v_pool: jax.Array, layer_idx, window=0, *, softcap: float | None = None):
+    """`ragged_paged_attention`'s state, computed by Kiln's CPU kernel (kiln.kernels.cpu): the same
+    inputs (pools in their float type: float32, bfloat16 or float16) and outputs. For tiles of a few
+    query rows, where XLA:CPU's path is a chain of small gathers and matmuls up to the step's longest
+    context."""
+    KH, NT, R, D = q_tiles.shape
+    state = jax.ShapeDtypeStruct((KH, NT, R), jnp.float32)
+    call = jax.ffi.ffi_call(kernels.ATTENTION_TARGET, (state, state, jax.ShapeDtypeStruct((KH, NT, R, D), jnp.float32)))
+    scalars = jnp.stack([jnp.asarray(layer_idx, jnp.int32), jnp.asarray(window, jnp.int32)])
+    return call(q_tiles.astype(jnp.float32), q_pos.astype(jnp.int32), tables.astype(jnp.int32), k_pool, v_pool,
+                scalars, softcap=np.float32(softcap or 0.0))

@@ -81,6 +81,19 @@ class Int4Weight(NamedTuple):
     offset: jax.Array  # float16 (float32, `compact`) [..., in / group, out]
 
 
+class LayerOf(NamedTuple):
+    """Layer `index` of an int4 weight stacked on a leading layer axis, left in the stack until it is
+    multiplied: Kiln's CPU kernel reads the layer in place, where XLA:CPU would first copy the layer's
+    slice out of the stack for the custom call (every layer's weights, every step: about a third of a
+    one-row decode step of the default model); XLA's path slices it where it multiplies."""
+
+    weight: Int4Weight  # [L, ...]
+    index: jax.Array  # int32 scalar
+
+    def layer(self) -> Int4Weight:
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.weight)
+
+
 def _paired_along_out(w: Int4Weight) -> bool:
     return w.packed.shape[-1] != w.scale.shape[-1]
 
@@ -183,7 +196,8 @@ def product_dtype(rows: int, dtype=jnp.float32):
     return dtype if rows >= MIN_ROWS_16BIT and jnp.dtype(dtype).itemsize == 2 else jnp.float32
 
 
-def matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype=jnp.float32, cpu_kernels: bool = False) -> jax.Array:
+def matmul(x: jax.Array, w: Int8Weight | Int4Weight | LayerOf, dtype=jnp.float32,
+           cpu_kernels: bool = False) -> jax.Array:
     """x [T, in] @ w with float32 sums and result, the weight dequantized inside the step (an
     elementwise op XLA fuses) in float32, then cast to the operands' type `dtype` (serving's is
     `product_dtype`).
@@ -191,10 +205,11 @@ def matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype=jnp.float32, cpu_kern
     int4 dequantizes each nibble's half of the weight and multiplies it apart (`for_matmul`): by the
     matching (even or odd) columns of x, or into its half of the output columns. With `cpu_kernels`
     (a step for the CPU, the kernel registered: kiln.kernels.cpu) an int4 product of a few float32
-    rows runs in Kiln's kernel instead."""
-    if cpu_kernels and _kernel_takes(x, w, dtype):
-        return _kernel_int4(x, w)
-    return _dequantized_matmul(x, w, dtype)
+    rows runs in Kiln's kernel instead, reading a `LayerOf` weight's layer in the stack."""
+    stacked = w if isinstance(w, LayerOf) else LayerOf(jax.tree.map(lambda a: a[None], w), jnp.int32(0))
+    if cpu_kernels and _kernel_takes(x, stacked.weight, dtype):
+        return _kernel_int4(x, stacked)
+    return _dequantized_matmul(x, stacked.layer() if isinstance(w, LayerOf) else w, dtype)
 
 
 def _kernel_rows(x: jax.Array, dtype, scale: jax.Array) -> bool:
@@ -204,11 +219,12 @@ def _kernel_rows(x: jax.Array, dtype, scale: jax.Array) -> bool:
 
 
 def _kernel_takes(x: jax.Array, w, dtype) -> bool:
+    """Whether the kernel multiplies x by `w`, an int4 weight stacked on a layer axis [L, ...]."""
     if not isinstance(w, Int4Weight):
         return False
     n_in, n_out = x.shape[-1], w.scale.shape[-1]
     columns = n_out // 2 if _paired_along_out(w) else n_out
-    return (_kernel_rows(x, dtype, w.scale) and w.packed.ndim == 2 and w.scale.dtype == w.offset.dtype
+    return (_kernel_rows(x, dtype, w.scale) and w.packed.ndim == 3 and w.scale.dtype == w.offset.dtype
             and (n_in // w.scale.shape[-2]) % 2 == 0 and columns % 16 == 0)
 
 
@@ -233,10 +249,11 @@ def _differentiated_as(reference: Callable):
     return wrap
 
 
-@_differentiated_as(lambda x, w: _dequantized_matmul(x, w, jnp.float32))
-def _kernel_int4(x: jax.Array, w: Int4Weight) -> jax.Array:
-    out = jax.ShapeDtypeStruct((x.shape[0], w.scale.shape[-1]), jnp.float32)
-    return jax.ffi.ffi_call(kernels.INT4_TARGET, out)(x.astype(jnp.float32), w.packed, w.scale, w.offset)
+@_differentiated_as(lambda x, w: _dequantized_matmul(x, w.layer(), jnp.float32))
+def _kernel_int4(x: jax.Array, w: LayerOf) -> jax.Array:
+    out = jax.ShapeDtypeStruct((x.shape[0], w.weight.scale.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call(kernels.INT4_TARGET, out)(x.astype(jnp.float32), *w.weight,
+                                                      jnp.asarray(w.index, jnp.int32).reshape(1))
 
 
 def _dequantized_matmul(x: jax.Array, w: Int8Weight | Int4Weight, dtype) -> jax.Array:
@@ -282,14 +299,7 @@ def quantize_params(params: dict, quantization: str) -> dict:
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (Int8Weight, Int4Weight))
-
-
-def holds_quantized(params: dict) -> bool:
-    """Whether a param tree holds quantized layers or tables (what Kiln's CPU kernels multiply)."""
-    layers = params.get("layers", {})
-    layer_values = [v for layer in (layers if isinstance(layers, (list, tuple)) else [layers]) for v in layer.values()]
-    return any(is_quantized(w) for w in layer_values) or any(is_table(params.get(n)) for n in ("embed", "lm_head"))
+    return isinstance(w, (Int8Weight, Int4Weight, LayerOf))
 
 
 def fuse_projections(layers: dict) -> dict:

@@ -1,6 +1,8 @@
-"""Kiln's CPU kernel for few-row int4 products (kiln.kernels.cpu) against XLA's dequantize-then-multiply
+"""Kiln's CPU kernels for few-row int4 products (kiln.kernels.cpu) against XLA's dequantize-then-multiply
 path: the same products (both nibble layouts, float16 and float32 scales, 64-column blocks and their
-16-column tails), the same gradients, and only where it is asked for and fits."""
+16-column tails), the same gradients, and only where it is asked for and fits; their portable build
+against the vectorized one (the attention kernel's own checks against XLA's attention:
+tests/models/test_paged_attention_kernel.py)."""
 
 import functools
 import shutil
@@ -12,6 +14,7 @@ import pytest
 
 from kiln.kernels import cpu as kernels
 from kiln.models import quant
+from kiln.models.paged_attention import cpu_paged_attention
 
 pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
                                 reason="no C++ compiler to build the kernel")
@@ -59,6 +62,26 @@ def test_the_kernel_is_used_only_where_asked_and_for_few_rows(kernel):
     assert "kiln_int4_matmul" not in product.lower(np.ones((1, 64), np.float32), odd, cpu_kernels=True).as_text()
 
 
+def test_a_stacked_weight_is_multiplied_at_its_layer_in_place(kernel):
+    """Layers under scan: the kernel reads layer i of the stack (no copy of the layer's slice), XLA's
+    path slices it; both compute layer i's product."""
+    layers = [int4_weight((64, 256), "float16", seed=i) for i in range(3)]
+    stacked = jax.tree.map(lambda *a: np.stack(a), *layers)
+    x = np.random.default_rng(4).standard_normal((2, 64)).astype(np.float32)
+
+    @functools.partial(jax.jit, static_argnames=("cpu_kernels",))
+    def at(x, i, cpu_kernels):
+        return quant.matmul(x, quant.LayerOf(stacked, i), jnp.float32, cpu_kernels)
+
+    text = at.lower(x, jnp.int32(1), cpu_kernels=True).compile().as_text()
+    assert "kiln_int4_matmul" in text and "dynamic-slice" not in text
+    for i, w in enumerate(layers):
+        want = product(x, w, cpu_kernels=False)
+        for cpu_kernels in (True, False):
+            np.testing.assert_allclose(np.asarray(at(x, jnp.int32(i), cpu_kernels)), np.asarray(want), rtol=1e-5,
+                                       atol=1e-5 * float(np.abs(want).max()))
+
+
 def test_gradients_through_the_kernel_are_xla_gradients(kernel):
     """Training's products never ask for the kernel, but a gradient through one that did is XLA's."""
     w = int4_weight((64, 256), "float16")
@@ -74,7 +97,7 @@ def test_gradients_through_the_kernel_are_xla_gradients(kernel):
 
 def test_a_built_kernel_is_reused_and_named_in_stored_steps_keys(kernel):
     assert kernels.enable()  # a second call does nothing more
-    assert kernels.state().startswith("int4:")
+    assert kernels.state().startswith("kernels:")
     assert list(kernels._cache_dir().glob("kiln_kernels_*.so"))
 
 
@@ -118,12 +141,14 @@ def test_the_portable_build_computes_what_the_vectorized_one_does(kernel, tmp_pa
     handle = ctypes.cdll.LoadLibrary(str(library))
     jax.ffi.register_ffi_target("test_portable_int4", jax.ffi.pycapsule(handle.KilnInt4Matmul), platform="cpu")
     jax.ffi.register_ffi_target("test_portable_table", jax.ffi.pycapsule(handle.KilnInt8TableLogits), platform="cpu")
+    jax.ffi.register_ffi_target("test_portable_attention", jax.ffi.pycapsule(handle.KilnPagedAttention),
+                                platform="cpu")
     for shape in ((64, 256), (256, 64)):
         w = int4_weight(shape, "float16")
         for rows in (1, 3):
             x = np.random.default_rng(5).standard_normal((rows, shape[0])).astype(np.float32)
             got = jax.ffi.ffi_call("test_portable_int4", jax.ShapeDtypeStruct((rows, shape[1]), jnp.float32))(
-                x, w.packed, w.scale, w.offset)
+                x, *(a[None] for a in w), np.zeros(1, np.int32))  # one layer of a stack
             want = product(x, w, cpu_kernels=False)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
                                        atol=1e-5 * float(np.abs(want).max()))
@@ -132,3 +157,18 @@ def test_the_portable_build_computes_what_the_vectorized_one_does(kernel, tmp_pa
     got = jax.ffi.ffi_call("test_portable_table", jax.ShapeDtypeStruct((2, 40), jnp.float32))(x, t.q, t.scale)
     want = head(x, t, cpu_kernels=False)[:, :40]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+    for dtype in (jnp.float32, jnp.bfloat16):  # decode attention: 3 query rows of a tile, a window on one pass
+        rng = np.random.default_rng(7)
+        k, v = (jnp.asarray(rng.standard_normal((2, 2, 20, 16, 64)), dtype) for _ in range(2))
+        q = jnp.asarray(rng.standard_normal((2, 3, 3, 64)) * 0.3, jnp.float32)
+        pos = jnp.asarray(np.repeat([[5], [40], [-1]], 3, axis=1), jnp.int32)
+        tables = jnp.asarray(rng.permutation(np.arange(1, 20))[:12].reshape(3, 4), jnp.int32)
+        for window in (0, 20):
+            args = (q, pos, tables, k, v, jnp.asarray([1, window], jnp.int32))
+            state = jax.ShapeDtypeStruct((2, 3, 3), jnp.float32)
+            outs = (state, state, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+            got = jax.ffi.ffi_call("test_portable_attention", outs)(*args, softcap=np.float32(0))
+            want = cpu_paged_attention(*args[:5], 1, window)
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -1,7 +1,11 @@
-"""The Pallas ragged paged-attention kernel (kiln.models.paged_attention), run in Pallas's interpret
-mode on the CPU, against the XLA path of the same step on random block tables and context lengths:
-decode tiles and mixed prefill chunks, grouped-query heads, a bfloat16 pool held as bits, a
-softcap, a sliding window (on every layer, or on some) and attention sinks."""
+"""The ragged paged-attention kernels (kiln.models.paged_attention) against the XLA path of the same
+step on random block tables and context lengths: the Pallas kernel, run in Pallas's interpret mode on
+the CPU, and Kiln's CPU kernel (kiln.kernels.cpu, for tiles of a few query rows); decode tiles and
+mixed prefill chunks, grouped-query heads, 16-bit pools held as bits, a softcap, a sliding window
+(on every layer, or on some) and attention sinks."""
+
+import functools
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -9,12 +13,14 @@ import numpy as np
 import pytest
 
 from kiln.errors import ConfigError
+from kiln.kernels import cpu as cpu_kernels
 from kiln.models import decoder
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import StepInputs, table_width
 from kiln.models.paged_attention import gpu_capable, kernel_for
 
 BLOCK = 16
+COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 
 
 def config(**overrides) -> ModelConfig:
@@ -57,13 +63,16 @@ def pools(rng, cfg: ModelConfig, num_blocks: int, dtype):
     dict(query_tile=1),  # decode rows
     dict(query_tile=8),  # prefill chunks beside decode rows
     dict(query_tile=4, dtype=jnp.bfloat16),
+    dict(query_tile=1, dtype=jnp.float16),
+    dict(query_tile=2, cfg=dict(head_dim=40)),  # a head no whole number of 16-lane vectors
     dict(query_tile=4, cfg=dict(attn_logit_softcapping=20.0)),
     dict(query_tile=4, cfg=dict(sliding_window=40)),  # every layer windowed: blocks before the window unread
     dict(query_tile=4, cfg=dict(sliding_window=40), sliding=True),  # layers that differ: this one windowed
     dict(query_tile=4, cfg=dict(sliding_window=40), sliding=False),  # and this one global
     dict(query_tile=2, cfg=dict(num_kv_heads=1), sinks=True),
 ])
-def test_the_kernel_equals_the_xla_path(case):
+def test_the_kernels_equal_the_xla_path(case):
+    kernels = ("pallas", "cpu") if COMPILER and cpu_kernels.enable() else ("pallas",)
     rng = np.random.default_rng(len(str(case)))
     cfg = config(**case.get("cfg", {}))
     dtype = case.get("dtype", jnp.float32)
@@ -74,12 +83,19 @@ def test_the_kernel_equals_the_xla_path(case):
         layer = jnp.int32(trial + 1)
         inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
         sliding = None if "sliding" not in case else jnp.bool_(case["sliding"])
-        out = {kernel: np.asarray(decoder._attention(q, k_pool, v_pool, layer, inputs, cfg, dtype, sliding=sliding,
-                                                     sinks=sinks, kernel=kernel)) for kernel in ("xla", "pallas")}
+        attend = functools.partial(decoder._attention, q, k_pool, v_pool, layer, inputs, cfg, dtype, sliding=sliding,
+                                   sinks=sinks)
+
+        out = {kernel: np.asarray(attend(kernel=kernel)) for kernel in ("xla", *kernels)}
         real = np.asarray(inputs.tile_tokens).ravel()
         real = real[real < q.shape[0]]
         assert np.abs(out["xla"][real]).max() > 0.01  # the step attended to something
-        np.testing.assert_allclose(out["pallas"], out["xla"], atol=2e-5, rtol=1e-4)
+        for kernel in kernels:
+            np.testing.assert_allclose(out[kernel], out["xla"], atol=2e-5, rtol=1e-4, err_msg=kernel)
+        if "cpu" in kernels:  # the CPU kernel takes tiles of up to 16 query rows, XLA's path longer ones
+            rows = cfg.num_heads // cfg.num_kv_heads * case["query_tile"]
+            called = "kiln_paged_attention" in jax.jit(attend, static_argnames="kernel").lower(kernel="cpu").as_text()
+            assert called == (rows <= cpu_kernels.ATTENTION_MAX_ROWS), rows
 
 
 class Device:
@@ -97,6 +113,14 @@ def test_the_kernel_is_chosen_by_capability_not_by_name():
     assert kernel_for("auto", Device("gpu", "7.5", kind="NVIDIA H100")) == "xla"  # the capability decides
     assert kernel_for("auto", Device("gpu", kind="AMD Instinct MI300X")) == "xla"  # no CUDA capability
     assert kernel_for("auto", Device("cpu")) == "xla" and not gpu_capable(Device("cpu"))
+    # Kiln's CPU kernel where it is built, on a CPU only, and never against an explicit setting
+    assert kernel_for("auto", Device("cpu"), cpu_kernels=True) == "cpu"
+    assert kernel_for("xla", Device("cpu"), cpu_kernels=True) == "xla"
+    assert kernel_for("auto", Device("gpu", "9.0"), cpu_kernels=True) == "pallas"
+    assert kernel_for("cpu", Device("cpu"), cpu_kernels=True) == "cpu"
+    for device, built in ((Device("cpu"), False), (Device("gpu", "9.0"), True)):
+        with pytest.raises(ConfigError, match=r"engine.attention = cpu: .* Use auto or xla"):
+            kernel_for("cpu", device, cpu_kernels=built)
     assert kernel_for("xla", Device("gpu", "9.0")) == "xla" and kernel_for("pallas", Device("cpu")) == "pallas"
     # and by the model's shapes, which Triton must tile (powers of two, 16 or more)
     assert kernel_for("auto", Device("gpu", "9.0"), head_dim=64, block_size=16) == "pallas"

@@ -326,7 +326,8 @@ def test_unknown_quantization_is_refused(model_file):
 def test_the_engine_serves_quantized_weights_as_the_reference_decodes_them(model_file, kiln_cache, quantization,
                                                                           cpu_kernels):
     """Served greedy tokens of the quantized model are its reference's, row for row in a batch, with
-    the one-row decode steps' int4 products in Kiln's CPU kernel (auto) or in XLA's path (off)."""
+    the one-row decode steps' int4 products and attention in Kiln's CPU kernels (auto) or in XLA's
+    path (off)."""
     q8 = load_model(model_file, show_progress=False, quantization=quantization)
     engine = AsyncEngine(q8, EngineConfig(num_kv_blocks=64, block_size=16, decode_row_buckets=(1, 4),
                                           prefill_token_buckets=(32, 64), max_num_seqs=4, max_num_batched_tokens=64,
@@ -334,8 +335,9 @@ def test_the_engine_serves_quantized_weights_as_the_reference_decodes_them(model
     runner = engine._core.runner
     assert runner.cpu_kernels == (cpu_kernels == "auto" and cpu_kernel_build.enable())  # (a C++ compiler: CI has one)
     one_row = next(b for b in runner.buckets.forwards if b.kind == "decode" and b.rows == 1 and not b.lora)
-    kernel_called = "kiln_int4_matmul" in runner.lowered(*runner.forward_program(one_row)).as_text()
-    assert kernel_called == (runner.cpu_kernels and quantization == "int4")
+    one_row_step = runner.lowered(*runner.forward_program(one_row)).as_text()
+    assert ("kiln_int4_matmul" in one_row_step) == (runner.cpu_kernels and quantization == "int4")
+    assert ("kiln_paged_attention" in one_row_step) == runner.cpu_kernels
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 260, int(n)).tolist() for n in rng.integers(5, 40, 4)]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -189,9 +190,12 @@ def test_tensor_parallel_takes_a_count_or_auto(kiln, tmp_path):
 def test_the_resolved_mesh_and_attention_kernel_are_shown(kiln):
     """The devices a server and a training run would use, from the settings and this process's devices."""
     four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    compiler = any(shutil.which(c) for c in ("c++", "g++", "clang++"))  # Kiln's CPU kernels build
     assert resolved(kiln)["mesh"] == {"serving": {"axis": None, "size": 1, "devices": []},
                                       "training": {"data_parallel": 1, "tensor_parallel": 1, "devices": []},
-                                      "attention": "xla"}
+                                      "attention": "cpu" if compiler else "xla"}
+    assert resolved(kiln, env={"KILN_ENGINE_CPU_KERNELS": "off"})["mesh"]["attention"] == "xla"
+    assert resolved(kiln, env={**four, "KILN_ENGINE_TENSOR_PARALLEL": "2"})["mesh"]["attention"] == "xla"
     mesh = resolved(kiln, env={**four, "KILN_ENGINE_TENSOR_PARALLEL": "2", "KILN_TRAIN_DATA_PARALLEL": "auto",
                                "KILN_ENGINE_ATTENTION": "pallas"})["mesh"]
     assert mesh["serving"] == {"axis": "tp", "size": 2, "devices": ["cpu:0", "cpu:1"]}
