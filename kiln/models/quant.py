@@ -206,10 +206,11 @@ def matmul(x: jax.Array, w: Int8Weight | Int4Weight | LayerOf, dtype=jnp.float32
     matching (even or odd) columns of x, or into its half of the output columns. With `cpu_kernels`
     (a step for the CPU, the kernel registered: kiln.kernels.cpu) an int4 product of a few float32
     rows runs in Kiln's kernel instead, reading a `LayerOf` weight's layer in the stack."""
-    stacked = w if isinstance(w, LayerOf) else LayerOf(jax.tree.map(lambda a: a[None], w), jnp.int32(0))
-    if cpu_kernels and _kernel_takes(x, stacked.weight, dtype):
-        return _kernel_int4(x, stacked)
-    return _dequantized_matmul(x, stacked.layer() if isinstance(w, LayerOf) else w, dtype)
+    if cpu_kernels:  # (the kernel takes a stack of layers: one weight is a stack of one)
+        stacked = w if isinstance(w, LayerOf) else LayerOf(jax.tree.map(lambda a: a[None], w), jnp.int32(0))
+        if _kernel_takes(x, stacked.weight, dtype):
+            return _kernel_int4(x, stacked)
+    return _dequantized_matmul(x, w.layer() if isinstance(w, LayerOf) else w, dtype)
 
 
 def _kernel_rows(x: jax.Array, dtype, scale: jax.Array) -> bool:
