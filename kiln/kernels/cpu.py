@@ -101,7 +101,8 @@ def compiler() -> str | None:
 def _build_and_register() -> bool:
     compiler_path = compiler()
     if compiler_path is None:
-        log.warning("CPU kernels off: no C++ compiler found (set CXX); quantized products use XLA's path")
+        log.warning("CPU kernels off: no C++ compiler found (set CXX); attention and quantized products use "
+                    "XLA's paths")
         return False
     key = hashlib.sha256("\n".join([_source_digest(), jaxlib.__version__, compiler_path, platform.machine(),
                                     cpu_flags()]).encode()).hexdigest()[:24]
@@ -116,7 +117,7 @@ def _build_and_register() -> bool:
         jax.ffi.register_ffi_target(INT8_TABLE_TARGET, jax.ffi.pycapsule(handle.KilnInt8TableLogits), platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(handle.KilnPagedAttention), platform="cpu")
     except (OSError, subprocess.SubprocessError, AttributeError) as exc:
-        log.warning("CPU kernels off: %s; quantized products use XLA's path",
+        log.warning("CPU kernels off: %s; attention and quantized products use XLA's paths",
                     str(exc).strip().splitlines()[-1][:300])
         return False
     log.info("CPU kernels: decode attention, int4 and int8-table products of up to %d rows (%s)", INT4_MAX_ROWS,

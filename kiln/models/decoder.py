@@ -261,10 +261,12 @@ def _attention(q, k_pool, v_pool, layer_idx, inputs: StepInputs, cfg: ModelConfi
     first, size = _chunk_blocks(FIRST_KEYS, B), _chunk_blocks(CHUNK_KEYS, B)
     init = (jnp.full((KH, NT, G * QT), -1e30, jnp.float32), jnp.zeros((KH, NT, G * QT), jnp.float32),
             jnp.zeros((KH, NT, G * QT, D), jnp.float32))
-    layer_window = 0 if not window else window if sliding is None else jnp.where(sliding, window, 0)
-    kernel_args = (q_tiles, q_pos.reshape(KH, NT, G * QT)[0], tables, _as_float(k_pool, kv_dtype),
-                   _as_float(v_pool, kv_dtype), layer_idx, layer_window)
-    if kernel == "cpu" and cpu_kernel_takes(G * QT, B):
+    kernel = "xla" if kernel == "cpu" and not cpu_kernel_takes(G * QT, B) else kernel  # (longer tiles: XLA's)
+    if kernel != "xla":
+        layer_window = 0 if not window else window if sliding is None else jnp.where(sliding, window, 0)
+        kernel_args = (q_tiles, q_pos.reshape(KH, NT, G * QT)[0], tables, _as_float(k_pool, kv_dtype),
+                       _as_float(v_pool, kv_dtype), layer_idx, layer_window)
+    if kernel == "cpu":
         carry = cpu_paged_attention(*kernel_args, softcap=cfg.attn_logit_softcapping)
     elif kernel == "pallas":
         def attend(interpret: bool):

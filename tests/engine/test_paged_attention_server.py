@@ -4,14 +4,15 @@ builds it) serves the greedy tokens and logprobs of XLA's attention, on one devi
 tensor-parallel mesh, and says which kernel it runs in /v1/config."""
 
 import asyncio
-import shutil
 
 import httpx
 import pytest
 from server_process import FEW_PROMPT_BUCKETS, FOUR_DEVICES, ServerProcess
 from tiny_models import served_hf_dir
 
-COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+from kiln.kernels import cpu as kernels
+
+COMPILER = kernels.compiler() is not None
 PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11, 64], list(range(20, 58)), [200, 100, 50, 25, 12, 6]]
 
 

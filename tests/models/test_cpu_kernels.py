@@ -5,7 +5,6 @@ against the vectorized one (the attention kernel's own checks against XLA's atte
 tests/models/test_paged_attention_kernel.py)."""
 
 import functools
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from kiln.kernels import cpu as kernels
 from kiln.models import quant
 from kiln.models.paged_attention import cpu_paged_attention
 
-pytestmark = pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+pytestmark = pytest.mark.skipif(kernels.compiler() is None,
                                 reason="no C++ compiler to build the kernel")
 
 
@@ -134,7 +133,7 @@ def test_the_portable_build_computes_what_the_vectorized_one_does(kernel, tmp_pa
     import ctypes
     import platform
 
-    compiler = next(shutil.which(c) for c in ("c++", "g++", "clang++") if shutil.which(c))
+    compiler = kernels.compiler()
     arch = ("-march=x86-64-v2",) if platform.machine() in ("x86_64", "AMD64") else ()
     library = tmp_path / "kiln_kernels_portable.so"
     kernels._compile(compiler, library, arch)

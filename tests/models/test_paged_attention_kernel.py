@@ -5,7 +5,6 @@ mixed prefill chunks, grouped-query heads, 16-bit pools held as bits, a softcap,
 (on every layer, or on some) and attention sinks."""
 
 import functools
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ from kiln.models.decoder import StepInputs, table_width
 from kiln.models.paged_attention import gpu_capable, kernel_for
 
 BLOCK = 16
-COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+COMPILER = cpu_kernels.compiler() is not None
 
 
 def config(**overrides) -> ModelConfig:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from kiln.errors import (
     Unauthorized,
     UnprocessableRequest,
 )
+from kiln.kernels import cpu as kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -190,7 +190,7 @@ def test_tensor_parallel_takes_a_count_or_auto(kiln, tmp_path):
 def test_the_resolved_mesh_and_attention_kernel_are_shown(kiln):
     """The devices a server and a training run would use, from the settings and this process's devices."""
     four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    compiler = any(shutil.which(c) for c in ("c++", "g++", "clang++"))  # Kiln's CPU kernels build
+    compiler = kernels.compiler() is not None  # Kiln's CPU kernels build
     assert resolved(kiln)["mesh"] == {"serving": {"axis": None, "size": 1, "devices": []},
                                       "training": {"data_parallel": 1, "tensor_parallel": 1, "devices": []},
                                       "attention": "cpu" if compiler else "xla"}

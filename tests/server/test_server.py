@@ -10,6 +10,8 @@ import openai
 import pytest
 from server_process import ServerProcess
 
+from kiln.kernels import cpu as kernels
+
 MODEL = "tiny-llama"
 
 
@@ -245,7 +247,7 @@ def test_health_and_config(server):
     assert pool["dtype"] == "float32" and cfg["settings"]["engine"]["kv_cache_dtype"]["value"] == "auto"
     assert pool["bytes"] == 128 * pool["block_bytes"] and 0 < pool["resident_bytes"] <= pool["bytes"]
     # float weights: Kiln's CPU kernels serve the decode steps' attention (where a C++ compiler built them)
-    compiler = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+    compiler = kernels.compiler() is not None
     assert cfg["backend"]["cpu_kernels"] is compiler
     assert cfg["backend"]["attention"] == ("cpu" if compiler else "xla")
 
@@ -347,7 +349,6 @@ def test_profile_endpoint_matrix(tiny_model, kiln_cache, profile):
 
 
 def test_schemathesis_finds_no_server_errors(server):
-    import shutil
     import subprocess
     import sys
 
