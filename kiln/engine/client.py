@@ -283,7 +283,7 @@ class AsyncEngine:
     def route_info(self) -> dict[str, Any]:
         """The backend route steps run on: the route, why it was chosen, its capabilities and gates,
         the paged attention's kernel (`[engine] attention` resolved), whether Kiln's CPU kernels serve
-        the few-row quantized products, whether it prefills on the device, and what quarantined it (None
+        the quantized products, whether it prefills on the device, and what quarantined it (None
         while it serves)."""
         core = self._core
         return {**core.backend.choice.to_json(), "attention": core.runner.attention,

@@ -120,7 +120,7 @@ class Runner:
         self.mesh = mesh
         self.step_fns = ((forward_step, sample_step) if mesh is None
                          else on_mesh(kv_sharding(cfg, mesh), replicated(mesh)))
-        # Kiln's CPU kernels (decode attention, few-row quantized products): registered before any step
+        # Kiln's CPU kernels (decode attention, quantized products): registered before any step
         # is traced or loaded
         self.cpu_kernels = (config.cpu_kernels == "auto" and not backend.is_iree and mesh is None
                             and jax.default_backend() == "cpu" and kernels.enable())

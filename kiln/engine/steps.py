@@ -127,7 +127,7 @@ def forward_step(params, kv: KVCache, inputs: StepInputs, last_index, prompt_tar
     """Row logits [R, V] of the tokens at `last_index`, prompt logprobs (prefill steps, computed
     only when some target is set) and the new KV state. `feed`: tokens taken from the previous
     step's sampler (None: the inputs hold every token). `attention`: "xla" or "pallas" (see
-    kiln.models.paged_attention); `cpu_kernels`: few-row quantized products in Kiln's CPU kernels."""
+    kiln.models.paged_attention); `cpu_kernels`: quantized products in Kiln's CPU kernels."""
     return _forward(params, kv, inputs, last_index, prompt_targets, lora, feed, cfg, prompt_logprobs, attention,
                     cpu_kernels)
 

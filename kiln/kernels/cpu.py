@@ -1,21 +1,24 @@
-"""CPU kernels for what a decode step's XLA:CPU program leaves slow, built from source on the machine
+"""CPU kernels for what a step's XLA:CPU program leaves slow, built from source on the machine
 that runs them and called from the compiled step as XLA FFI custom calls (`cpu_kernels.cc`):
 
 - paged attention for tiles of a few query rows (`ATTENTION_TARGET`): XLA's path gathers every tile's
   blocks chunk by chunk up to the step's longest context in a chain of small ops; the kernel reads each
   tile's own blocks through its block table, only as far as its queries reach (a 32-row step at 512
   tokens of context 1.5x faster, a one-row step 1.1-1.25x);
-- few-row products with quantized weights: int4 layers (`INT4_TARGET`) and an int8 table as the LM
-  head (`INT8_TABLE_TARGET`, the default model's Q8_0 embedding). XLA:CPU multiplies by a quantized
-  weight in two steps: a fusion writes the weight's float32 copy, then a library matmul reads it back.
-  With one to a few rows that copy is nearly all of the work: the default model's one-row decode step
-  writes and reads about 320 MB of float32 weights per token for a file of 94 MB. The kernels read
-  the levels and their float16 scales once and keep their sums in registers (the default model's
-  one-row step 1.9x faster).
+- products with quantized weights: int4 layers (`INT4_TARGET`) and an int8 table as the LM head
+  (`INT8_TABLE_TARGET`, the default model's Q8_0 embedding). XLA:CPU multiplies by a quantized
+  weight in two steps: a fusion writes the weight's float32 copy, then a library matmul reads it
+  back. With one to a few rows that copy is nearly all of the work: the default model's one-row
+  decode step writes and reads about 320 MB of float32 weights per token for a file of 94 MB. For a
+  few rows the kernels stream the levels and their float16 scales once and keep their sums in
+  registers (the default model's one-row step 1.9x faster); for more, each thread dequantizes a
+  panel of the weight (or of the table's rows) into its own cache and multiplies every row by it
+  (the projections 1.1-2x XLA's path from 8 to 512 rows, a 32-row decode step 1.2x).
 
-With AVX-512 they run vectorized, elsewhere in portable loops. XLA's path stays for more rows, where
-its matrix multiplies win, for training (a gradient through a product kernel is taken through XLA's
-path: `kiln.models.quant`), and on every other backend.
+With AVX-512 they run vectorized, elsewhere in portable loops (there the products take only a few
+rows: `product_max_rows`). XLA's path stays for prefill's attention, where its own ops are as fast,
+for gradients (a gradient through a product kernel is taken through XLA's path: `kiln.models.quant`),
+and on every other backend.
 
 The kernels are compiled once per machine, source and jaxlib with the system's C++ compiler (`CXX`,
 else `c++`; about 5 s) into a cache directory, and registered with XLA for the CPU platform. Where
@@ -48,7 +51,7 @@ INT8_TABLE_TARGET = "kiln_int8_table_logits"
 ATTENTION_TARGET = "kiln_paged_attention"
 ATTENTION_MAX_ROWS = 16  # query rows of a (KV head, tile) the attention kernel takes (a decode step's few)
 ATTENTION_MAX_BLOCK = 256  # keys of a KV block it takes
-INT4_MAX_ROWS = 4  # rows the kernel takes: beyond four, XLA's dequantize-then-multiply is as fast or faster
+STREAMING_MAX_ROWS = 4  # rows the streaming loops take (beyond four, XLA's path is as fast or faster than them)
 
 _lock = threading.Lock()
 _ready: bool | None = None  # None: not tried in this process
@@ -93,6 +96,12 @@ def cpu_flags() -> str:
         return platform.processor()
 
 
+def product_max_rows() -> int | None:
+    """Rows of x the product kernels take: any number where they are built with AVX-512 (their panels
+    beat XLA's path from 5 to 512 rows), else the few their streaming loops take."""
+    return None if "avx512f" in cpu_flags().split() else STREAMING_MAX_ROWS
+
+
 def compiler() -> str | None:
     """The C++ compiler the kernels are built with: `CXX`, else the first of c++, g++, clang++ found."""
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -120,8 +129,7 @@ def _build_and_register() -> bool:
         log.warning("CPU kernels off: %s; attention and quantized products use XLA's paths",
                     str(exc).strip().splitlines()[-1][:300])
         return False
-    log.info("CPU kernels: decode attention, int4 and int8-table products of up to %d rows (%s)", INT4_MAX_ROWS,
-             library.name)
+    log.info("CPU kernels: decode attention, int4 and int8-table products (%s)", library.name)
     return True
 
 

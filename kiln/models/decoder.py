@@ -478,7 +478,7 @@ def forward_hidden(
 
     `lora`: a slot state ({"scale": [n], "layers": ...}, see `lora.py`); every token applies its
     row's slot (inputs.adapters), all n slots in one matmul each. `dynamic_context`, `attention` (its
-    kernel): see `_attention`. `cpu_kernels`: quantized products of a few rows run in Kiln's CPU kernels
+    kernel): see `_attention`. `cpu_kernels`: quantized products run in Kiln's CPU kernels
     (registered: kiln.kernels.cpu)."""
     inputs = StepInputs(*(jnp.asarray(x) for x in inputs))
     kv_dtype = kv_float_dtype(kv, params)

@@ -204,8 +204,9 @@ def matmul(x: jax.Array, w: Int8Weight | Int4Weight | LayerOf, dtype=jnp.float32
     int8 with one group applies its scale to the product (one multiply per output, not per weight);
     int4 dequantizes each nibble's half of the weight and multiplies it apart (`for_matmul`): by the
     matching (even or odd) columns of x, or into its half of the output columns. With `cpu_kernels`
-    (a step for the CPU, the kernel registered: kiln.kernels.cpu) an int4 product of a few float32
-    rows runs in Kiln's kernel instead, reading a `LayerOf` weight's layer in the stack."""
+    (a step for the CPU, the kernel registered: kiln.kernels.cpu) an int4 product of float32 rows
+    runs in Kiln's kernel instead (any number of rows with AVX-512, else a few), reading a `LayerOf`
+    weight's layer in the stack."""
     if cpu_kernels:  # (the kernel takes a stack of layers: one weight is a stack of one)
         stacked = w if isinstance(w, LayerOf) else LayerOf(jax.tree.map(lambda a: a[None], w), jnp.int32(0))
         if _kernel_takes(x, stacked.weight, dtype):
@@ -213,9 +214,10 @@ def matmul(x: jax.Array, w: Int8Weight | Int4Weight | LayerOf, dtype=jnp.float32
     return _dequantized_matmul(x, w.layer() if isinstance(w, LayerOf) else w, dtype)
 
 
-def _kernel_rows(x: jax.Array, dtype, scale: jax.Array) -> bool:
-    """Whether Kiln's CPU kernels take these rows: a few float32 ones, against float16 or float32 scales."""
-    return (x.ndim == 2 and 1 <= x.shape[0] <= kernels.INT4_MAX_ROWS and jnp.dtype(dtype) == jnp.float32
+def _kernel_rows(x: jax.Array, dtype, scale: jax.Array, max_rows: int | None) -> bool:
+    """Whether Kiln's CPU kernels take these rows: float32 ones (at most `max_rows`), against float16 or
+    float32 scales."""
+    return (x.ndim == 2 and 1 <= x.shape[0] <= (max_rows or x.shape[0]) and jnp.dtype(dtype) == jnp.float32
             and scale.dtype in (jnp.float16, jnp.float32))
 
 
@@ -225,8 +227,10 @@ def _kernel_takes(x: jax.Array, w, dtype) -> bool:
         return False
     n_in, n_out = x.shape[-1], w.scale.shape[-1]
     columns = n_out // 2 if _paired_along_out(w) else n_out
-    return (_kernel_rows(x, dtype, w.scale) and w.packed.ndim == 3 and w.scale.dtype == w.offset.dtype
-            and (n_in // w.scale.shape[-2]) % 2 == 0 and columns % 16 == 0)
+    panels = x.shape[0] <= kernels.STREAMING_MAX_ROWS or n_out % 32 == 0  # (more rows: panels of 32 columns)
+    return (_kernel_rows(x, dtype, w.scale, kernels.product_max_rows()) and w.packed.ndim == 3
+            and w.scale.dtype == w.offset.dtype and (n_in // w.scale.shape[-2]) % 2 == 0 and columns % 16 == 0
+            and panels)
 
 
 def _differentiated_as(reference: Callable):
@@ -438,14 +442,17 @@ def table_rows(t: Int8Table | Int4Table, ids: jax.Array) -> jax.Array:
 
 def table_logits(x: jax.Array, t: Int8Table | Int4Table, dtype=jnp.float32, cpu_kernels: bool = False) -> jax.Array:
     """x [T, cols] against every row of the table: float32 [T, rows] (padding included), the
-    operands in `dtype` (as `matmul`). With `cpu_kernels`, an int8 table against a few float32 rows
-    runs in Kiln's CPU kernel (kiln.kernels.cpu; as `matmul`).
+    operands in `dtype` (as `matmul`). With `cpu_kernels`, an int8 table against float32 rows runs
+    in Kiln's CPU kernel (kiln.kernels.cpu; as `matmul`).
 
     A loop over chunks of rows, each dequantized and multiplied in turn: a whole vocabulary's float
     copy would be a temporary as large as the float32 head, written and read back at every step
     (on XLA:CPU 3.5x slower than the float head for 32 rows). Each chunk is rematerialized under
     differentiation, so training keeps no float copy of the head either."""
-    if cpu_kernels and isinstance(t, Int8Table) and _kernel_rows(x, dtype, t.scale):
+    # (more rows than the streaming loops take: panels of groups of 32 columns)
+    panels = t.q.shape[-1] == 32 * t.scale.shape[-1] if isinstance(t, Int8Table) else False
+    max_rows = kernels.product_max_rows() if panels else kernels.STREAMING_MAX_ROWS
+    if cpu_kernels and isinstance(t, Int8Table) and _kernel_rows(x, dtype, t.scale, max_rows):
         return _kernel_table_logits(x, t)
     x = x.astype(dtype)
     rows = t[0].shape[0]

@@ -1,6 +1,7 @@
-"""Kiln's CPU kernels for few-row int4 products (kiln.kernels.cpu) against XLA's dequantize-then-multiply
-path: the same products (both nibble layouts, float16 and float32 scales, 64-column blocks and their
-16-column tails), the same gradients, and only where it is asked for and fits; their portable build
+"""Kiln's CPU kernels for int4 products (kiln.kernels.cpu) against XLA's dequantize-then-multiply path:
+the same products (both nibble layouts, float16 and float32 scales, 64-column blocks and their
+16-column tails, few rows streamed and more rows in panels), the same gradients, and only where it
+is asked for and fits; their portable build
 against the vectorized one (the attention kernel's own checks against XLA's attention:
 tests/models/test_paged_attention_kernel.py)."""
 
@@ -37,7 +38,7 @@ def product(x, w, cpu_kernels):
 
 
 @pytest.mark.parametrize("scales", ["float16", "float32"])
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5, 13, 32, 200])  # streamed; panels: tiles of 12 rows, chunks of 192
 @pytest.mark.parametrize("shape", [(64, 256), (576, 960), (256, 64), (96, 96)])  # pairs along out, then along in
 def test_kernel_products_are_xla_products(kernel, shape, rows, scales):
     w = int4_weight(shape, scales)
@@ -48,10 +49,11 @@ def test_kernel_products_are_xla_products(kernel, shape, rows, scales):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-def test_the_kernel_is_used_only_where_asked_and_for_few_rows(kernel):
+def test_the_kernel_is_used_only_where_asked_and_fits(kernel):
     w = int4_weight((64, 256), "float16")
-    for rows, asked, used in ((1, False, False), (kernels.INT4_MAX_ROWS, True, True),
-                              (kernels.INT4_MAX_ROWS + 1, True, False), (32, True, False)):
+    panels = kernels.product_max_rows() is None  # (built with AVX-512: any rows)
+    for rows, asked, used in ((1, False, False), (kernels.STREAMING_MAX_ROWS, True, True),
+                              (kernels.STREAMING_MAX_ROWS + 1, True, panels), (512, True, panels)):
         x = np.ones((rows, 64), np.float32)
         assert ("kiln_int4_matmul" in product.lower(x, w, cpu_kernels=asked).as_text()) == used, (rows, asked)
     x = np.ones((1, 64), np.float32)
@@ -59,6 +61,9 @@ def test_the_kernel_is_used_only_where_asked_and_for_few_rows(kernel):
     assert "kiln_int4_matmul" not in product.lower(x, mixed, cpu_kernels=True).as_text()
     odd = int4_weight((64, 40), "float16")  # 40 output columns: not whole 16-column blocks
     assert "kiln_int4_matmul" not in product.lower(np.ones((1, 64), np.float32), odd, cpu_kernels=True).as_text()
+    sixteens = int4_weight((64, 48), "float16")  # whole 16-column blocks, but panels take 32 columns
+    assert "kiln_int4_matmul" in product.lower(np.ones((2, 64), np.float32), sixteens, cpu_kernels=True).as_text()
+    assert "kiln_int4_matmul" not in product.lower(np.ones((8, 64), np.float32), sixteens, cpu_kernels=True).as_text()
 
 
 def test_a_stacked_weight_is_multiplied_at_its_layer_in_place(kernel):
@@ -111,17 +116,20 @@ def head(x, t, cpu_kernels):
 
 
 @pytest.mark.parametrize("scales", ["float16", "float32"])
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 7, 32])  # streamed, then in panels (tiles of 6 rows)
 def test_kernel_head_logits_are_xla_logits(kernel, rows, scales):
     """An int8 table as the LM head (the default model's Q8_0 embedding): every row, padding included."""
+    if rows > kernels.STREAMING_MAX_ROWS and kernels.product_max_rows() is not None:
+        pytest.skip("more rows than the streaming loops take need the AVX-512 build")
     t = int8_table(300, 96, scales)
     x = np.random.default_rng(4).standard_normal((rows, 96)).astype(np.float32)
     assert "kiln_int8_table_logits" in head.lower(x, t, cpu_kernels=True).as_text()
     got, want = head(x, t, cpu_kernels=True), head(x, t, cpu_kernels=False)
     assert got.shape == want.shape == (rows, t.q.shape[0])
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
-    many = np.ones((kernels.INT4_MAX_ROWS + 1, 96), np.float32)
-    assert "kiln_int8_table_logits" not in head.lower(many, t, cpu_kernels=True).as_text()
+    many = np.ones((kernels.STREAMING_MAX_ROWS + 1, 96), np.float32)  # (in panels, built with AVX-512)
+    panels = kernels.product_max_rows() is None
+    assert ("kiln_int8_table_logits" in head.lower(many, t, cpu_kernels=True).as_text()) == panels
     dx = jax.grad(lambda x: jnp.sum(jnp.tanh(head(x, t, cpu_kernels=True))))(x)
     np.testing.assert_allclose(np.asarray(dx), np.asarray(jax.grad(lambda x: jnp.sum(jnp.tanh(head(x, t, False))))(x)),
                                rtol=1e-3, atol=1e-4 * float(np.abs(dx).max()))
@@ -144,7 +152,7 @@ def test_the_portable_build_computes_what_the_vectorized_one_does(kernel, tmp_pa
                                 platform="cpu")
     for shape in ((64, 256), (256, 64)):
         w = int4_weight(shape, "float16")
-        for rows in (1, 3):
+        for rows in (1, 3, 7, 13):  # streamed, then panels
             x = np.random.default_rng(5).standard_normal((rows, shape[0])).astype(np.float32)
             got = jax.ffi.ffi_call("test_portable_int4", jax.ShapeDtypeStruct((rows, shape[1]), jnp.float32))(
                 x, *(a[None] for a in w), np.zeros(1, np.int32))  # one layer of a stack
