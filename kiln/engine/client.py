@@ -335,6 +335,11 @@ class AsyncEngine:
         return self.at_boundary(lambda: {**build_step_set(runner, defer_lora=True, on_progress=on_progress),
                                          **prime_first_contact(runner)})
 
+    def warm_prefix(self, prompt_ids: list[int]) -> concurrent.futures.Future:
+        """Prefills a prefix most requests share into the prefix cache, on the engine thread
+        (EngineCore.warm_prefix); the future carries the tokens cached."""
+        return self.at_boundary(lambda: self._core.warm_prefix(prompt_ids))
+
     def resize_kv(self, blocks: int, attempts: int = 1, give_up: Callable[[], bool] = lambda: False) -> bool:
         """Gives the KV pool `blocks` blocks at an iteration boundary (blocking). The new size's steps
         are compiled here first, so serving never waits for a compile. A shrink is retried every 0.5 s,

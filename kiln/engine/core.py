@@ -183,6 +183,31 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None or bool(self._carried)
 
+    def warm_prefix(self, prompt_ids: list[int]) -> int:
+        """Prefills `prompt_ids`, a prefix most requests share (a chat template's opening), into the
+        prefix cache before serving: the first request finds its blocks cached as later ones do.
+        Only with the cache on and nothing else scheduled; runs to its end on this thread and counts
+        in no statistic or metric (its KV events are published: a router learns the blocks are here).
+        Returns the tokens cached, whole blocks only (0: none)."""
+        cached = len(prompt_ids) // self.config.block_size * self.config.block_size
+        if not self.config.enable_prefix_caching or cached == 0 or self.has_work():
+            return 0
+        counts = [(stats, dataclasses.asdict(stats)) for stats in (self.scheduler.stats, self.pool.stats)]
+        metrics, self.metrics = self.metrics, None
+        try:
+            for req in self.make_requests("kiln-warm-prefix", prompt_ids,
+                                          SamplingParams(max_tokens=1, temperature=0.0, seed=0, ignore_eos=True)):
+                self.add_request(req)
+            while self.has_work():
+                self.step()
+            self.flush()
+        finally:
+            self.metrics = metrics
+            for stats, before in counts:
+                for name, value in before.items():
+                    setattr(stats, name, value)
+        return cached
+
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[Delta]:

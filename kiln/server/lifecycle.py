@@ -22,7 +22,7 @@ import time
 import uvicorn
 
 from kiln.config import Settings
-from kiln.errors import AdmissionRejected, BackendUnavailable, KilnError, ModelLoadError
+from kiln.errors import AdmissionRejected, BackendUnavailable, KilnError, ModelLoadError, TemplateError
 from kiln.profiles import ServingProfile, log_startup
 from kiln.server.app import create_app
 from kiln.server.state import ServerState
@@ -79,6 +79,29 @@ def finish_prewarm(state: ServerState, warming: concurrent.futures.Future | None
              "gate, %d LoRA steps left for the first adapter; %d memory mappings); %d steps primed in %.1fs",
              done["executables"], done["seconds"], done["built"], done["loaded"], done["refused_by_gate"],
              done["deferred"], done["memory_mappings"], done["primed"], done["prime_seconds"])
+
+
+def warm_chat_prefix(state: ServerState) -> None:
+    """Prefills what every one-message chat starts with into the prefix cache before ready (the chat
+    template's opening: for a template that adds a default system prompt, that prompt), so that a
+    first chat request finds it cached, as the requests after it do. Found as the tokens two
+    renderings share; none where the profile admits no inference or the model has no template."""
+    if not state.profile.policy.inference_admission:
+        return
+    tok = state.tokenizer
+    try:
+        a, b = (tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True),
+                           add_special_tokens=False) for text in ("a", "b"))
+    except TemplateError:
+        return
+    shared = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    try:
+        cached = state.engine.warm_prefix(a[:shared]).result()
+    except KilnError as exc:  # an optimisation: a failure is logged, never fatal
+        log.warning("prefilling the chat template's opening failed (%s); a first chat request prefills it", exc)
+        return
+    if cached:
+        log.info("chat template's opening prefilled: %d tokens in the prefix cache", cached)
 
 
 def preload_adapters(state: ServerState) -> bool:
@@ -182,6 +205,7 @@ class Start:
         self._built[:0] = [state.evals.shutdown, jobs.shutdown]
         state.grammars.tokenizer  # noqa: B018 (built now, so no request's compile waits for it)
         finish_prewarm(state, warming)
+        warm_chat_prefix(state)
         trim_heap()  # what the start freed (host copies of the weights, compiler scratch) goes back to the OS
         progress.phase = "loading adapters"
         if not preload_adapters(state):

@@ -91,6 +91,26 @@ def test_prefix_hit_reuses_blocks_and_matches_cold_run(engine):
     assert salted.usage["cached_tokens"] == 0
 
 
+def test_a_warmed_prefix_is_cached_and_counted_nowhere(engine, tiny_model):
+    """What a server's start does with the chat template's opening: its whole blocks go into the
+    prefix cache, and no statistic counts that prefill."""
+    prefix = prompts_of(1, seed=11, lo=40, hi=41)[0]
+    before = {k: engine.snapshot[k] for k in ("prompt_tokens", "generation_tokens", "finished", "prefix_queries")}
+    assert engine.warm_prefix(prefix).result(timeout=120) == 32  # two whole blocks of 16
+    engine.at_boundary(lambda: None).result(timeout=30)  # (a snapshot taken after it)
+    assert {k: engine.snapshot[k] for k in before} == before
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (_, _, last), = run(engine, [prefix + [7, 8, 9]], greedy)
+    assert last.usage["cached_tokens"] == 32
+    assert engine.warm_prefix(prefix[:15]).result(timeout=30) == 0  # less than a block: nothing to keep
+    off = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=16, enable_prefix_caching=False, **SMALL))
+    try:
+        assert off.warm_prefix(prefix).result(timeout=120) == 0
+    finally:
+        off.shutdown()
+    assert_pool_idle(engine)
+
+
 def test_preemption_recomputes_and_frees_everything(tiny_model):
     eng = AsyncEngine(tiny_model, EngineConfig(num_kv_blocks=12, enable_prefix_caching=False, **SMALL))
     try:

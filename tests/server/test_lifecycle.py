@@ -24,6 +24,12 @@ SMALL_SET = dict(KILN_ENGINE_DECODE_ROW_BUCKETS="1,4", KILN_ENGINE_PREFILL_TOKEN
 DRAIN_S = 4
 
 
+def counter(url: str, name: str) -> float:
+    """A counter's value summed over its labels (0 when it has no series yet)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 def chat(max_tokens: int, stream: bool = True) -> dict:
     return {"model": DEFAULT_MODEL_ID, "messages": [{"role": "user", "content": "Tell me about the sea."}],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
@@ -64,8 +70,16 @@ def test_health_answers_from_the_first_second_and_says_starting_until_ready(serv
     assert models.status_code == 503 and models.headers["retry-after"]
     assert models.json()["error"] == {**models.json()["error"], "type": "service_unavailable", "code": "starting",
                                       "param": None}
+    # the chat template's opening (SmolLM2's default system prompt) was prefilled before ready, counted
+    # nowhere: the first chat request finds its whole blocks cached
+    assert counter(server.url, "vllm:prompt_tokens_total") == 0
+    assert counter(server.url, "vllm:prefix_cache_queries_total") == 0
     r = httpx.post(server.url + "/v1/chat/completions", json=chat(4, stream=False), timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    usage = r.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16, usage
+    assert counter(server.url, "vllm:prefix_cache_hits_total") == usage["prompt_tokens_details"]["cached_tokens"]
+    assert counter(server.url, "vllm:prompt_tokens_total") == usage["prompt_tokens"]
     # the default model's int4 layers and int8 head: its one-row steps' products run in Kiln's CPU kernels
     compiler = kernels.compiler() is not None
     assert httpx.get(server.url + "/v1/config", timeout=30).json()["backend"]["cpu_kernels"] is compiler
