@@ -208,9 +208,9 @@ SCHEMA: tuple[Key, ...] = (
         "auto = pallas on CUDA GPUs of compute capability 8.0+ for a model whose head size and block_size are "
         "powers of two (16 or more), cpu on a CPU where Kiln's CPU kernels are built"),
     Key("engine", "cpu_kernels", "str", "auto", one_of("auto", "off"),
-        "Kiln's CPU kernels for a decode step: attention over few-query tiles and quantized products of one "
-        "to four rows (int4 layers, int8 head), built with the system's C++ compiler at the first start; auto "
-        "= used where they build, off = XLA's paths only"),
+        "Kiln's CPU kernels for a step: attention over few-query tiles and quantized products (int4 layers, "
+        "int8 head; more than four rows only with AVX-512), built with the system's C++ compiler at the first "
+        "start; auto = used where they build, off = XLA's paths only"),
     Key("adapters", "max_loras", "int", 4, at_least(1), "adapter slots loaded at once"),
     Key("adapters", "max_lora_rank", "int", 16, at_least(1), "largest LoRA rank a slot holds"),
     Key("adapters", "lora_experts", "bool", False, None,

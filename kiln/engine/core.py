@@ -198,9 +198,8 @@ class EngineCore:
             for req in self.make_requests("kiln-warm-prefix", prompt_ids,
                                           SamplingParams(max_tokens=1, temperature=0.0, seed=0, ignore_eos=True)):
                 self.add_request(req)
-            while self.has_work():
+            while self.has_work():  # (until nothing is in flight either)
                 self.step()
-            self.flush()
         finally:
             self.metrics = metrics
             for stats, before in counts:

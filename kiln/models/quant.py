@@ -214,9 +214,10 @@ def matmul(x: jax.Array, w: Int8Weight | Int4Weight | LayerOf, dtype=jnp.float32
     return _dequantized_matmul(x, w.layer() if isinstance(w, LayerOf) else w, dtype)
 
 
-def _kernel_rows(x: jax.Array, dtype, scale: jax.Array, max_rows: int | None) -> bool:
-    """Whether Kiln's CPU kernels take these rows: float32 ones (at most `max_rows`), against float16 or
-    float32 scales."""
+def _kernel_rows(x: jax.Array, dtype, scale: jax.Array, panels: bool) -> bool:
+    """Whether Kiln's CPU kernels take these rows: float32 ones against float16 or float32 scales, as
+    many as the streaming loops take, or as their panels take where the weight's shape has panels."""
+    max_rows = kernels.product_max_rows() if panels else kernels.STREAMING_MAX_ROWS
     return (x.ndim == 2 and 1 <= x.shape[0] <= (max_rows or x.shape[0]) and jnp.dtype(dtype) == jnp.float32
             and scale.dtype in (jnp.float16, jnp.float32))
 
@@ -227,10 +228,8 @@ def _kernel_takes(x: jax.Array, w, dtype) -> bool:
         return False
     n_in, n_out = x.shape[-1], w.scale.shape[-1]
     columns = n_out // 2 if _paired_along_out(w) else n_out
-    panels = x.shape[0] <= kernels.STREAMING_MAX_ROWS or n_out % 32 == 0  # (more rows: panels of 32 columns)
-    return (_kernel_rows(x, dtype, w.scale, kernels.product_max_rows()) and w.packed.ndim == 3
-            and w.scale.dtype == w.offset.dtype and (n_in // w.scale.shape[-2]) % 2 == 0 and columns % 16 == 0
-            and panels)
+    return (_kernel_rows(x, dtype, w.scale, panels=n_out % 32 == 0) and w.packed.ndim == 3  # (panels of 32 columns)
+            and w.scale.dtype == w.offset.dtype and (n_in // w.scale.shape[-2]) % 2 == 0 and columns % 16 == 0)
 
 
 def _differentiated_as(reference: Callable):
@@ -449,10 +448,8 @@ def table_logits(x: jax.Array, t: Int8Table | Int4Table, dtype=jnp.float32, cpu_
     copy would be a temporary as large as the float32 head, written and read back at every step
     (on XLA:CPU 3.5x slower than the float head for 32 rows). Each chunk is rematerialized under
     differentiation, so training keeps no float copy of the head either."""
-    # (more rows than the streaming loops take: panels of groups of 32 columns)
-    panels = t.q.shape[-1] == 32 * t.scale.shape[-1] if isinstance(t, Int8Table) else False
-    max_rows = kernels.product_max_rows() if panels else kernels.STREAMING_MAX_ROWS
-    if cpu_kernels and isinstance(t, Int8Table) and _kernel_rows(x, dtype, t.scale, max_rows):
+    if (cpu_kernels and isinstance(t, Int8Table)  # (panels: groups of 32 columns)
+            and _kernel_rows(x, dtype, t.scale, panels=t.q.shape[-1] == 32 * t.scale.shape[-1])):
         return _kernel_table_logits(x, t)
     x = x.astype(dtype)
     rows = t[0].shape[0]
