@@ -35,7 +35,7 @@ import numpy as np
 MIN_OBSERVATIONS = 20  # fitted factors apply from this many TTFT observations on
 DECAY = 0.995  # weight kept by each observation per newer one: an effective window of ~200 picks
 PRIOR_WEIGHT = 0.1  # the identity counts as this many observations (in each fitted coordinate)
-SCALE_MIN, SCALE_MAX = 0.25, 8.0
+SCALE_MIN, SCALE_MAX = 0.25, 64.0
 OFFSET_MIN_MS, OFFSET_MAX_MS = -2000.0, 5000.0
 BATCH_MS_MAX = 5000.0
 OUTLIER_MS = 600_000.0  # a TTFT above this (10 minutes) is a stuck request, not a latency: ignored

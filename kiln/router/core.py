@@ -3,7 +3,8 @@
 `RouterCore` owns the moving parts and joins them for each pick:
 
 * the worker sets and their workers, from the configuration;
-* per worker set, KV-event ingest and its prefix index (`KVIngest`), and a `PrefixHeat`;
+* per worker set, KV-event ingest and its prefix index (`KVIngest`), a `PrefixHeat` and a
+  `PrefixFootprint` (which ties between workers read);
 * the `Scraper` (each worker's load, liveness and served models) and `Tokenization`;
 * the bookkeeping of picks: requests in flight per worker, and observations awaiting Feedback.
 
@@ -54,7 +55,7 @@ from kiln.router.calibration import Calibration
 from kiln.router.config import Profile, RouterConfig, Worker, WorkerSet
 from kiln.router.ingest import KVIngest, ingest_for
 from kiln.router.kv_index import KVIndex
-from kiln.router.picker import PrefixHeat, pick, prefix_key
+from kiln.router.picker import PrefixFootprint, PrefixHeat, pick, prefix_key
 from kiln.router.predictor import WorkerLoad, predict_all
 from kiln.router.rollout import Rollouts
 from kiln.router.scrape import Scraper, WorkerHealth
@@ -90,6 +91,7 @@ class _Set:
     index: KVIndex
     ingest: KVIngest | None
     heat: PrefixHeat = field(default_factory=PrefixHeat)
+    footprint: PrefixFootprint = field(default_factory=PrefixFootprint)
     calibration: Calibration = field(default_factory=Calibration)
     tokenize_warned_at: float = -TOKENIZE_LOG_EVERY_S
     workers: dict[int, Worker] = field(default_factory=dict)  # by worker_id_num, in the order added
@@ -276,6 +278,7 @@ class RouterCore:
         self.tally.pop(worker_id_num, None)
         self.meta.pop(worker_id_num, None)
         self.inflight.drop_worker(worker_id_num)
+        entry.footprint.forget(worker_id_num)
         if self.tokenization is not None:
             self.tokenization.remove_worker(entry.ws.name, worker_id_num)
         if self.scraper is not None:
@@ -429,11 +432,14 @@ class RouterCore:
                     inflight_blocks=self.inflight.leading_blocks(num, keys, cached) if tracking else 0,
                     inflight=self.inflight.count(num),
                     adapter_load=lora is not None and health is not None and lora in health.unloaded,
+                    recent_blocks=entry.footprint.blocks(num),
                 )
             )
         predictions = predict_all(entry.profile.predictor, loads, len(keys), tracking, entry.calibration.factors)
-        share = entry.heat.observe(prefix_key(keys))
+        key = prefix_key(keys)
+        share = entry.heat.observe(key)
         choice = pick(predictions, picker, self.rng, prefix_share_pct=share)
+        entry.footprint.observe(choice.worker_id, key, len(keys))
         for p in predictions:
             self.tally[p.worker_id].predicted_ms = p.total_ms
         log.debug("model %s, %d blocks: %s", model, len(keys), choice.describe())
@@ -617,6 +623,7 @@ class RouterCore:
             "inflight": self.inflight.count(num),
             "ended_since_scrape": self.inflight.finished(num),
             "index_blocks": entry.index.blocks_of(num),
+            "recent_prefix_blocks": entry.footprint.blocks(num),  # (the tie-break's cache footprint)
             "picks": tally.picks,
             "predicted_ms": tally.predicted_ms,
             "ttft_ms": tally.ttft_ms,

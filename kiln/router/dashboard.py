@@ -36,7 +36,8 @@ PAGE = """<!doctype html>
 <table>
   <thead><tr>
     <th>worker</th><th>worker set</th><th>status</th><th>running</th><th>waiting</th><th>KV usage</th>
-    <th>index blocks</th><th>in flight</th><th>picks</th><th>predicted ms</th><th>TTFT ms</th><th>E2E ms</th>
+    <th>index blocks</th><th>recent prefix blocks</th><th>in flight</th><th>picks</th><th>predicted ms</th>
+    <th>TTFT ms</th><th>E2E ms</th>
     <th>engine</th>
     <th>models</th>
     <th>labels</th>
@@ -98,6 +99,7 @@ function render(s) {
     pct.textContent = (w.kv_usage * 100).toFixed(0) + "%";
     kv.append(bar, pct);
     cell(row, w.index_blocks, "num");
+    cell(row, w.recent_prefix_blocks, "num");
     cell(row, w.inflight, "num");
     cell(row, w.picks, "num");
     cell(row, ms(w.predicted_ms), "num");

@@ -78,7 +78,11 @@ def pick(
     if not predictions:
         raise ValueError("no eligible worker to pick from")
     ranked = sorted(predictions, key=_rank)
-    candidates = tuple(ranked[: top_k(len(ranked), picker)])
+    # the best k, and every worker tied with the best: among equal predictions the id order must not
+    # decide which workers may be picked (cold prompts on an idle fleet would all go to the lowest ids)
+    limit = ranked[0].total_ms + picker.tie_tolerance_ms
+    within = sum(1 for p in ranked if p.total_ms <= limit)
+    candidates = tuple(ranked[: max(top_k(len(ranked), picker), within)])
     if len(ranked) == 1:
         return Choice(ranked[0].worker_id, ranked[0], candidates, (), "only")
 
@@ -105,7 +109,8 @@ def _break_tie(
     ranked: Sequence[Prediction], tolerance_ms: float, rng: random.Random
 ) -> tuple[Prediction, tuple[int, ...], Reason]:
     """The best of `ranked` (best first); those within tolerance_ms of it are tied and settled by load
-    (fewest running + waiting + in flight, then lowest kv_usage), then by a draw from rng."""
+    (fewest running + waiting + in flight, then fewest recent prefix blocks, then lowest kv_usage),
+    then by a draw from rng."""
     limit = ranked[0].total_ms + tolerance_ms
     tied = [p for p in ranked if p.total_ms <= limit]
     if len(tied) == 1:
@@ -119,8 +124,8 @@ def _break_tie(
     return rng.choice(lightest), ids, "random"
 
 
-def _load(p: Prediction) -> tuple[int, float]:
-    return p.load.pending, p.load.kv_usage
+def _load(p: Prediction) -> tuple[int, int, float]:
+    return p.load.pending, p.load.recent_blocks, p.load.kv_usage
 
 
 def prefix_key(block_keys: Sequence[Hashable], depth: int = PREFIX_KEY_BLOCKS) -> Hashable | None:
@@ -167,3 +172,52 @@ class PrefixHeat:
         if key is None or n < self.min_samples or n == 0:
             return 0.0
         return 100.0 * self._counts.get(key, 0) / n
+
+
+class PrefixFootprint:
+    """Per worker, the blocks of the distinct prefixes among the last `window` prompts the router sent
+    it: the part of each worker's KV cache that recent traffic keeps in use.
+
+    A prefix is counted under its heat key (`prefix_key`) with the most blocks a prompt under that key
+    had. A worker's pool evicts its least recently used blocks first, so a new prefix sent to the worker
+    with the smallest footprint displaces blocks nobody asked for lately rather than another tenant's
+    prefix. Not thread-safe: one owner observes and reads.
+    """
+
+    def __init__(self, window: int = 1024) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._recent: deque[tuple[int, Hashable]] = deque()
+        self._prefixes: dict[tuple[int, Hashable], list[int]] = {}  # (worker, key) -> [prompts, blocks]
+        self._blocks: Counter[int] = Counter()
+
+    def observe(self, worker: int, key: Hashable | None, blocks: int) -> None:
+        """One prompt of `blocks` blocks under `key` sent to `worker` (None: no full block; not counted)."""
+        if key is None:
+            return
+        entry = self._prefixes.setdefault((worker, key), [0, 0])
+        entry[0] += 1
+        if blocks > entry[1]:
+            self._blocks[worker] += blocks - entry[1]
+            entry[1] = blocks
+        self._recent.append((worker, key))
+        if len(self._recent) > self.window:
+            old = self._recent.popleft()
+            entry = self._prefixes[old]
+            entry[0] -= 1
+            if not entry[0]:
+                del self._prefixes[old]
+                self._blocks[old[0]] -= entry[1]
+                if not self._blocks[old[0]]:
+                    del self._blocks[old[0]]
+
+    def blocks(self, worker: int) -> int:
+        return self._blocks.get(worker, 0)
+
+    def forget(self, worker: int) -> None:
+        """`worker` left, or its cache was cleared: its prefixes no longer count."""
+        self._recent = deque(item for item in self._recent if item[0] != worker)
+        for pair in [pair for pair in self._prefixes if pair[0] == worker]:
+            del self._prefixes[pair]
+        self._blocks.pop(worker, None)

@@ -34,6 +34,9 @@ class WorkerLoad:
         from began, and has not yet seen finish. The scrape cannot count them, so adding them never counts
         a request twice; the next scrape takes them over and they leave this count.
     adapter_load: the request names an adapter the worker lists but has not loaded (its /v1/models).
+    recent_blocks: the blocks of the distinct prefixes the router sent this worker lately (`PrefixFootprint`):
+        how much of its cache recent traffic keeps in use. Not a term of the prediction; ties prefer the
+        worker with the least, so that new prefixes spread over the caches instead of evicting each other.
     """
 
     worker_id: int
@@ -44,6 +47,7 @@ class WorkerLoad:
     inflight_blocks: int = 0
     inflight: int = 0
     adapter_load: bool = False  # the request's adapter is not loaded on the worker: it loads it first
+    recent_blocks: int = 0
 
     @property
     def pending(self) -> int:

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kiln.router.config import Picker, Predictor
-from kiln.router.picker import PrefixHeat, pick, prefix_key, top_k
+from kiln.router.picker import PrefixFootprint, PrefixHeat, pick, prefix_key, top_k
 from kiln.router.predictor import WorkerLoad, predict, predict_all, running_penalty
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,14 +337,55 @@ def test_load_tie_break_counts_running_waiting_inflight_then_kv_usage():
     assert (choice.worker_id, choice.reason) == (1, "load")
 
 
-def test_ties_are_only_among_the_candidates():
+def test_workers_within_the_tolerance_of_the_best_are_candidates_beyond_k():
     def worker(i, total, running):
         return predict(only(base_ms=total), WorkerLoad(i, running=running), 10, True)
 
-    # worker 2 is within the tolerance and idle, but the candidate set holds only the best two
-    workers = [worker(0, 100, 5), worker(1, 110, 4), worker(2, 120, 0)]
+    # k is 2, but worker 2 is within the tolerance of the best: a candidate, tied, and the least loaded
+    workers = [worker(0, 100, 5), worker(1, 110, 4), worker(2, 120, 0), worker(3, 151, 0)]
     choice = pick(workers, picker(top_k_min=2, tie_tolerance_ms=50), random.Random(0))
-    assert (choice.worker_id, choice.reason) == (1, "load")
+    assert [c.worker_id for c in choice.candidates] == [0, 1, 2]
+    assert (choice.worker_id, choice.reason, choice.tied) == (2, "load", (0, 1, 2))
+
+
+def test_equal_predictions_do_not_favour_low_worker_ids():
+    # eight idle workers predicting alike for a cold prompt; k is 2: every one of them gets picks
+    workers = preds(100, 100, 100, 100, 100, 100, 100, 100)
+    rng = random.Random(0)
+    picked = {pick(workers, picker(top_k_min=2), rng).worker_id for _ in range(200)}
+    assert picked == set(range(8))
+
+
+def test_ties_prefer_the_worker_whose_cache_recent_prefixes_use_least():
+    def worker(i, recent, **load):
+        return predict(ONLY_BASE, WorkerLoad(i, recent_blocks=recent, **load), 10, True)
+
+    workers = [worker(0, 90), worker(1, 30), worker(2, 60)]
+    assert pick(workers, picker(top_k_min=3, tie_tolerance_ms=1), random.Random(0)).worker_id == 1
+    # load comes first: a busier worker with room loses to an idle one without
+    workers = [worker(0, 90), worker(1, 30, running=1)]
+    assert pick(workers, picker(tie_tolerance_ms=1), random.Random(0)).worker_id == 0
+
+
+def test_prefix_footprint_counts_distinct_prefixes_per_worker_over_a_window():
+    footprint = PrefixFootprint(window=4)
+    footprint.observe(0, "a", 28)
+    footprint.observe(0, "a", 29)  # the same prefix, a longer prompt: its largest size counts once
+    footprint.observe(1, "b", 10)
+    footprint.observe(0, None, 50)  # no full block: not counted
+    assert (footprint.blocks(0), footprint.blocks(1), footprint.blocks(2)) == (29, 10, 0)
+    footprint.observe(0, "c", 5)
+    footprint.observe(2, "a", 28)
+    assert footprint.blocks(0) == 34  # one of a's two prompts slid out; a is still recent on worker 0
+    footprint.observe(1, "b", 10)
+    footprint.observe(1, "b", 10)
+    assert (footprint.blocks(0), footprint.blocks(1), footprint.blocks(2)) == (5, 10, 28)
+    footprint.forget(1)
+    footprint.observe(3, "d", 1)
+    footprint.observe(3, "d", 1)
+    assert (footprint.blocks(1), footprint.blocks(3)) == (0, 1)
+    with pytest.raises(ValueError):
+        PrefixFootprint(window=0)
 
 
 def test_seeded_draws_are_deterministic_and_vary_with_the_seed():
@@ -373,8 +414,9 @@ def test_the_pick_is_a_candidate_within_the_tolerance_of_the_best(workers):
     cfg = picker(tie_tolerance_ms=50)
     choice = pick(predictions, cfg, random.Random(0))
     assert choice.prediction in choice.candidates
-    assert len(choice.candidates) == top_k(len(predictions), cfg)
     best = min(t for t, _, _ in workers)
+    within = sum(1 for t, _, _ in workers if t <= best + 50)
+    assert len(choice.candidates) == max(top_k(len(predictions), cfg), within)
     assert choice.prediction.total_ms <= best + 50
     assert all(c.total_ms >= best for c in choice.candidates)
     assert pick(predictions, cfg, random.Random(0)) == choice
