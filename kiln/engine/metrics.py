@@ -105,6 +105,7 @@ class EngineMetrics:
                 "itl": histogram("inter_token_latency_seconds", "Time between output tokens"),
                 "e2e_s": histogram("e2e_request_latency_seconds", "End-to-end request latency"),
                 "queued_s": histogram("request_queue_time_seconds", "Time waiting before the first step"),
+                "prefill_s": histogram("request_prefill_time_seconds", "Time from the first step to the prompt's end"),
                 "success": Counter(f"{prefix}:request_success", "Finished requests", ["model_name", "finished_reason"],
                                    registry=self.registry),
             })
@@ -121,7 +122,7 @@ class EngineMetrics:
         phases, tokens = final.metrics or {}, (final.usage or {}).get("completion_tokens", 0)
         for h in self._histograms:
             h["success"].labels(self.model_name, final.finish_reason).inc()
-            for key in ("ttft_s", "e2e_s", "queued_s"):
+            for key in ("ttft_s", "e2e_s", "queued_s", "prefill_s"):
                 if phases.get(key) is not None:
                     h[key].observe(phases[key])
             if phases.get("decode_s") is not None and tokens > 1:

@@ -18,7 +18,10 @@ one) with a ridge prior of PRIOR_WEIGHT observations pulling it toward the ident
 scales 1, batch_ms 0); it is applied only once MIN_OBSERVATIONS observations came, and its scales are
 clamped to SCALE_MIN .. SCALE_MAX, its offset to OFFSET_MIN_MS .. OFFSET_MAX_MS and batch_ms to
 0 .. BATCH_MS_MAX. Before that, and for a
-worker set with no Feedback, predictions are exactly the uncalibrated ones.
+worker set with no Feedback, predictions are exactly the uncalibrated ones, except for the prefill
+scale that the workers' own prefill times imply (`scraped_prefill_scale`, from their /metrics), which
+applies from the first pick and is the prior the fit is pulled toward in its place of 1: a router
+started in front of a fleet that has served knows how fast its hardware prefills before any Feedback.
 
 The spec's configuration has no key for it: these are module constants (docs/router.md, "Calibration").
 An update (on Feedback) is a 4x4 solve; a pick only multiplies three terms by the current factors.
@@ -28,9 +31,12 @@ Not thread-safe: the router's event loop owns it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kiln.router.config import Predictor
 
 MIN_OBSERVATIONS = 20  # fitted factors apply from this many TTFT observations on
 DECAY = 0.995  # weight kept by each observation per newer one: an effective window of ~200 picks
@@ -39,6 +45,7 @@ SCALE_MIN, SCALE_MAX = 0.25, 64.0
 OFFSET_MIN_MS, OFFSET_MAX_MS = -2000.0, 5000.0
 BATCH_MS_MAX = 5000.0
 OUTLIER_MS = 600_000.0  # a TTFT above this (10 minutes) is a stuck request, not a latency: ignored
+MIN_SCRAPED_PREFILLS = 8  # prefills the workers must have reported before their speed is trusted
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,12 +65,29 @@ class Factors:
 IDENTITY = Factors()
 
 
+def scraped_prefill_scale(
+    p: Predictor, block_size: int, prefill_seconds: float, prefills: int, prompt_tokens: int, cached_tokens: int
+) -> float | None:
+    """The prefill scale the workers' cumulative counters imply: their mean prefill time per request
+    against what the coefficients predict for their mean request (its uncached blocks, its prompt's
+    blocks). None until they report MIN_SCRAPED_PREFILLS prefills of at least one uncached token."""
+    computed = prompt_tokens - cached_tokens
+    if prefills < MIN_SCRAPED_PREFILLS or computed <= 0 or prefill_seconds <= 0 or block_size <= 0:
+        return None
+    uncached, blocks = computed / prefills / block_size, prompt_tokens / prefills / block_size
+    predicted_ms = uncached * (p.attention_uncached_block_ms + p.attention_uncached_per_every_block_ms * blocks)
+    if predicted_ms <= 0:
+        return None
+    return min(SCALE_MAX, max(SCALE_MIN, 1000.0 * prefill_seconds / prefills / predicted_ms))
+
+
 class Calibration:
     """One worker set's online fit; `factors` is what picks use now (IDENTITY until fitted)."""
 
     def __init__(self) -> None:
         self.observations = 0  # TTFT observations taken (not decayed)
         self.factors = IDENTITY
+        self.prior_prefill_scale = 1.0  # the workers' scraped prefill speed, once known
         self.fitted = IDENTITY  # the last solve, before the MIN_OBSERVATIONS gate
         # Decayed sums over observations of x = (1, queue_ms, prefill_ms, batch) and y = ttft - other:
         self._xx = [[0.0] * 4 for _ in range(4)]
@@ -85,10 +109,18 @@ class Calibration:
         if self.observations >= MIN_OBSERVATIONS:
             self.factors = self.fitted
 
+    def scraped(self, prefill_scale: float | None) -> None:
+        """The prefill scale the workers' /metrics imply now (`scraped_prefill_scale`; None: not known)."""
+        if prefill_scale is None or prefill_scale == self.prior_prefill_scale:
+            return
+        self.prior_prefill_scale = prefill_scale
+        if self.observations < MIN_OBSERVATIONS:
+            self.factors = Factors(prefill_scale=prefill_scale)
+
     def _solve(self) -> Factors:
         """The ridge solution toward the identity, clamped."""
         n = self._xx[0][0]  # the decayed count
-        prior = (0.0, 1.0, 1.0, 0.0)
+        prior = (0.0, 1.0, self.prior_prefill_scale, 0.0)
         # The prior's strength in each coordinate: PRIOR_WEIGHT observations of that regressor's mean square.
         ridge = [PRIOR_WEIGHT * max(self._xx[i][i] / n, 1.0) if n > 0 else PRIOR_WEIGHT for i in range(4)]
         a = [[self._xx[i][j] + (ridge[i] if i == j else 0.0) for j in range(4)] for i in range(4)]
@@ -111,6 +143,7 @@ class Calibration:
             "active": self.observations >= MIN_OBSERVATIONS,
             "observations": self.observations,
             "min_observations": MIN_OBSERVATIONS,
+            "scraped_prefill_scale": self.prior_prefill_scale,
             "queue_scale": f.queue_scale,
             "prefill_scale": f.prefill_scale,
             "offset_ms": f.offset_ms,

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kiln.router.bookkeeping import InFlight, Observation, Observations
-from kiln.router.calibration import Calibration
+from kiln.router.calibration import Calibration, scraped_prefill_scale
 from kiln.router.config import Profile, RouterConfig, Worker, WorkerSet
 from kiln.router.ingest import KVIngest, ingest_for
 from kiln.router.kv_index import KVIndex
@@ -415,11 +415,16 @@ class RouterCore:
         picker, tracking = entry.profile.picker, entry.profile.picker.inflight_tracking
 
         loads = []
+        prefill = [0.0, 0, 0, 0]  # the eligible workers' prefill counters, summed
         for w in eligible:
             num = w.worker_id_num
             health = self._health(num)
             if health is not None:
                 self.inflight.settle(num, health.scrape_started_at)
+                prefill[0] += health.prefill_seconds
+                prefill[1] += health.prefills
+                prefill[2] += health.prompt_tokens
+                prefill[3] += health.cached_tokens
             cached = matched.get(num, 0)
             running, waiting = self._scraped_load(num, health)
             loads.append(
@@ -435,7 +440,9 @@ class RouterCore:
                     recent_blocks=entry.footprint.blocks(num),
                 )
             )
-        predictions = predict_all(entry.profile.predictor, loads, len(keys), tracking, entry.calibration.factors)
+        predictor = entry.profile.predictor
+        entry.calibration.scraped(scraped_prefill_scale(predictor, entry.ws.kv_block_size, *prefill))
+        predictions = predict_all(predictor, loads, len(keys), tracking, entry.calibration.factors)
         key = prefix_key(keys)
         share = entry.heat.observe(key)
         choice = pick(predictions, picker, self.rng, prefix_share_pct=share)

@@ -7,6 +7,10 @@ discovered worker without one, the first model its `/v1/models` lists):
     vllm:num_requests_running, vllm:num_requests_waiting   summed over matching samples
     vllm:kv_cache_usage_perc                               averaged, clamped to 0..1
 
+and, where the worker exports them, its prefill speed so far (each summed; absent reads as 0):
+
+    vllm:request_prefill_time_seconds (_sum, _count), vllm:prompt_tokens, vllm:prefix_cache_hits
+
 Several matching samples come from one worker running several engines (vLLM's `engine` label);
 requests add up, but each engine reports the usage of its own cache, so the fraction is averaged.
 vLLM before v1 named the usage gauge `vllm:gpu_cache_usage_perc`; it is read when the other is absent.
@@ -56,6 +60,13 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_V0 = "vllm:gpu_cache_usage_perc"
 LOAD_METRICS = (RUNNING, WAITING, KV_USAGE)
+# sample name -> MetricsSample field: the counters a worker's prefill speed is read from
+PREFILL_METRICS = {
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
+    "vllm:request_prefill_time_seconds_count": "prefills",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prefix_cache_hits_total": "cached_tokens",
+}
 
 # owned_by of a /v1/models card -> engine type (display only)
 ENGINES = {
@@ -83,6 +94,11 @@ class MetricsSample:
     waiting: int = 0
     kv_usage: float = 0.0
     missing: tuple[str, ...] = ()  # load metrics with no sample for the model (read as 0)
+    # cumulative, since the worker started: PrefillSpeed reads them
+    prefill_seconds: float = 0.0  # time its requests spent prefilling
+    prefills: int = 0  # requests that prefilled
+    prompt_tokens: int = 0  # their prompt tokens
+    cached_tokens: int = 0  # of those, found in its prefix cache
 
 
 def parse_metrics(text: str, model_name: str) -> MetricsSample:
@@ -92,7 +108,7 @@ def parse_metrics(text: str, model_name: str) -> MetricsSample:
     """
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
-    wanted = (*LOAD_METRICS, KV_USAGE_V0)
+    wanted = (*LOAD_METRICS, KV_USAGE_V0, *PREFILL_METRICS)
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -109,6 +125,12 @@ def parse_metrics(text: str, model_name: str) -> MetricsSample:
         waiting=max(0, round(sums.get(WAITING, 0.0))),
         kv_usage=min(1.0, max(0.0, usage)),
         missing=tuple(n for n in LOAD_METRICS if n not in counts and not (n == KV_USAGE and usage_name in counts)),
+        prefill_seconds=max(0.0, sums.get("vllm:request_prefill_time_seconds_sum", 0.0)),
+        **{
+            field: max(0, round(sums.get(name, 0.0)))
+            for name, field in PREFILL_METRICS.items()
+            if field != "prefill_seconds"
+        },
     )
 
 
@@ -148,6 +170,11 @@ class WorkerHealth:
     waiting: int = 0
     kv_usage: float = 0.0
     missing: tuple[str, ...] = ()  # load metrics the last scrape had no sample of, for this model
+    # prefill so far (cumulative counters of the last scrape; zero where the worker exports none)
+    prefill_seconds: float = 0.0
+    prefills: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     scrape_started_at: float | None = None  # time.monotonic() when the last successful scrape began
     scraped_at: float | None = None  # time.monotonic() when it ended
     epoch: int = 0  # successful scrapes so far
@@ -331,6 +358,10 @@ class Scraper:
             waiting=sample.waiting,
             kv_usage=sample.kv_usage,
             missing=sample.missing,
+            prefill_seconds=sample.prefill_seconds,
+            prefills=sample.prefills,
+            prompt_tokens=sample.prompt_tokens,
+            cached_tokens=sample.cached_tokens,
             scrape_started_at=started,
             scraped_at=time.monotonic(),
             epoch=old.epoch + 1,

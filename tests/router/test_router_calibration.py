@@ -9,7 +9,7 @@ import random
 import pytest
 
 from kiln.router import calibration
-from kiln.router.calibration import IDENTITY, Calibration, Factors
+from kiln.router.calibration import IDENTITY, Calibration, Factors, scraped_prefill_scale
 from kiln.router.config import Picker, Predictor
 from kiln.router.picker import pick
 from kiln.router.predictor import WorkerLoad, predict, predict_all
@@ -67,6 +67,7 @@ def test_no_observations_change_nothing():
         "active": False,
         "observations": 0,
         "min_observations": calibration.MIN_OBSERVATIONS,
+        "scraped_prefill_scale": 1.0,
         "queue_scale": 1.0,
         "prefill_scale": 1.0,
         "offset_ms": 0.0,
@@ -148,3 +149,32 @@ def test_a_crowded_batch_the_coefficients_do_not_price_turns_the_pick_to_the_idl
     cal = Calibration()
     observe_hardware(cal, 300, batch_cost=-300.0)  # never below 0: more running requests never help
     assert cal.factors.batch_ms == 0.0
+
+
+def test_the_workers_scraped_prefill_speed_sets_the_prefill_scale_before_any_feedback():
+    # 10 requests of 10 blocks (16 tokens each), 2 of them cached: 8 uncached blocks each, which the
+    # coefficients price at 8 x (2.3 + 0.009 x 10) = 19.12 ms; the workers took 478 ms each
+    scale = scraped_prefill_scale(DEFAULT, 16, prefill_seconds=4.78, prefills=10, prompt_tokens=1600, cached_tokens=320)
+    assert scale == pytest.approx(25.0)
+    # too few prefills, nothing prefilled, no time: not known
+    assert scraped_prefill_scale(DEFAULT, 16, 4.78, calibration.MIN_SCRAPED_PREFILLS - 1, 1600, 320) is None
+    assert scraped_prefill_scale(DEFAULT, 16, 4.78, 10, 1600, 1600) is None
+    assert scraped_prefill_scale(DEFAULT, 16, 0.0, 10, 1600, 320) is None
+    assert scraped_prefill_scale(DEFAULT, 16, 1e6, 10, 1600, 320) == calibration.SCALE_MAX  # clamped
+    cal = Calibration()
+    cal.scraped(None)
+    assert cal.factors is IDENTITY
+    cal.scraped(scale)
+    assert cal.factors == Factors(prefill_scale=scale) and cal.view()["scraped_prefill_scale"] == scale
+    assert not cal.view()["active"]
+    # a 28-block prompt, held by a worker running one request: the coefficients send it to an idle worker
+    # to prefill cold; priced at the measured speed, the cold prefill loses to the worker holding it
+    cold, warm = WorkerLoad(0), WorkerLoad(1, running=1, cached_blocks=28)
+    assert pick(predict_all(DEFAULT, [cold, warm], 28, True), Picker(), random.Random(0)).worker_id == 0
+    assert pick(predict_all(DEFAULT, [cold, warm], 28, True, cal.factors), Picker(), random.Random(0)).worker_id == 1
+    assert predict(DEFAULT, cold, 28, True, cal.factors).prefill_ms == pytest.approx(
+        25 * predict(DEFAULT, cold, 28, True).prefill_ms
+    )
+    # the fit takes over from MIN_OBSERVATIONS on, pulled toward the scraped scale rather than 1
+    observe_hardware(cal, calibration.MIN_OBSERVATIONS, prefill_cost=25.0)
+    assert cal.view()["active"] and cal.factors.prefill_scale == pytest.approx(25.0, rel=0.1)

@@ -16,7 +16,10 @@ from tiny_models import make_hf_model
 from kiln.adapters import peft_io
 from kiln.adapters.manifest import BaseModelRef, Manifest, provenance
 from kiln.adapters.store import AdapterStore
+from kiln.router.calibration import scraped_prefill_scale
+from kiln.router.config import Predictor
 from kiln.router.proto import router_pb2
+from kiln.router.scrape import parse_metrics
 
 MODEL = "tiny-llama"
 READY_WITHIN_S = 10.0
@@ -160,3 +163,22 @@ def test_an_adapter_goes_to_the_worker_that_has_it_loaded_unless_it_is_overloade
     view = fleet.get("/api/state").json()
     assert any(w["adapters_unloaded"] == ["math"] for w in view["workers"])
     fleet.router.Feedback(router_pb2.FeedbackRequest(request_id=busy.request_id, failed=True), timeout=20)
+
+
+def test_the_router_prices_prefill_at_the_speed_the_workers_report(fleet):
+    """Before any Feedback would calibrate it, the worker set's prefill scale comes from the workers'
+    own /metrics: their prefill time against what the profile's coefficients predict for it."""
+    predictor = Predictor(attention_uncached_block_ms=20.0)  # the fleet's profile
+    messages = [{"role": "user", "content": "how fast do you prefill?"}]
+
+    def matches():
+        samples = [parse_metrics(httpx.get(w.url + "/metrics").text, MODEL) for w in fleet.workers]
+        expected = scraped_prefill_scale(predictor, 16, sum(s.prefill_seconds for s in samples),
+                                         *(sum(getattr(s, f) for s in samples)
+                                           for f in ("prefills", "prompt_tokens", "cached_tokens")))
+        assert expected is not None, samples  # the tests before sent more than enough requests
+        pick(fleet, MODEL, messages)  # (a pick reads the scrape)
+        calibration = fleet.get("/api/state").json()["worker_sets"][0]["calibration"]
+        return calibration["scraped_prefill_scale"] == pytest.approx(expected) and calibration["prefill_scale"] != 1.0
+
+    wait_until(matches, 30, "the router's prefill scale to be the workers' measured one")

@@ -215,6 +215,24 @@ def test_parse_metrics_reads_the_load_of_the_workers_model_only():
     assert unknown.missing == (RUNNING, WAITING, KV_USAGE)
 
 
+def test_parse_metrics_reads_the_prefill_counters():
+    page = (
+        "# TYPE vllm:request_prefill_time_seconds histogram\n"
+        'vllm:request_prefill_time_seconds_bucket{le="+Inf",model_name="m"} 12\n'
+        'vllm:request_prefill_time_seconds_count{model_name="m"} 12\n'
+        'vllm:request_prefill_time_seconds_sum{model_name="m"} 3.5\n'
+        'vllm:request_prefill_time_seconds_sum{model_name="other"} 99\n'
+        "# TYPE vllm:prompt_tokens counter\n"
+        'vllm:prompt_tokens_total{model_name="m"} 5000\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{model_name="m"} 1200\n'
+    )
+    sample = parse_metrics(page, "m")
+    counters = (sample.prefill_seconds, sample.prefills, sample.prompt_tokens, sample.cached_tokens)
+    assert counters == (3.5, 12, 5000, 1200)
+    assert parse_metrics(kiln_page("m", 2, 1, 0.25).decode(), "m").prefills == 0  # absent: 0
+
+
 def test_parse_metrics_edge_cases():
     legacy = 'vllm:gpu_cache_usage_perc{model_name="m"} 0.5\nvllm:num_requests_running{model_name="m"} NaN\n'
     sample = parse_metrics(legacy, "m")  # vLLM v0's usage gauge; NaN is skipped

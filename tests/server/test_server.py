@@ -227,7 +227,7 @@ def test_metrics_and_openapi(server):
                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
                  "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
                  "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
-                 "kiln:num_requests_running"):
+                 "vllm:request_prefill_time_seconds_sum", "kiln:num_requests_running"):
         assert f"{name}{{" in text and f'model_name="{MODEL}"' in text, name
     schema = httpx.get(server.url + "/schema/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/render"} <= set(schema["paths"])
