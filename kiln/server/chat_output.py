@@ -64,6 +64,109 @@ def _json_values(text: str) -> list[Any] | None:
         values.append(value)
 
 
+# ---- "required": the constrained array of calls, read while it is written ------------------------
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the JSON value that starts at text[i] ends; None if the text ends first."""
+    n = len(text)
+    if i >= n:
+        return None
+    if text[i] == '"':
+        j = i + 1
+        while j < n:
+            if text[j] == "\\":
+                j += 2
+            elif text[j] == '"':
+                return j + 1
+            else:
+                j += 1
+        return None
+    if text[i] in "[{":
+        depth, j = 0, i
+        while j < n:
+            if text[j] == '"':
+                end = _value_end(text, j)
+                if end is None:
+                    return None
+                j = end
+                continue
+            if text[j] in "[{":
+                depth += 1
+            elif text[j] in "]}":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i  # a number, true, false or null: up to what follows it
+    while j < n and text[j] not in ",]} \t\r\n":
+        j += 1
+    return j if j < n else None
+
+
+def required_calls(text: str) -> tuple[list[ToolCall], bool]:
+    """The calls of `[{"name": ..., "parameters": {...}}, ...]` written so far, each once its name is
+    read, with its arguments as the raw text written so far (a prefix of what they will be); and
+    whether the array is closed. Arguments are the model's own text, so a stream's pieces join into
+    exactly the whole response's arguments, and a call cut off by max_tokens keeps what it had."""
+    calls: list[ToolCall] = []
+    i = _skip_space(text, 0)
+    if not text.startswith("[", i):
+        return calls, False
+    i += 1
+    while True:
+        i = _skip_space(text, i)
+        if i >= len(text) or text[i] not in "{,]":
+            return calls, False
+        if text[i] == "]":
+            return calls, True
+        if text[i] == ",":
+            i += 1
+            continue
+        i, name, arguments, whole = _read_call(text, i + 1)
+        if isinstance(name, str):
+            calls.append(ToolCall(name, arguments))
+        if not whole:
+            return calls, False
+
+
+def _read_call(text: str, i: int) -> tuple[int, Any, str, bool]:
+    """One call object's members from text[i] (after its `{`): (end, name, arguments, whether it closed)."""
+    name, arguments = None, ""
+    while True:
+        i = _skip_space(text, i)
+        if i >= len(text):
+            return i, name, arguments, False
+        if text[i] == "}":
+            return i + 1, name, arguments, True
+        if text[i] == ",":
+            i += 1
+            continue
+        end = _value_end(text, i)
+        if end is None or text[i] != '"':
+            return i, name, arguments, False
+        key = json.loads(text[i:end])
+        i = _skip_space(text, end)
+        if not text.startswith(":", i):
+            return i, name, arguments, False
+        i = _skip_space(text, i + 1)
+        end = _value_end(text, i)
+        if key in ("parameters", "arguments"):
+            arguments = text[i:] if end is None else text[i:end]
+        elif key == "name" and end is not None:
+            name = json.loads(text[i:end])
+        if end is None:
+            return len(text), name, arguments, False
+        i = end
+
+
 # ---- tool-call formats: (content, calls, rest) where rest is text not read yet ----------------
 
 
@@ -171,12 +274,9 @@ class OutputReader:
         elif self.tool_mode == "named":
             out.calls = [ToolCall(self.function, rest)]
         elif self.tool_mode == "required":
-            values = _json_values(rest) if final else None
-            calls = [_call(c) for c in values[0]] if values and isinstance(values[0], list) else []
-            if final and not (calls and all(calls)):
+            out.calls, _ = required_calls(rest)
+            if final and not out.calls:  # (not one call's name came out: the text is all there is)
                 out.content = rest
-            else:
-                out.calls = calls
         else:
             out.content = rest
         return out

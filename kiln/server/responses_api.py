@@ -275,9 +275,12 @@ class OutputItems:
             part = item["content"][0]
             events += [{"type": "response.reasoning_text.done", **where, "content_index": 0, "text": part["text"]},
                        {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
-        elif item["type"] == "mcp_call":  # done once it ran (see `call_done`)
-            item["status"] = "calling"
-            return [{"type": "response.mcp_call_arguments.done", **where, "arguments": item["arguments"]}]
+        elif item["type"] == "mcp_call":
+            events.append({"type": "response.mcp_call_arguments.done", **where, "arguments": item["arguments"]})
+            if status == "completed":  # done once it ran (see `call_done`)
+                item["status"] = "calling"
+                return events
+            # (cut off by max_output_tokens: never run, it ends here)
         else:
             events.append({"type": "response.function_call_arguments.done", **where, "name": item["name"],
                            "arguments": item["arguments"]})

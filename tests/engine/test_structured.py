@@ -256,6 +256,24 @@ def test_required_and_named_calls():
     assert merged["calls"] == {0: {"name": "weather", "arguments": '{"city":"Oslo"}'}}
 
 
+def test_required_calls_stream_their_arguments_as_written_and_keep_them_when_cut_off():
+    text = '[{"name": "weather", "parameters": {"city": "O\\"slo", "days": [1, {"n": 2}], "x": -1.5}}, ' \
+           '{"name": "time", "parameters": {}}]'
+    required = OutputReader(tool_mode="required")
+    whole = [(c["function"]["name"], c["function"]["arguments"]) for c in required.message(text)["tool_calls"]]
+    assert whole == [("weather", '{"city": "O\\"slo", "days": [1, {"n": 2}], "x": -1.5}'), ("time", "{}")]
+    for pieces in (1, 3, 1000):  # every piece of the text: the calls' deltas join into the whole arguments
+        merged = stream(required, text, pieces)
+        assert [(c["name"], c["arguments"]) for c in merged["calls"].values()] == whole and not merged["content"]
+    # cut off (max_tokens): the calls whose names were written, with their arguments so far
+    for cut in range(len(text)):
+        msg = required.message(text[:cut])
+        calls = msg.get("tool_calls") or []
+        assert len(calls) <= 2 and all(whole[i][1].startswith(c["function"]["arguments"]) for i, c in enumerate(calls))
+        assert (msg["content"] is None) == bool(calls) and (calls or msg["content"] == text[:cut])
+    assert required.message(text[:text.index("parameters")])["tool_calls"][0]["function"]["arguments"] == ""
+
+
 def test_reasoning_is_split_out_whole_and_streamed():
     text = "<think>\nTwo and two.\n</think>\n\nFour."
     reader = OutputReader(reasoning=True)

@@ -109,6 +109,20 @@ def test_function_call_and_its_output_round_trip(client):
     assert "".join(deltas) == final.output[0].arguments == call.arguments
 
 
+def test_a_required_call_cut_by_max_output_tokens_ends_incomplete_with_its_arguments_so_far(client):
+    kw = dict(model=MODEL, input="Weather in Paris?", tools=[CITY], tool_choice="required",
+              parallel_tool_calls=False, temperature=0)
+    whole = client.responses.create(max_output_tokens=120, **kw)
+    [call] = whole.output
+    assert whole.status == "completed" and call.type == "function_call"
+    # (the tiny model writes a character a token: its last four close the call)
+    cut = client.responses.create(max_output_tokens=whole.usage.output_tokens - 4, **kw)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    [part] = cut.output
+    assert (part.type, part.name, part.status) == ("function_call", call.name, "incomplete")
+    assert call.arguments.startswith(part.arguments) and len(part.arguments) < len(call.arguments)
+
+
 def test_logprobs_are_included_on_request(client):
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=5, temperature=0, top_logprobs=2,
                                 include=["message.output_text.logprobs"])

@@ -101,6 +101,22 @@ def test_tool_choice_required_whole_and_streamed(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_tool_choice_required_cut_by_max_tokens_keeps_the_call_so_far(client):
+    kw = dict(tools=[WEATHER], tool_choice="required", temperature=0, parallel_tool_calls=False)
+    [call] = chat(client, **kw).choices[0].message.tool_calls
+    r = chat(client, max_tokens=14, **kw)  # the name written, the arguments begun
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    [part] = choice.message.tool_calls
+    assert part.function.name == call.function.name and call.function.arguments.startswith(part.function.arguments)
+    assert len(part.function.arguments) < len(call.function.arguments)
+    chunks = [c for c in chat(client, max_tokens=14, stream=True, **kw) if c.choices]
+    deltas = [t for c in chunks for t in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == call.function.name and len(deltas) > 1  # the arguments come in pieces
+    assert "".join(d.function.arguments or "" for d in deltas) == part.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_named_tool_choice_streams_argument_deltas(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = chat(client, tools=[WEATHER, TIME], tool_choice=named, temperature=0)
