@@ -118,7 +118,7 @@ def mesh_choice(settings: Settings, backend: dict) -> dict:
         serving = serving_mesh(settings.engine.tensor_parallel, backend["route"] if iree else None)
         training = training_mesh(settings.train.data_parallel, settings.engine.tensor_parallel)
         # Kiln's CPU kernels where a server would build them (one device, a C++ compiler)
-        cpu_kernels = settings.engine.cpu_kernels == "auto" and serving is None and kernels.compiler() is not None
+        cpu_kernels = kernels.wanted(settings.engine.cpu_kernels, iree, serving) and kernels.compiler() is not None
         attention = "xla" if iree else kernel_for(settings.engine.attention, cpu_kernels=cpu_kernels)
     except KilnError as exc:
         return {"error": str(exc)}

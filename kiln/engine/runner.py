@@ -122,8 +122,7 @@ class Runner:
                          else on_mesh(kv_sharding(cfg, mesh), replicated(mesh)))
         # Kiln's CPU kernels (decode attention, quantized products): registered before any step
         # is traced or loaded
-        self.cpu_kernels = (config.cpu_kernels == "auto" and not backend.is_iree and mesh is None
-                            and jax.default_backend() == "cpu" and kernels.enable())
+        self.cpu_kernels = kernels.wanted(config.cpu_kernels, backend.is_iree, mesh) and kernels.enable()
         # the paged attention's kernel: XLA's on IREE routes (over a mesh, Pallas's runs per device on its
         # KV heads: the steps compile under the mesh, see _compile_xla)
         self.attention = ("xla" if backend.is_iree else

@@ -57,6 +57,13 @@ _lock = threading.Lock()
 _ready: bool | None = None  # None: not tried in this process
 
 
+def wanted(setting: str, iree: bool, mesh: object | None) -> bool:
+    """Whether the kernels are for this process's steps: `[engine] cpu_kernels = auto`, XLA's CPU
+    backend (not an IREE route) and one device (a tensor-parallel mesh's steps use XLA's paths).
+    `enable()` then says whether they could be built."""
+    return setting == "auto" and not iree and mesh is None and jax.default_backend() == "cpu"
+
+
 def enable() -> bool:
     """Builds (or finds) and registers the kernels for the CPU; True once they can be used. Only the
     first call in a process does the work."""
