@@ -37,6 +37,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from kiln.router.config import Predictor
+    from kiln.router.scrape import PrefillCounters
 
 MIN_OBSERVATIONS = 20  # fitted factors apply from this many TTFT observations on
 DECAY = 0.995  # weight kept by each observation per newer one: an effective window of ~200 picks
@@ -65,20 +66,18 @@ class Factors:
 IDENTITY = Factors()
 
 
-def scraped_prefill_scale(
-    p: Predictor, block_size: int, prefill_seconds: float, prefills: int, prompt_tokens: int, cached_tokens: int
-) -> float | None:
-    """The prefill scale the workers' cumulative counters imply: their mean prefill time per request
+def scraped_prefill_scale(p: Predictor, block_size: int, c: PrefillCounters) -> float | None:
+    """The prefill scale the workers' summed counters imply: their mean prefill time per request
     against what the coefficients predict for their mean request (its uncached blocks, its prompt's
     blocks). None until they report MIN_SCRAPED_PREFILLS prefills of at least one uncached token."""
-    computed = prompt_tokens - cached_tokens
-    if prefills < MIN_SCRAPED_PREFILLS or computed <= 0 or prefill_seconds <= 0 or block_size <= 0:
+    computed = c.prompt_tokens - c.cached_tokens
+    if c.prefills < MIN_SCRAPED_PREFILLS or computed <= 0 or c.seconds <= 0 or block_size <= 0:
         return None
-    uncached, blocks = computed / prefills / block_size, prompt_tokens / prefills / block_size
+    uncached, blocks = computed / c.prefills / block_size, c.prompt_tokens / c.prefills / block_size
     predicted_ms = uncached * (p.attention_uncached_block_ms + p.attention_uncached_per_every_block_ms * blocks)
     if predicted_ms <= 0:
         return None
-    return min(SCALE_MAX, max(SCALE_MIN, 1000.0 * prefill_seconds / prefills / predicted_ms))
+    return min(SCALE_MAX, max(SCALE_MIN, 1000.0 * c.seconds / c.prefills / predicted_ms))
 
 
 class Calibration:

@@ -58,7 +58,7 @@ from kiln.router.kv_index import KVIndex
 from kiln.router.picker import PrefixFootprint, PrefixHeat, pick, prefix_key
 from kiln.router.predictor import WorkerLoad, predict_all
 from kiln.router.rollout import Rollouts
-from kiln.router.scrape import Scraper, WorkerHealth
+from kiln.router.scrape import PrefillCounters, Scraper, WorkerHealth
 from kiln.router.tokenization import Tokenization, TokenizationError
 from kiln.router.types import PickError, PickInput, PickResult, Pool, Pools, WorkerMeta
 
@@ -415,16 +415,13 @@ class RouterCore:
         picker, tracking = entry.profile.picker, entry.profile.picker.inflight_tracking
 
         loads = []
-        prefill = [0.0, 0, 0, 0]  # the eligible workers' prefill counters, summed
+        prefill = PrefillCounters()  # the eligible workers', summed
         for w in eligible:
             num = w.worker_id_num
             health = self._health(num)
             if health is not None:
                 self.inflight.settle(num, health.scrape_started_at)
-                prefill[0] += health.prefill_seconds
-                prefill[1] += health.prefills
-                prefill[2] += health.prompt_tokens
-                prefill[3] += health.cached_tokens
+                prefill += health.prefill
             cached = matched.get(num, 0)
             running, waiting = self._scraped_load(num, health)
             loads.append(
@@ -441,7 +438,7 @@ class RouterCore:
                 )
             )
         predictor = entry.profile.predictor
-        entry.calibration.scraped(scraped_prefill_scale(predictor, entry.ws.kv_block_size, *prefill))
+        entry.calibration.scraped(scraped_prefill_scale(predictor, entry.ws.kv_block_size, prefill))
         predictions = predict_all(predictor, loads, len(keys), tracking, entry.calibration.factors)
         key = prefix_key(keys)
         share = entry.heat.observe(key)

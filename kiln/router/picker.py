@@ -216,7 +216,7 @@ class PrefixFootprint:
         return self._blocks.get(worker, 0)
 
     def forget(self, worker: int) -> None:
-        """`worker` left, or its cache was cleared: its prefixes no longer count."""
+        """`worker` left: its prefixes no longer count."""
         self._recent = deque(item for item in self._recent if item[0] != worker)
         for pair in [pair for pair in self._prefixes if pair[0] == worker]:
             del self._prefixes[pair]

@@ -60,13 +60,13 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_V0 = "vllm:gpu_cache_usage_perc"
 LOAD_METRICS = (RUNNING, WAITING, KV_USAGE)
-# sample name -> MetricsSample field: the counters a worker's prefill speed is read from
-PREFILL_METRICS = {
-    "vllm:request_prefill_time_seconds_sum": "prefill_seconds",
-    "vllm:request_prefill_time_seconds_count": "prefills",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:prefix_cache_hits_total": "cached_tokens",
-}
+# the counters a worker's prefill speed is read from, in PrefillCounters' order
+PREFILL_METRICS = (
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:prompt_tokens_total",
+    "vllm:prefix_cache_hits_total",
+)
 
 # owned_by of a /v1/models card -> engine type (display only)
 ENGINES = {
@@ -87,6 +87,20 @@ class ScrapeError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillCounters:
+    """A worker's prefill since it started (cumulative; zero where it exports none of the counters)."""
+
+    seconds: float = 0.0  # time its requests spent prefilling
+    prefills: int = 0  # requests that prefilled
+    prompt_tokens: int = 0  # their prompt tokens
+    cached_tokens: int = 0  # of those, found in its prefix cache
+
+    def __add__(self, other: PrefillCounters) -> PrefillCounters:
+        return PrefillCounters(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other),
+                                                       strict=True)))
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsSample:
     """The load figures of one /metrics page, for one model."""
 
@@ -94,11 +108,7 @@ class MetricsSample:
     waiting: int = 0
     kv_usage: float = 0.0
     missing: tuple[str, ...] = ()  # load metrics with no sample for the model (read as 0)
-    # cumulative, since the worker started: PrefillSpeed reads them
-    prefill_seconds: float = 0.0  # time its requests spent prefilling
-    prefills: int = 0  # requests that prefilled
-    prompt_tokens: int = 0  # their prompt tokens
-    cached_tokens: int = 0  # of those, found in its prefix cache
+    prefill: PrefillCounters = PrefillCounters()
 
 
 def parse_metrics(text: str, model_name: str) -> MetricsSample:
@@ -125,12 +135,9 @@ def parse_metrics(text: str, model_name: str) -> MetricsSample:
         waiting=max(0, round(sums.get(WAITING, 0.0))),
         kv_usage=min(1.0, max(0.0, usage)),
         missing=tuple(n for n in LOAD_METRICS if n not in counts and not (n == KV_USAGE and usage_name in counts)),
-        prefill_seconds=max(0.0, sums.get("vllm:request_prefill_time_seconds_sum", 0.0)),
-        **{
-            field: max(0, round(sums.get(name, 0.0)))
-            for name, field in PREFILL_METRICS.items()
-            if field != "prefill_seconds"
-        },
+        prefill=PrefillCounters(
+            max(0.0, sums.get(PREFILL_METRICS[0], 0.0)), *(max(0, round(sums.get(n, 0.0))) for n in PREFILL_METRICS[1:])
+        ),
     )
 
 
@@ -170,11 +177,7 @@ class WorkerHealth:
     waiting: int = 0
     kv_usage: float = 0.0
     missing: tuple[str, ...] = ()  # load metrics the last scrape had no sample of, for this model
-    # prefill so far (cumulative counters of the last scrape; zero where the worker exports none)
-    prefill_seconds: float = 0.0
-    prefills: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+    prefill: PrefillCounters = PrefillCounters()  # of the last scrape
     scrape_started_at: float | None = None  # time.monotonic() when the last successful scrape began
     scraped_at: float | None = None  # time.monotonic() when it ended
     epoch: int = 0  # successful scrapes so far
@@ -358,10 +361,7 @@ class Scraper:
             waiting=sample.waiting,
             kv_usage=sample.kv_usage,
             missing=sample.missing,
-            prefill_seconds=sample.prefill_seconds,
-            prefills=sample.prefills,
-            prompt_tokens=sample.prompt_tokens,
-            cached_tokens=sample.cached_tokens,
+            prefill=sample.prefill,
             scrape_started_at=started,
             scraped_at=time.monotonic(),
             epoch=old.epoch + 1,

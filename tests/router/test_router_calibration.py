@@ -13,6 +13,7 @@ from kiln.router.calibration import IDENTITY, Calibration, Factors, scraped_pref
 from kiln.router.config import Picker, Predictor
 from kiln.router.picker import pick
 from kiln.router.predictor import WorkerLoad, predict, predict_all
+from kiln.router.scrape import PrefillCounters
 
 PROMPT = 400  # blocks: a long shared prefix
 DEFAULT = Predictor()
@@ -154,13 +155,15 @@ def test_a_crowded_batch_the_coefficients_do_not_price_turns_the_pick_to_the_idl
 def test_the_workers_scraped_prefill_speed_sets_the_prefill_scale_before_any_feedback():
     # 10 requests of 10 blocks (16 tokens each), 2 of them cached: 8 uncached blocks each, which the
     # coefficients price at 8 x (2.3 + 0.009 x 10) = 19.12 ms; the workers took 478 ms each
-    scale = scraped_prefill_scale(DEFAULT, 16, prefill_seconds=4.78, prefills=10, prompt_tokens=1600, cached_tokens=320)
+    measured = PrefillCounters(seconds=4.78, prefills=10, prompt_tokens=1600, cached_tokens=320)
+    scale = scraped_prefill_scale(DEFAULT, 16, measured)
     assert scale == pytest.approx(25.0)
     # too few prefills, nothing prefilled, no time: not known
-    assert scraped_prefill_scale(DEFAULT, 16, 4.78, calibration.MIN_SCRAPED_PREFILLS - 1, 1600, 320) is None
-    assert scraped_prefill_scale(DEFAULT, 16, 4.78, 10, 1600, 1600) is None
-    assert scraped_prefill_scale(DEFAULT, 16, 0.0, 10, 1600, 320) is None
-    assert scraped_prefill_scale(DEFAULT, 16, 1e6, 10, 1600, 320) == calibration.SCALE_MAX  # clamped
+    few = PrefillCounters(4.78, calibration.MIN_SCRAPED_PREFILLS - 1, 1600, 320)
+    assert scraped_prefill_scale(DEFAULT, 16, few) is None
+    assert scraped_prefill_scale(DEFAULT, 16, PrefillCounters(4.78, 10, 1600, 1600)) is None
+    assert scraped_prefill_scale(DEFAULT, 16, PrefillCounters(0.0, 10, 1600, 320)) is None
+    assert scraped_prefill_scale(DEFAULT, 16, PrefillCounters(1e6, 10, 1600, 320)) == calibration.SCALE_MAX  # clamped
     cal = Calibration()
     cal.scraped(None)
     assert cal.factors is IDENTITY

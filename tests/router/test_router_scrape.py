@@ -228,9 +228,10 @@ def test_parse_metrics_reads_the_prefill_counters():
         'vllm:prefix_cache_hits_total{model_name="m"} 1200\n'
     )
     sample = parse_metrics(page, "m")
-    counters = (sample.prefill_seconds, sample.prefills, sample.prompt_tokens, sample.cached_tokens)
+    counters = (sample.prefill.seconds, sample.prefill.prefills, sample.prefill.prompt_tokens,
+                sample.prefill.cached_tokens)
     assert counters == (3.5, 12, 5000, 1200)
-    assert parse_metrics(kiln_page("m", 2, 1, 0.25).decode(), "m").prefills == 0  # absent: 0
+    assert parse_metrics(kiln_page("m", 2, 1, 0.25).decode(), "m").prefill.prefills == 0  # absent: 0
 
 
 def test_parse_metrics_edge_cases():
