@@ -111,22 +111,20 @@ def _value_end(text: str, i: int) -> int | None:
     return j if j < n else None
 
 
-def required_calls(text: str) -> tuple[list[ToolCall], bool]:
+def required_calls(text: str) -> list[ToolCall]:
     """The calls of `[{"name": ..., "parameters": {...}}, ...]` written so far, each once its name is
-    read, with its arguments as the raw text written so far (a prefix of what they will be); and
-    whether the array is closed. Arguments are the model's own text, so a stream's pieces join into
-    exactly the whole response's arguments, and a call cut off by max_tokens keeps what it had."""
+    read, with its arguments as the raw text written so far (a prefix of what they will be).
+    Arguments are the model's own text, so a stream's pieces join into exactly the whole response's
+    arguments, and a call cut off by max_tokens keeps what it had."""
     calls: list[ToolCall] = []
     i = _skip_space(text, 0)
     if not text.startswith("[", i):
-        return calls, False
+        return calls
     i += 1
     while True:
         i = _skip_space(text, i)
-        if i >= len(text) or text[i] not in "{,]":
-            return calls, False
-        if text[i] == "]":
-            return calls, True
+        if i >= len(text) or text[i] not in "{,":  # (the end of the text, or of the array)
+            return calls
         if text[i] == ",":
             i += 1
             continue
@@ -134,7 +132,7 @@ def required_calls(text: str) -> tuple[list[ToolCall], bool]:
         if isinstance(name, str):
             calls.append(ToolCall(name, arguments))
         if not whole:
-            return calls, False
+            return calls
 
 
 def _read_call(text: str, i: int) -> tuple[int, Any, str, bool]:
@@ -274,7 +272,7 @@ class OutputReader:
         elif self.tool_mode == "named":
             out.calls = [ToolCall(self.function, rest)]
         elif self.tool_mode == "required":
-            out.calls, _ = required_calls(rest)
+            out.calls = required_calls(rest)
             if final and not out.calls:  # (not one call's name came out: the text is all there is)
                 out.content = rest
         else:
