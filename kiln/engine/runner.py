@@ -623,7 +623,7 @@ class Runner:
         if feed is not None:
             return feed
         if self._empty_feed is None:
-            self._empty_feed = jnp.zeros(self.layout.feed_rows, jnp.int32)
+            self._empty_feed = jax.device_put(np.zeros(self.layout.feed_rows, np.int32))
         return self._empty_feed
 
     def run_forward(self, bucket: StepBucket, forward: Callable, host: tuple, feed: jax.Array | None) -> tuple:

@@ -9,7 +9,6 @@ count, so a step whose rows use none of them copies nothing).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kiln.engine.buckets import StepBucket
@@ -63,7 +62,8 @@ class StepLayout:
                     "adjust_values": np.zeros((rows, self.adjust_width), np.float32),
                     "history": np.full((rows, self.history_len), V, np.int32),
                     "allowed": np.full((rows, (V + 31) // 32), -1, np.int32)}
-            idle = self._idle[rows] = {k: jnp.asarray(v) for k, v in idle.items()}
+            # device_put copies; jnp.asarray would build (and keep) a small executable per shape
+            idle = self._idle[rows] = {k: jax.device_put(v) for k, v in idle.items()}
         return idle
 
     def sampling_arrays(self, rows: Rows, R: int) -> RowSampling:

@@ -281,9 +281,9 @@ class SlicedStep:
         executables and the batch's per-position chunks."""
         G = plan.group
         B, S = batch.tokens.shape
-        tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+        tokens, valid = jax.device_put((batch.tokens, batch.valid))
         padded = _padded(batch, plan.chunk)
-        chunks = [jax.tree.map(jnp.asarray, _cut(padded, at, plan.chunk))
+        chunks = [jax.device_put(_cut(padded, at, plan.chunk))
                   for at in range(0, len(padded.loss_index), plan.chunk)]
         top = {k: v for k, v in params.items() if k != "layers"}
         first_layers = params["layers"] if isinstance(params["layers"], dict) else params["layers"][:G]
@@ -315,7 +315,7 @@ class SlicedStep:
         exe, chunks = self.prepare(params, lora, batch, plan)
         L, G = self.cfg.num_layers, plan.group
         B, S = batch.tokens.shape
-        tokens, valid = jnp.asarray(batch.tokens), jnp.asarray(batch.valid)
+        tokens, valid = jax.device_put((batch.tokens, batch.valid))
         starts = list(range(0, L, G))
         top = {k: v for k, v in params.items() if k != "layers"}
         stacked = isinstance(params["layers"], dict)
