@@ -75,6 +75,13 @@ def finish_prewarm(state: ServerState, warming: concurrent.futures.Future | None
     done = warming.result()
     state.prewarm = "done"
     state.step_set = done
+    if done["built"]:
+        import jax
+
+        # tracing and lowering the steps left their jaxprs and MLIR modules in JAX's caches (some 60 MiB
+        # for the default model), which nothing reads again: the engine holds the executables themselves.
+        # Dropped here, in the server's own process only, so a library user's compiled functions stay.
+        jax.clear_caches()
     log.info("step set ready: %d executables in %.1fs (%d built, %d loaded from disk, %d refused by a correctness "
              "gate, %d LoRA steps left for the first adapter; %d memory mappings); %d steps primed in %.1fs",
              done["executables"], done["seconds"], done["built"], done["loaded"], done["refused_by_gate"],
