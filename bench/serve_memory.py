@@ -9,7 +9,8 @@ bytes (`/v1/config` kv_pool.resident_bytes: the blocks requests wrote) and its b
 GGUF file's size plus that KV. The peer: llama-cpp-python (`--peer-python`, an interpreter that
 has it; 2 threads, the same chats through its chat completion, then the same timed stream), in
 its own process, measured the same way. Then each server's memory in parts: the runtime before
-any model, the weights as loaded, the KV written, and the rest.
+any model, the weights as loaded, the KV written, the step executables (what loading the step
+set adds), and the rest.
 
     python bench/serve_memory.py [--quantization none,int8] [--requests 4] [--new-tokens 128]
                                  [--peer-python /path/to/python]
@@ -50,17 +51,30 @@ print(json.dumps({"rss_ready": ready, "rss_after": rss(), "tokens": len(stamps),
 
 
 # the parts of a server's memory that a process can name: the runtime (Python, JAX's CPU backend and
-# the server's modules, before any model) and the weights as loaded (their arrays' bytes)
+# the server's modules, before any model), the weights as loaded (their arrays' bytes), and the step
+# executables (what loading the server's step set adds, with the freed heap handed back before each
+# reading: XLA:CPU keeps every kernel of a loaded executable as an object of its own)
 PARTS = r"""
-import json, sys
+import json, os, sys
+os.environ["KILN_MODEL_QUANTIZATION"] = sys.argv[1]
 def rss():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS"))
 import jax, uvicorn, kiln.cli, kiln.server.app, kiln.engine.core
+from kiln.config import resolve_settings
+from kiln.engine.host_memory import trim_heap
+from kiln.engine.setup import build_engine
+from kiln.engine.warmup import build_step_set
 jax.devices()
 runtime = rss()
-from kiln.models.loader import load_model
-model = load_model(None, quantization=sys.argv[1], show_progress=False)
-print(json.dumps({"runtime": runtime, "weights": sum(x.nbytes for x in jax.tree.leaves(model.params))}))
+engine = build_engine(resolve_settings(), show_progress=False)
+runner = engine._core.runner
+trim_heap()
+before = rss()
+done = engine.at_boundary(lambda: build_step_set(runner, show_progress=False, defer_lora=True)).result()
+trim_heap()
+print(json.dumps({"runtime": runtime, "weights": sum(x.nbytes for x in jax.tree.leaves(runner.params)),
+                  "executables": rss() - before, "count": done["executables"]}))
+engine.shutdown()
 """
 
 
@@ -142,16 +156,17 @@ def main() -> None:
             print(f"{name}: KV pool {r['kv_budget'] / MiB:.0f} MiB budgeted ({r['kv_reason']}), "
                   f"{r['kv_resident'] / MiB:.1f} MiB of it resident")
     print("\nwhere a server's memory goes (RSS after the requests): the runtime is a process with Python, JAX's CPU "
-          "backend and the server's modules imported, no model; the weights, their arrays' bytes as loaded; the rest: "
-          "compiled steps, buffers, the heap")
-    print(f"{'server':<22} | {'runtime':>8} | {'weights':>8} | {'KV written':>10} | {'the rest':>8} | "
-          f"{'RSS after':>9} | {'(RSS - runtime) / (file + KV)':>29}")
+          "backend and the server's modules imported, no model; the weights, their arrays' bytes as loaded; the step "
+          "executables, what loading the step set adds; the rest: the server's own state, step buffers, the heap")
+    print(f"{'server':<22} | {'runtime':>8} | {'weights':>8} | {'KV written':>10} | {'executables':>15} | "
+          f"{'the rest':>8} | {'RSS after':>9} | {'(RSS - runtime) / (file + KV)':>29}")
     for q in args.quantization.split(","):
         r, p = rows[f"kiln {q}"], parts_of(q)
         kv = r["kv_resident"] or 0
-        rest = r["rss_after"] - p["runtime"] - p["weights"] - kv
+        rest = r["rss_after"] - p["runtime"] - p["weights"] - kv - p["executables"]
+        steps = f"{p['executables'] / MiB:.0f}Mi ({p['count']})"
         print(f"{'kiln ' + q:<22} | {p['runtime'] / MiB:>6.0f}Mi | {p['weights'] / MiB:>6.0f}Mi | {kv / MiB:>8.1f}Mi | "
-              f"{rest / MiB:>6.0f}Mi | {r['rss_after'] / MiB:>7.0f}Mi | "
+              f"{steps:>15} | {rest / MiB:>6.0f}Mi | {r['rss_after'] / MiB:>7.0f}Mi | "
               f"{(r['rss_after'] - p['runtime']) / (file_bytes + kv):>28.2f}x")
 
 
