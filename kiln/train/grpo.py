@@ -162,7 +162,7 @@ def rollout_batches(rollouts: Sequence[Rollout], advantages: np.ndarray, config:
     token_mask = np.concatenate([np.full(len(r.completion_ids), 0.0 if (
         r.truncated and config.mask_truncated_completions) else 1.0, np.float32) *
         (1.0 if r.loss_mask is None else r.loss_mask) for r in rollouts])
-    weights = np.asarray(losses.sequence_loss_weights(jnp.asarray(token_mask), jnp.asarray(token_seq), n,
+    weights = np.asarray(losses.sequence_loss_weights(token_mask, token_seq, n,
                                                       config.loss_type, config.max_completion_tokens))
     offsets = np.concatenate([[0], np.cumsum([len(r.completion_ids) for r in rollouts])])
     rows = config.micro_batch_rows
@@ -416,7 +416,7 @@ class GRPORun(LoraRun):
         c = self.config
         rollouts = [r for g in groups for r in g]
         rewards = np.array([[r.reward for r in g] for g in groups], np.float32)
-        advantages = np.asarray(losses.group_advantages(jnp.asarray(rewards), c.scale_rewards)).reshape(-1)
+        advantages = losses.group_advantages(rewards, c.scale_rewards).reshape(-1)
         turns = Turns.of(ownership)
         batches = self.micro_batches(rollouts, advantages, turns.shared)
         batches, extra = self._with_logprobs(batches, turns.write)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -59,32 +60,36 @@ def truncated_importance_weights(logprobs: jax.Array, sampler_logprobs: jax.Arra
     return jax.lax.stop_gradient(jnp.minimum(jnp.exp(logprobs - sampler_logprobs), cap))
 
 
-def group_advantages(rewards: jax.Array, scale: str = "group", eps: float = 1e-4) -> jax.Array:
+def group_advantages(rewards: np.ndarray, scale: str = "group", eps: float = 1e-4) -> np.ndarray:
     """GRPO advantages of rewards [prompts, G]: each reward minus its group's mean, divided by
-    the group's standard deviation ("group"), the whole batch's ("batch"), or nothing ("none")."""
-    centred = rewards - jnp.mean(rewards, axis=-1, keepdims=True)
+    the group's standard deviation ("group"), the whole batch's ("batch"), or nothing ("none").
+    On the host, in NumPy, as `sequence_loss_weights`."""
+    rewards = np.asarray(rewards, np.float32)
+    centred = rewards - rewards.mean(axis=-1, keepdims=True)
     if scale == "group":
-        return centred / (jnp.std(rewards, axis=-1, keepdims=True, ddof=1) + eps)
+        return centred / (rewards.std(axis=-1, keepdims=True, ddof=1) + eps)
     if scale == "batch":
-        return centred / (jnp.std(rewards, ddof=1) + eps)
+        return centred / (rewards.std(ddof=1) + eps)
     if scale == "none":
         return centred
     raise ValueError(f"unknown scale_rewards {scale!r} (group, batch or none)")
 
 
-def sequence_loss_weights(mask: jax.Array, sequence: jax.Array, num_sequences: int, loss_type: str,
-                          max_completion_tokens: int) -> jax.Array:
+def sequence_loss_weights(mask: np.ndarray, sequence: np.ndarray, num_sequences: int, loss_type: str,
+                          max_completion_tokens: int) -> np.ndarray:
     """Per-token weights that turn a policy loss's per-token terms into the batch loss by a plain
     sum, so micro-batches of one generation batch add up to the same loss:
     "dapo" (and "bnpo"): a mean over all the batch's completion tokens; "grpo": each sequence's
     token mean, averaged over sequences; "dr_grpo": a sum divided by sequences x the maximum
     completion length (no length bias). mask, sequence: per token (sequence: its sequence's
-    index among `num_sequences`)."""
+    index among `num_sequences`). On the host, in NumPy: every generation batch has a new token
+    count, and JAX would compile (and keep) each eager operation anew for it."""
+    mask, sequence = np.asarray(mask, np.float32), np.asarray(sequence)
     if loss_type in ("dapo", "bnpo"):
-        return mask / jnp.maximum(jnp.sum(mask), 1.0)
+        return mask / max(float(mask.sum()), 1.0)
     if loss_type == "grpo":
-        lengths = jnp.zeros(num_sequences, mask.dtype).at[sequence].add(mask)
-        return mask / (jnp.maximum(lengths[sequence], 1.0) * num_sequences)
+        lengths = np.bincount(sequence, weights=mask, minlength=num_sequences).astype(np.float32)
+        return mask / (np.maximum(lengths[sequence], 1.0) * num_sequences)
     if loss_type == "dr_grpo":
         return mask / (num_sequences * max_completion_tokens)
     raise ValueError(f"unknown loss_type {loss_type!r} (grpo, dr_grpo, dapo or bnpo)")
