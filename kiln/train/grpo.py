@@ -162,8 +162,7 @@ def rollout_batches(rollouts: Sequence[Rollout], advantages: np.ndarray, config:
     token_mask = np.concatenate([np.full(len(r.completion_ids), 0.0 if (
         r.truncated and config.mask_truncated_completions) else 1.0, np.float32) *
         (1.0 if r.loss_mask is None else r.loss_mask) for r in rollouts])
-    weights = np.asarray(losses.sequence_loss_weights(token_mask, token_seq, n,
-                                                      config.loss_type, config.max_completion_tokens))
+    weights = losses.sequence_loss_weights(token_mask, token_seq, n, config.loss_type, config.max_completion_tokens)
     offsets = np.concatenate([[0], np.cumsum([len(r.completion_ids) for r in rollouts])])
     rows = config.micro_batch_rows
     out = []

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import random_prompts
 
+from kiln.engine.steps import COUNTER
 from kiln.train import losses
 from kiln.train.grpo import GRPOConfig, GRPORun, Rollout, rollout_batches
 
@@ -51,23 +52,14 @@ def test_micro_batches_add_up_to_the_generation_batch():
 def test_a_generation_batch_of_new_lengths_compiles_nothing_on_the_host():
     # every generation batch has its own token count: host-side weights and advantages computed with
     # JAX's eager operations compiled (and kept) each operation anew for it, 0.8 s and ~19 MiB a batch
-    compiles = []
-
-    def on_duration(event, secs, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)
-    try:
-        for loss_type in ("grpo", "dapo", "dr_grpo"):
-            for n in (3, 4):
-                rollouts = [Rollout([5, 6, 7], [8] * (n + 2 * i + 1), [-1.0] * (n + 2 * i + 1), False, float(i))
-                            for i in range(n)]
-                adv = losses.group_advantages(np.array([[r.reward for r in rollouts]], np.float32)).reshape(-1)
-                rollout_batches(rollouts, adv, GRPOConfig(micro_batch_rows=8, loss_type=loss_type, lora_rank=8))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on_duration)
-    assert compiles == []
+    builds = COUNTER.builds
+    for loss_type in ("grpo", "dapo", "dr_grpo"):
+        for n in (3, 4):
+            rollouts = [Rollout([5, 6, 7], [8] * (n + 2 * i + 1), [-1.0] * (n + 2 * i + 1), False, float(i))
+                        for i in range(n)]
+            adv = losses.group_advantages(np.array([[r.reward for r in rollouts]], np.float32)).reshape(-1)
+            rollout_batches(rollouts, adv, GRPOConfig(micro_batch_rows=8, loss_type=loss_type, lora_rank=8))
+    assert COUNTER.builds == builds
 
 
 def test_engine_logprobs_of_sampled_tokens_equal_the_trainers(policy_engine):
