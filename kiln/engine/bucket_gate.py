@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kiln.engine.faults import as_device_lost, first_line, is_device_loss
@@ -123,7 +122,7 @@ def measure_bucket(runner: GatedRunner, bucket: StepBucket, executable, lora) ->
     # LoRA slots as zeros of their shapes: the slot state belongs to the engine thread
     lora = None if lora is None else jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), lora)
     static = {"cfg": runner.cfg, "prompt_logprobs": False}
-    want_logits, _, want_kv = forward_step(runner.params, KVCache(*map(jnp.asarray, compact_kv)), compact_inputs,
+    want_logits, _, want_kv = forward_step(runner.params, KVCache(*jax.device_put(compact_kv)), compact_inputs,
                                            last_index, targets, lora, None, **static)
     want = (np.asarray(want_logits), [np.asarray(x)[:, :, 1:] for x in want_kv])
     result = {"rows": len(rows), "tokens_equal": True, "max_logprob_error": 0.0, "max_k_error": 0.0,

@@ -312,7 +312,7 @@ class Runner:
         if self.mirror is not None:  # (fine-tuning jobs, which resize, are refused over several processes)
             raise RuntimeError("a KV pool spread over several processes is not resized")
         if self.backend.is_iree:  # resized with XLA on the host; the next step uploads it again
-            self.kv = KVCache(*(jnp.asarray(self.backend.device.to_host(x)) for x in self.kv))
+            self.kv = KVCache(*jax.device_put([self.backend.device.to_host(x) for x in self.kv]))
 
         def resized(x: jax.Array) -> jax.Array:
             if moves:
