@@ -193,4 +193,7 @@ def _elector(config: RouterConfig, client: AsyncClient) -> LeaderElector:
 
 
 def run(config: RouterConfig) -> int:
+    # httpx logs every request at INFO: a line per worker scrape (several a second) and per render;
+    # the scraper logs a worker's failures itself, once per change of state
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     return asyncio.run(serve(config))

@@ -239,9 +239,34 @@ def test_parse_metrics_edge_cases():
     sample = parse_metrics(legacy, "m")  # vLLM v0's usage gauge; NaN is skipped
     assert (sample.running, sample.kv_usage, sample.missing) == (0, 0.5, (RUNNING, WAITING))
     assert parse_metrics('vllm:kv_cache_usage_perc{model_name="m"} 3.5\n', "m").kv_usage == 1.0  # clamped
-    for garbage in ("<html><body>hi</body></html>", "garbage here", '{"error": "x"}', 'a{model_name="m" 1'):
+    for garbage in ("<html><body>hi</body></html>", "garbage here", '{"error": "x"}', 'a{model_name="m" 1', "a1",
+                    'vllm:num_requests_running{model_name="m"} 1\n<html>'):  # a bad line after good ones
         with pytest.raises(ScrapeError, match="unparseable"):
             parse_metrics(garbage, "m")
+
+
+def test_parse_metrics_reads_every_spelling_of_the_text_format_among_a_workers_histograms():
+    """Only the gauges and counters it reads go through the full parser; the rest of a page (a Kiln
+    worker's histograms here, most of its lines) is checked for the format's shape only."""
+    from types import SimpleNamespace
+
+    from kiln.engine.metrics import EngineMetrics
+
+    engine = EngineMetrics("m")
+    for prefill_s in (0.5, 1.5):
+        engine.record_finished(SimpleNamespace(metrics={"ttft_s": prefill_s + 0.1, "prefill_s": prefill_s,
+                                                        "decode_s": 0.3, "e2e_s": 2.0}, usage={"completion_tokens": 4},
+                                               finish_reason="stop"))
+    page = engine.render().decode() + (
+        'vllm:num_requests_running {model_name="m"} 2 1700000000000\n'  # a space before the labels, a timestamp
+        'vllm:num_requests_running{note="a} \\"b\\"",model_name="m",} 3\n'  # a brace and quotes in a value
+        '  vllm:num_requests_waiting{model_name="m"}4\n'  # indented, no space before the value
+        'vllm:kv_cache_usage_perc{model_name="m"} 5e-1\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} +Inf\n'  # not finite: skipped
+    )
+    sample = parse_metrics(page, "m")
+    assert (sample.running, sample.waiting, sample.kv_usage, sample.missing) == (5, 4, 0.5, ())
+    assert (sample.prefill.seconds, sample.prefill.prefills) == (2.0, 2)
 
 
 def test_detect_engine():
