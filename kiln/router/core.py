@@ -415,13 +415,13 @@ class RouterCore:
         picker, tracking = entry.profile.picker, entry.profile.picker.inflight_tracking
 
         loads = []
-        prefill = PrefillCounters()  # the eligible workers', summed
+        prefills = []  # the eligible workers' counters
         for w in eligible:
             num = w.worker_id_num
             health = self._health(num)
             if health is not None:
                 self.inflight.settle(num, health.scrape_started_at)
-                prefill += health.prefill
+                prefills.append(health.prefill)
             cached = matched.get(num, 0)
             running, waiting = self._scraped_load(num, health)
             loads.append(
@@ -438,7 +438,8 @@ class RouterCore:
                 )
             )
         predictor = entry.profile.predictor
-        entry.calibration.scraped(scraped_prefill_scale(predictor, entry.ws.kv_block_size, prefill))
+        entry.calibration.scraped(scraped_prefill_scale(predictor, entry.ws.kv_block_size,
+                                                             PrefillCounters.total(prefills)))
         predictions = predict_all(predictor, loads, len(keys), tracking, entry.calibration.factors)
         key = prefix_key(keys)
         share = entry.heat.observe(key)

@@ -96,9 +96,16 @@ class PrefillCounters:
     prompt_tokens: int = 0  # their prompt tokens
     cached_tokens: int = 0  # of those, found in its prefix cache
 
-    def __add__(self, other: PrefillCounters) -> PrefillCounters:
-        return PrefillCounters(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other),
-                                                       strict=True)))
+    @staticmethod
+    def total(counters: Iterable[PrefillCounters]) -> PrefillCounters:
+        """The counters summed (a pick sums every eligible worker's: one object, not one per addition)."""
+        seconds = prefills = prompt_tokens = cached_tokens = 0
+        for c in counters:
+            seconds += c.seconds
+            prefills += c.prefills
+            prompt_tokens += c.prompt_tokens
+            cached_tokens += c.cached_tokens
+        return PrefillCounters(float(seconds), prefills, prompt_tokens, cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)

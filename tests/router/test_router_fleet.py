@@ -173,7 +173,7 @@ def test_the_router_prices_prefill_at_the_speed_the_workers_report(fleet):
 
     def matches():
         samples = [parse_metrics(httpx.get(w.url + "/metrics").text, MODEL) for w in fleet.workers]
-        expected = scraped_prefill_scale(predictor, 16, sum((s.prefill for s in samples), PrefillCounters()))
+        expected = scraped_prefill_scale(predictor, 16, PrefillCounters.total(s.prefill for s in samples))
         assert expected is not None, samples  # the tests before sent more than enough requests
         pick(fleet, MODEL, messages)  # (a pick reads the scrape)
         calibration = fleet.get("/api/state").json()["worker_sets"][0]["calibration"]
